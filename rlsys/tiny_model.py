@@ -1,0 +1,99 @@
+"""Build a tiny random-init Qwen2 model and a character-level tokenizer into a local directory.
+
+Nothing here touches a model hub: the tokenizer is built with the `tokenizers` library and the
+model from a `Qwen2Config`, then both are saved in the Hugging Face format that SGLang and
+transformers load from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+# Every printable ASCII character except the ones that tokenizers treat specially in vocab files.
+CHARACTERS = list(string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/=?:>,.()[]")
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Architecture of the tiny model; defaults give ~0.3 M parameters."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 512
+    seed: int = 0
+
+
+def build_tokenizer():
+    """A character-level tokenizer: every character is one token; decoding concatenates."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def load_tokenizer(model_dir: str | Path):
+    """Load the tokenizer saved beside a model.
+
+    `PreTrainedTokenizerFast` is used on purpose: `AutoTokenizer` in transformers 5 may rebuild a
+    Qwen2 BPE tokenizer from the model type and ignore the saved `tokenizer.json`.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    if config.get("tokenizer_class") == "PreTrainedTokenizerFast":
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a tokenizer and a random-init Qwen2ForCausalLM (fp32, untied head) to `out_dir`."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(str(out_dir))
+    # Make the tokenizer class explicit so every loader (SGLang's included) takes tokenizer.json.
+    config_path = out_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2))
+
+    # Exactly the tokenizer's size: an unused id could be sampled and would decode to nothing.
+    vocab_size = len(tokenizer)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(str(out_dir))
+    return out_dir

@@ -1,0 +1,71 @@
+"""rlsys CPU compatibility layer for the SGLang server, loaded only on machines without a GPU.
+
+`rollout.server` puts this directory first on the SGLang server's PYTHONPATH when no CUDA
+device is present; Python then imports this file at start-up in every server process. It does
+exactly two things, both needed to run the real SGLang server with `--device cpu`:
+
+1. `sgl_kernel` (SGLang's compiled kernel package) is CUDA-only and cannot be imported without
+   libcuda. On a CPU without AMX, SGLang's CPU path uses plain torch layers and never calls those
+   kernels, but modules import their names. We install an import hook that provides a top-level
+   `sgl_kernel` stand-in whose every attribute is a function raising a clear error if it is ever
+   called. Its submodules stay absent (ImportError), so SGLang's own fallbacks for them apply.
+2. `torch.cuda.synchronize()` is called by `/release_memory_occupation` through the device
+   module and dies on a CUDA build of torch without a driver. With no GPU there is nothing to
+   synchronise, so it becomes a no-op.
+"""
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+_STANDIN_ROOT = "sgl_kernel"
+
+
+def _raise_not_available(qualified_name):
+    def _kernel(*args, **kwargs):
+        raise RuntimeError(
+            f"{qualified_name} is a CUDA kernel from sgl_kernel and was called on a machine "
+            "without a GPU; rlsys's CPU compatibility layer (rollout/cpu_compat) provides only "
+            "a stand-in. Run on a GPU or report which SGLang code path called it."
+        )
+
+    _kernel.__name__ = qualified_name.rsplit(".", 1)[-1]
+    return _kernel
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _raise_not_available(f"{self.__name__}.{name}")
+
+
+class _StandInLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        module = _StandInModule(spec.name)
+        module.__version__ = "0.0.0+rlsys-cpu-standin"
+        return module
+
+    def exec_module(self, module):
+        return None
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == _STANDIN_ROOT:
+            return importlib.machinery.ModuleSpec(fullname, _StandInLoader())
+        return None
+
+
+def _install():
+    sys.meta_path.insert(0, _StandInFinder())
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+_install()

@@ -1,0 +1,163 @@
+"""Launch and stop a real `sglang.launch_server` process.
+
+The CPU compatibility layer (rollout/cpu_compat) is put on the server's path here, and only when
+the backend has no GPU; everything else is the same command a GPU run uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weight_sync.http import EngineHTTPError, get_json
+from weight_sync.backend import Backend
+
+CPU_COMPAT_SITE = Path(__file__).resolve().parent / "cpu_compat" / "site"
+
+
+@dataclass
+class ServerSpec:
+    """Everything needed to start one SGLang server."""
+
+    model_path: str
+    dtype: str = "float32"
+    tp_size: int = 1
+    mem_fraction_static: float = 0.3
+    max_total_tokens: int = 16384
+    context_length: int = 512
+    skip_tokenizer_init: bool = False
+    random_seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # If the engine actor is killed, the server gets SIGTERM and tears down its own children.
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.setsid()
+
+
+def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> list[str]:
+    command = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", spec.model_path,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", spec.dtype,  # always explicit: `auto` gave an fp16 KV cache on fp32 weights
+        "--tp-size", str(spec.tp_size),
+        "--mem-fraction-static", str(spec.mem_fraction_static),
+        "--max-total-tokens", str(spec.max_total_tokens),
+        "--context-length", str(spec.context_length),
+        "--random-seed", str(spec.random_seed),
+        "--skip-server-warmup",
+        "--weight-version", "0",
+    ]
+    if spec.skip_tokenizer_init:
+        command.append("--skip-tokenizer-init")
+    if not backend.has_gpu:
+        # Without --sleep-on-idle the idle CPU scheduler spins a core at 100%.
+        command += [
+            "--device", "cpu",
+            "--attention-backend", "torch_native",
+            "--disable-cuda-graph",
+            "--sleep-on-idle",
+        ]
+    return command + list(spec.extra_args)
+
+
+def build_env(backend: Backend) -> dict[str, str]:
+    env = dict(os.environ)
+    if not backend.has_gpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"  # --device cpu alone does not select the CPU path
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(CPU_COMPAT_SITE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
+    return env
+
+
+class SGLangServer:
+    """One `sglang.launch_server` child process, its log file, and its URL."""
+
+    def __init__(self, spec: ServerSpec, backend: Backend, log_path: Path, host: str = "127.0.0.1"):
+        self.spec = spec
+        self.backend = backend
+        self.host = host
+        self.port = find_free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.log_path = Path(log_path)
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path, "ab")
+        self._process = subprocess.Popen(
+            build_command(self.spec, self.backend, self.host, self.port),
+            env=build_env(self.backend),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+        log_file.close()
+        self._wait_healthy(timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(
+                    f"SGLang server exited with code {self._process.returncode} during start-up; "
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                get_json(f"{self.url}/model_info", timeout_s=2.0)
+                return
+            except (EngineHTTPError, OSError):
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(
+            f"SGLang server at {self.url} was not healthy after {timeout_s:.0f}s "
+            f"(rollout.engine.startup_timeout_s); last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the server and every process it started (they share its session)."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            # SIGTERM to the server alone: it tears down its scheduler and detokenizer itself.
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)  # stragglers in the group
+        except ProcessLookupError:
+            pass
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._process = None
