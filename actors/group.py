@@ -1,0 +1,65 @@
+"""`TrainerGroup`: N TrainerWorker ranks as Ray actors, driven as one trainer."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import ray
+
+from actors.batching import TrainSequence, split_evenly
+from actors.trainer import TrainerSpec, TrainerWorker
+
+
+class TrainerGroup:
+    def __init__(self, spec: TrainerSpec, num_ranks: int, actor_options: list[dict] | None = None,
+                 env_vars: dict[str, str] | None = None):
+        self.spec = spec
+        self.num_ranks = num_ranks
+        options = actor_options or [{"num_cpus": 1}] * num_ranks
+        runtime_env = {"env_vars": env_vars or {}}
+        remote_cls = ray.remote(TrainerWorker)
+        self.workers = [
+            remote_cls.options(**options[rank], runtime_env=runtime_env).remote(
+                replace(spec), rank, num_ranks
+            )
+            for rank in range(num_ranks)
+        ]
+        address, port = ray.get(self.workers[0].rendezvous_address.remote())
+        ray.get([worker.setup.remote(address, port) for worker in self.workers])
+
+    def _shares(self, sequences: list[TrainSequence]) -> list[list[TrainSequence]]:
+        return split_evenly(sequences, self.num_ranks)
+
+    def compute_log_probs(self, sequences: list[TrainSequence]) -> list[list[float]]:
+        shares = self._shares(sequences)
+        results = ray.get([w.compute_log_probs.remote(s) for w, s in zip(self.workers, shares)])
+        return [logprobs for share in results for logprobs in share]
+
+    def train_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
+        shares = self._shares(sequences)
+        results = ray.get([w.train_step.remote(s) for w, s in zip(self.workers, shares)])
+        return results[0]  # metrics are all-reduced: every rank returns the same
+
+    def sync_weights(self, engine_urls: list[str], engine_tp_size: int, bucket_bytes: int,
+                     weight_version: int) -> list[dict]:
+        """Colocated sync: rank i feeds engine i; ranks without an engine join the gathers."""
+        calls = [
+            worker.sync_weights.remote(
+                engine_urls[rank] if rank < len(engine_urls) else None,
+                engine_tp_size, bucket_bytes, weight_version,
+            )
+            for rank, worker in enumerate(self.workers)
+        ]
+        return ray.get(calls)
+
+    def full_state_dict(self) -> dict:
+        return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+        except Exception:  # noqa: BLE001 - a dead rank must not stop the others from being killed
+            pass
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []

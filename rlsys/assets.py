@@ -1,0 +1,86 @@
+"""Everything a run needs that can be checked before any actor starts: model files, tokenizer,
+prompt splits (tokenised), the reward function and the stop tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlsys.config import ConfigError, RunConfig
+from rlsys.data import PromptRecord, load_splits
+from rlsys.rewards import RewardFn, load_reward_function
+from rlsys.tiny_model import load_tokenizer
+
+
+@dataclass
+class EncodedPrompt:
+    record: PromptRecord
+    token_ids: list[int]
+
+
+@dataclass
+class RunAssets:
+    tokenizer: object
+    train: list[EncodedPrompt]
+    eval: list[EncodedPrompt]
+    reward_fn: RewardFn
+    stop_token_ids: list[int]
+    skipped_rows: int
+    too_long_prompts: int
+
+
+def _encode(tokenizer, record: PromptRecord, chat: bool) -> list[int]:
+    if chat:
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": record.prompt}], add_generation_prompt=True, tokenize=True
+        ))
+    return tokenizer(record.prompt, add_special_tokens=True)["input_ids"]
+
+
+def _stop_token_ids(config: RunConfig, tokenizer) -> list[int]:
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if config.rollout.engine.skip_tokenizer_init:
+        # Without its tokenizer the engine cannot match stop strings; single tokens still work.
+        for stop in config.rollout.stop:
+            encoded = tokenizer(stop, add_special_tokens=False)["input_ids"]
+            if len(encoded) != 1:
+                raise ConfigError(
+                    f"invalid config: rollout.stop entry {stop!r} is {len(encoded)} tokens, but with "
+                    "rollout.engine.skip_tokenizer_init the engine only stops on single tokens"
+                )
+            ids.append(encoded[0])
+    return ids
+
+
+def load_assets(config: RunConfig) -> RunAssets:
+    model_dir = Path(config.model.path)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
+            "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
+        )
+    tokenizer = load_tokenizer(model_dir)
+    reward_fn = load_reward_function(config.reward.function)
+    splits = load_splits(config.data, config.seed)
+    budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
+    if budget < 1:
+        raise ConfigError(
+            "invalid config: rollout.max_new_tokens must be below rollout.engine.context_length"
+        )
+
+    def encode_all(records: list[PromptRecord]) -> tuple[list[EncodedPrompt], int]:
+        encoded = [EncodedPrompt(r, _encode(tokenizer, r, config.data.apply_chat_template)) for r in records]
+        kept = [e for e in encoded if 0 < len(e.token_ids) <= budget]
+        return kept, len(encoded) - len(kept)
+
+    train, too_long_train = encode_all(splits.train)
+    eval_, too_long_eval = encode_all(splits.eval)
+    if not train:
+        raise ConfigError(
+            f"no training prompt fits in {budget} tokens (context_length - max_new_tokens)"
+        )
+    return RunAssets(
+        tokenizer=tokenizer, train=train, eval=eval_, reward_fn=reward_fn,
+        stop_token_ids=_stop_token_ids(config, tokenizer),
+        skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval,
+    )

@@ -1,0 +1,65 @@
+"""`rlsys` command line: train, make-tiny-model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlsys.config import ConfigError
+from rlsys.data import DatasetError
+from rlsys.rewards import RewardFunctionError
+
+# Errors that mean "your input is wrong": printed as one clear message, without a traceback.
+USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rlsys.config import load_config
+    from rlsys.coordinator import RunFailed, run
+
+    config = load_config(args.config, args.overrides)
+    try:
+        run(config)
+    except RunFailed as error:
+        print(f"rlsys: run failed: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+
+    spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+    print(f"rlsys: tiny model written to {make_tiny_model(args.out_dir, spec)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlsys", description="GRPO post-training on Ray + FSDP2 + SGLang")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="run a GRPO job from a YAML config")
+    train.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
+    train.set_defaults(handler=_train)
+
+    tiny = commands.add_parser("make-tiny-model", help="build a local random-init model + tokenizer")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(handler=_make_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except USER_ERRORS as error:
+        print(f"rlsys: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

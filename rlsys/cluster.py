@@ -1,0 +1,31 @@
+"""Connect to the Ray cluster a job was submitted to, or start a local one."""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+
+import ray
+
+# Every actor process: one BLAS thread each (the machine's cores are shared by all ranks).
+ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@contextmanager
+def ray_cluster(address: str | None, local_num_cpus: int):
+    """`ray.init` for the run; shuts down only what this process started or joined."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs = dict(
+        runtime_env={"env_vars": ACTOR_ENV},
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+    )
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=local_num_cpus, include_dashboard=False, **kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -1,0 +1,219 @@
+"""Run configuration: pydantic v2 models loaded from YAML with dotted command-line overrides.
+
+`load_config("configs/quickstart.yaml", ["trainer.lr=1e-5"])` returns a validated `RunConfig` or
+raises `ConfigError` naming every bad field and why, before any actor starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(description="Local directory of a Hugging Face checkpoint (never a hub id).")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class SyntheticTaskConfig(_Section):
+    task: Literal["max_digit", "first_digit", "last_digit", "sum_mod10"] = "max_digit"
+    num_digits: int = Field(3, ge=1, le=12)
+    num_train: int = Field(2000, ge=1)
+    num_eval: int = Field(128, ge=1)
+    seed: int = 0
+
+
+class DataConfig(_Section):
+    train_path: str | None = Field(None, description="JSONL rows: prompt, label, optional metadata.")
+    eval_path: str | None = None
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Held out of train_path when no eval_path.")
+    synthetic: SyntheticTaskConfig | None = None
+    prompts_per_step: int = Field(16, ge=1)
+    apply_chat_template: bool = False
+    skip_invalid_rows: bool = Field(False, description="Skip (and count) malformed rows instead of failing.")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.train_path is None) == (self.synthetic is None):
+            raise ValueError("set exactly one of data.train_path or data.synthetic")
+        return self
+
+
+class RewardConfig(_Section):
+    function: str = Field(
+        "rlsys.rewards:exact_match",
+        description="Import path 'package.module:function' of fn(prompt, response, label, metadata) -> float.",
+    )
+    max_error_fraction: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="Fail the run when more than this fraction of a step's rewards raise.",
+    )
+
+
+class EngineConfig(_Section):
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.3, gt=0.05, le=0.95)
+    max_total_tokens: int = Field(16384, ge=256)
+    context_length: int = Field(512, ge=16)
+    skip_tokenizer_init: bool = Field(False, description="Engine works on token ids only.")
+    startup_timeout_s: float = Field(300.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class RolloutConfig(_Section):
+    num_engines: int = Field(1, ge=1)
+    n_samples_per_prompt: int = Field(8, description="GRPO group size.")
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(32, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @model_validator(mode="after")
+    def _group_size(self):
+        if self.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"n_samples_per_prompt must be >= 2 for GRPO (got {self.n_samples_per_prompt})"
+            )
+        return self
+
+
+class TrainerConfig(_Section):
+    num_ranks: int = Field(2, ge=1)
+    total_steps: int = Field(100, ge=1)
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0.0)
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward on one rank.")
+    mini_batches_per_step: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
+    threads_per_rank: int = Field(1, ge=1)
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["grpo"] = "grpo"
+    clip_eps_low: float = Field(0.2, ge=0.0)
+    clip_eps_high: float = Field(0.2, ge=0.0)
+    normalize_adv_by_std: bool = True
+    use_kl_loss: bool = False
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _kl(self):
+        if self.use_kl_loss and self.kl_coef == 0.0:
+            raise ValueError("use_kl_loss is true but kl_coef is 0; set kl_coef > 0 or use_kl_loss: false")
+        return self
+
+
+class WeightSyncConfig(_Section):
+    bucket_size_mb: float = Field(16.0, gt=0.0)
+
+
+class PlacementConfig(_Section):
+    mode: Literal["colocated"] = "colocated"
+    ray_address: str | None = Field(None, description="Ray cluster address; a local cluster when unset.")
+    num_cpus: int | None = Field(None, ge=1, description="Logical CPUs for a local Ray cluster.")
+
+
+class EvalConfig(_Section):
+    interval: int = Field(10, ge=1, description="Evaluate every this many steps (and at the last step).")
+    temperature: float = Field(0.0, ge=0.0)
+    max_prompts: int | None = Field(None, ge=1)
+
+
+class LoggingConfig(_Section):
+    progress_bar: bool = True
+
+
+class RunConfig(_Section):
+    run_dir: str | None = Field(None, description="Where outputs go; runs/<timestamp> when unset.")
+    seed: int = 0
+    model: ModelConfig
+    data: DataConfig
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _placement_fits(self):
+        if self.placement.mode == "colocated" and self.rollout.num_engines > self.trainer.num_ranks:
+            raise ValueError(
+                f"colocated placement puts engine i beside trainer rank i, so rollout.num_engines "
+                f"({self.rollout.num_engines}) must be <= trainer.num_ranks ({self.trainer.num_ranks})"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A run configuration is invalid; the message names each field and the reason."""
+
+
+def _format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling; see rlsys/config.py for the fields)"
+        lines.append(f"  {field}: {message}")
+    return "\n".join(lines)
+
+
+def apply_override(tree: dict, dotted: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (1e-5, true, [1,2])."""
+    if "=" not in dotted:
+        raise ConfigError(f"override {dotted!r} must look like section.field=value")
+    key, raw_value = dotted.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {dotted!r} has an empty field name")
+    try:
+        value = yaml.safe_load(raw_value)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {dotted!r}: value is not valid YAML ({error})") from error
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections at the top level")
+    for override in overrides:
+        apply_override(tree, override)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error, str(path))) from None
+
+
+def dump_config(config: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,88 @@
+"""From engine generations to scored, advantage-weighted training sequences."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.batching import TrainSequence
+from rlsys.algorithms.grpo import group_advantages
+from rlsys.data import PromptRecord
+from rlsys.rewards import RewardFn, score
+from rollout.engine import Generation
+
+
+@dataclass
+class Sample:
+    record: PromptRecord
+    generation: Generation
+    response_text: str
+    reward: float = 0.0
+    advantage: float = 0.0
+
+
+@dataclass
+class ScoredBatch:
+    samples: list[Sample]  # only complete groups whose rewards all computed
+    reward_errors: int = 0
+    first_error: str | None = None
+    dropped_groups: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def response_text(tokenizer, response_ids: list[int]) -> str:
+    """Decode up to (not including) the first end-of-sequence token, special tokens kept."""
+    eos = tokenizer.eos_token_id
+    if eos in response_ids:
+        response_ids = response_ids[: response_ids.index(eos)]
+    return tokenizer.decode(response_ids, skip_special_tokens=False)
+
+
+def score_groups(
+    records: list[PromptRecord], generations: list[Generation], group_size: int,
+    tokenizer, reward_fn: RewardFn,
+) -> ScoredBatch:
+    """Reward every sample; a group with any failing reward is dropped (and counted)."""
+    batch = ScoredBatch(samples=[])
+    for group_index, record in enumerate(records):
+        group = generations[group_index * group_size:(group_index + 1) * group_size]
+        samples, failed = [], False
+        for generation in group:
+            text = response_text(tokenizer, generation.response_ids)
+            sample = Sample(record=record, generation=generation, response_text=text)
+            try:
+                sample.reward = score(reward_fn, record.prompt, text, record.label, record.metadata)
+            except Exception:  # noqa: BLE001 - a user reward function may raise anything
+                failed = True
+                batch.reward_errors += 1
+                if batch.first_error is None:
+                    batch.first_error = traceback.format_exc(limit=3)
+            samples.append(sample)
+        if failed:
+            batch.dropped_groups += 1
+        else:
+            batch.samples.extend(samples)
+    return batch
+
+
+def assign_advantages(samples: list[Sample], group_size: int, normalize_by_std: bool) -> None:
+    if not samples:
+        return
+    rewards = torch.tensor([s.reward for s in samples])
+    for sample, advantage in zip(samples, group_advantages(rewards, group_size, normalize_by_std).tolist()):
+        sample.advantage = advantage
+
+
+def to_train_sequences(samples: list[Sample]) -> list[TrainSequence]:
+    return [
+        TrainSequence(
+            token_ids=s.generation.prompt_ids + s.generation.response_ids,
+            prompt_len=len(s.generation.prompt_ids),
+            advantage=s.advantage,
+            engine_logprobs=s.generation.logprobs,
+        )
+        for s in samples
+        if s.generation.response_ids
+    ]

@@ -1,0 +1,110 @@
+"""`RolloutEngine`: a Ray actor that owns one SGLang server and drives it over HTTP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollout.server import ServerSpec, SGLangServer
+from weight_sync.backend import detect_backend
+from weight_sync.http import get_json, post_json
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def as_sglang(self) -> dict:
+        params = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
+
+@dataclass
+class Generation:
+    """One sampled response, as the engine produced it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # engine log-prob of each response token
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+
+
+class RolloutEngine:
+    """Plain class, wrapped with `ray.remote` at the call site."""
+
+    def __init__(self, spec: ServerSpec, log_path: str, request_timeout_s: float = 600.0,
+                 force_cpu: bool = False):
+        self.server = SGLangServer(spec, detect_backend(force_cpu), Path(log_path))
+        self.request_timeout_s = request_timeout_s
+
+    def start(self, timeout_s: float) -> str:
+        self.server.start(timeout_s)
+        return self.server.url
+
+    def url(self) -> str:
+        return self.server.url
+
+    def _post(self, path: str, payload: dict):
+        if not self.server.is_alive():
+            raise RuntimeError(
+                f"SGLang server {self.server.url} is not running; last log lines:\n{self.server.log_tail()}"
+            )
+        return post_json(f"{self.server.url}{path}", payload, timeout_s=self.request_timeout_s)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Generation]:
+        """`n` samples for every prompt, grouped prompt by prompt (len = n * len(prompts))."""
+        if not prompts:
+            return []
+        batch = [list(p) for p in prompts for _ in range(n)]
+        answers = self._post("/generate", {
+            "input_ids": batch,
+            "sampling_params": sampling.as_sglang(),
+            "return_logprob": True,
+        })
+        return [self._to_generation(ids, answer) for ids, answer in zip(batch, answers)]
+
+    @staticmethod
+    def _to_generation(prompt_ids: list[int], answer: dict) -> Generation:
+        meta = answer["meta_info"]
+        pairs = meta["output_token_logprobs"]
+        response_ids = [int(token) for _, token, *_ in pairs]
+        finish = meta.get("finish_reason") or {}
+        return Generation(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            logprobs=[float(logprob) for logprob, *_ in pairs],
+            finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
+            weight_version=int(meta.get("weight_version", -1)),
+        )
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Engine log-probs of tokens 1..L-1 of each fixed sequence (prefill, nothing sampled)."""
+        answers = self._post("/generate", {
+            "input_ids": [list(s) for s in sequences],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        })
+        return [[float(lp) for lp, *_ in a["meta_info"]["input_token_logprobs"][1:]] for a in answers]
+
+    def weight_version(self) -> int:
+        return int(get_json(f"{self.server.url}/model_info")["weight_version"])
+
+    def is_alive(self) -> bool:
+        return self.server.is_alive()
+
+    def shutdown(self) -> None:
+        self.server.stop()

@@ -1,0 +1,93 @@
+"""Walk parameters in size-bounded buckets and flatten each bucket into one byte buffer.
+
+Only one bucket of full (gathered) tensors exists at a time, so the extra memory of a sync stays
+near one bucket. The flat layout is SGLang's `flattened_bucket` format: a uint8 buffer plus, per
+tensor, its name, shape, dtype and [start, end) byte range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Iterable, Iterator
+
+import torch
+
+_ALIGN_BYTES = 16  # keeps every tensor's view aligned for its dtype
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start: int  # byte offsets into the bucket buffer
+    end: int
+
+    def as_sglang(self) -> SimpleNamespace:
+        # SimpleNamespace passes SGLang's restricted unpickler; it reads these attribute names.
+        return SimpleNamespace(
+            name=self.name, shape=self.shape, dtype=self.dtype,
+            start_idx=self.start, end_idx=self.end, numel=self.end - self.start,
+        )
+
+
+@dataclass
+class WeightBucket:
+    buffer: torch.Tensor  # uint8, 1-D
+    metas: list[TensorMeta]
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Views into the buffer, one per tensor (no copy)."""
+        return [
+            (m.name, self.buffer[m.start:m.end].view(m.dtype).view(m.shape)) for m in self.metas
+        ]
+
+
+def full_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the full tensor, even when `tensor` is a DTensor shard."""
+    return tensor.numel() * tensor.element_size()
+
+
+def group_into_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups whose full size stays within `bucket_bytes`; a larger tensor goes alone."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    group, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = full_nbytes(tensor)
+        if group and size + nbytes > bucket_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, tensor))
+        size += nbytes
+    if group:
+        yield group
+
+
+def gather_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on this rank: a collective for DTensor shards, a no-op otherwise."""
+    tensor = tensor.detach()
+    if hasattr(tensor, "full_tensor"):
+        return tensor.full_tensor()
+    return tensor
+
+
+def flatten_bucket(
+    named_full_tensors: list[tuple[str, torch.Tensor]], share_memory: bool, device: torch.device
+) -> WeightBucket:
+    """Copy tensors back to back into one uint8 buffer (in shared memory when asked)."""
+    metas, offset = [], 0
+    for name, tensor in named_full_tensors:
+        offset = (offset + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
+        end = offset + full_nbytes(tensor)
+        metas.append(TensorMeta(name, tensor.shape, tensor.dtype, offset, end))
+        offset = end
+    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+    if share_memory:
+        buffer.share_memory_()
+    for meta, (_, tensor) in zip(metas, named_full_tensors):
+        buffer[meta.start:meta.end].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+    return WeightBucket(buffer=buffer, metas=metas)

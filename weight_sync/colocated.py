@@ -1,0 +1,64 @@
+"""Colocated transport: hand weight buckets to an SGLang engine on the same node by IPC handle.
+
+The bucket buffer is pickled with torch's multiprocessing reductions, which emit a CUDA IPC handle
+for a GPU tensor and a shared-memory file name for a CPU tensor (`Backend.prepare_ipc`), so the
+engine maps the same memory instead of receiving bytes. The handle must stay alive until the
+engine has loaded it: `/update_weights_from_tensor` answers only after the load.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass
+
+from multiprocessing.reduction import ForkingPickler
+
+import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
+
+from weight_sync.buckets import WeightBucket
+from weight_sync.http import post_json
+
+
+def serialize_bucket(bucket: WeightBucket) -> str:
+    """A base64 `flattened_bucket` payload of IPC handles (a few KB, whatever the bucket size)."""
+    payload = {
+        "flattened_tensor": bucket.buffer,
+        "metadata": [meta.as_sglang() for meta in bucket.metas],
+    }
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(payload)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@dataclass
+class EngineWeightClient:
+    """The weight-update endpoints of one SGLang server."""
+
+    url: str
+    tp_size: int = 1
+    timeout_s: float = 600.0
+
+    def _post(self, path: str, payload: dict) -> dict:
+        answer = post_json(f"{self.url}{path}", payload, timeout_s=self.timeout_s)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise RuntimeError(f"{self.url}{path} failed: {answer.get('message')}")
+        return answer
+
+    def begin(self) -> None:
+        self._post("/begin_weight_update", {})
+
+    def load_bucket(self, serialized: str, flush_cache: bool, weight_version: str | None) -> None:
+        # One payload per TP rank: each rank maps the same full tensors and keeps its shard.
+        self._post(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": [serialized] * self.tp_size,
+                "load_format": "flattened_bucket",
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            },
+        )
+
+    def end(self) -> None:
+        self._post("/end_weight_update", {})
