@@ -32,12 +32,12 @@ class TrainerGroup:
 
     def compute_log_probs(self, sequences: list[TrainSequence]) -> list[list[float]]:
         shares = self._shares(sequences)
-        results = ray.get([w.compute_log_probs.remote(s) for w, s in zip(self.workers, shares)])
+        results = ray.get([w.compute_log_probs.remote(s) for w, s in zip(self.workers, shares, strict=False)])
         return [logprobs for share in results for logprobs in share]
 
     def train_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
         shares = self._shares(sequences)
-        results = ray.get([w.train_step.remote(s) for w, s in zip(self.workers, shares)])
+        results = ray.get([w.train_step.remote(s) for w, s in zip(self.workers, shares, strict=False)])
         return results[0]  # metrics are all-reduced: every rank returns the same
 
     def sync_weights(self, engine_urls: list[str], engine_tp_size: int, bucket_bytes: int,

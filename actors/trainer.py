@@ -166,7 +166,7 @@ class TrainerWorker:
         spec = self.spec
         minis = split_evenly(list(range(len(sequences))), spec.mini_batches_per_step)
         counts = self._global_max([max(1, math.ceil(len(m) / spec.micro_batch_size)) for m in minis])
-        plan = [self._micro_batches(sequences, mini, count) for mini, count in zip(minis, counts)]
+        plan = [self._micro_batches(sequences, mini, count) for mini, count in zip(minis, counts, strict=False)]
 
         # Old log-probs (and reference log-probs) from the weights that generated the rollout.
         old, ref = {}, {}

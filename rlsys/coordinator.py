@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -108,7 +110,7 @@ def evaluate(config: RunConfig, assets: RunAssets, rollout: RolloutManager) -> f
     )
     generations = rollout.generate([p.token_ids for p in prompts], sampling, n=1)
     rewards = []
-    for prompt, generation in zip(prompts, generations):
+    for prompt, generation in zip(prompts, generations, strict=False):
         text = response_text(assets.tokenizer, generation.response_ids)
         try:
             rewards.append(assets.reward_fn(prompt.record.prompt, text, prompt.record.label, prompt.record.metadata))
@@ -186,8 +188,18 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
         bar.set_postfix(reward=f"{mean:.2f}", eval=f"{row.get('eval_reward_mean', float('nan')):.2f}")
 
 
+def _exit_cleanly_on_sigterm() -> None:
+    # A killed job (ray job stop, timeout, kill) still stops its engines and trainers.
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise)
+
+
 def run(config: RunConfig) -> Path:
     """Run GRPO to completion; returns the run directory."""
+    _exit_cleanly_on_sigterm()
     assets = load_assets(config)  # every input check happens before any actor starts
     random.seed(config.seed)
     run_dir = prepare_run_dir(config)

@@ -16,7 +16,7 @@ import importlib
 import inspect
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 RewardFn = Callable[[str, str, str, dict], float]
 

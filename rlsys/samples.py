@@ -71,7 +71,7 @@ def assign_advantages(samples: list[Sample], group_size: int, normalize_by_std: 
     if not samples:
         return
     rewards = torch.tensor([s.reward for s in samples])
-    for sample, advantage in zip(samples, group_advantages(rewards, group_size, normalize_by_std).tolist()):
+    for sample, advantage in zip(samples, group_advantages(rewards, group_size, normalize_by_std).tolist(), strict=False):
         sample.advantage = advantage
 
 

@@ -74,7 +74,7 @@ class RolloutEngine:
             "sampling_params": sampling.as_sglang(),
             "return_logprob": True,
         })
-        return [self._to_generation(ids, answer) for ids, answer in zip(batch, answers)]
+        return [self._to_generation(ids, answer) for ids, answer in zip(batch, answers, strict=False)]
 
     @staticmethod
     def _to_generation(prompt_ids: list[int], answer: dict) -> Generation:

@@ -31,7 +31,7 @@ class RolloutManager:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int) -> list[Generation]:
         """n samples per prompt, grouped prompt by prompt; prompts are dealt to engines in blocks."""
         blocks = [prompts[i::len(self.engines)] for i in range(len(self.engines))]
-        answers = ray.get([e.generate.remote(b, sampling, n) for e, b in zip(self.engines, blocks)])
+        answers = ray.get([e.generate.remote(b, sampling, n) for e, b in zip(self.engines, blocks, strict=False)])
         # Reassemble in the caller's prompt order: prompt p went to engine p % E at slot p // E.
         ordered: list[Generation] = []
         for p in range(len(prompts)):

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weight_sync.http import EngineHTTPError, get_json
 from weight_sync.backend import Backend
+from weight_sync.http import EngineHTTPError, get_json
 
 CPU_COMPAT_SITE = Path(__file__).resolve().parent / "cpu_compat" / "site"
 
@@ -141,10 +141,32 @@ class SGLangServer:
         except OSError:
             return "(no log)"
 
+    def _shared_memory_files(self) -> set[str]:
+        """/dev/shm files mapped by the server's process tree (SGLang's own segments)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self._process.pid)
+            processes = [root] + root.children(recursive=True)
+        except psutil.Error:
+            return set()
+        files = set()
+        for process in processes:
+            try:
+                files.update(m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/sglang_"))
+            except psutil.Error:
+                continue
+        return files
+
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stop the server and every process it started (they share its session)."""
+        """Stop the server and every process it started (they share its session).
+
+        SGLang tears its children down with SIGKILL, which skips their unlink paths, so the
+        shared-memory segments they mapped are removed here once they are all gone.
+        """
         if self._process is None:
             return
+        owned_shm = self._shared_memory_files() if self._process.poll() is None else set()
         if self._process.poll() is None:
             # SIGTERM to the server alone: it tears down its scheduler and detokenizer itself.
             self._process.terminate()
@@ -161,3 +183,8 @@ class SGLangServer:
         except subprocess.TimeoutExpired:
             pass
         self._process = None
+        for path in owned_shm:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

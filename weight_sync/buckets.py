@@ -7,9 +7,9 @@ tensor, its name, shape, dtype and [start, end) byte range.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Iterable, Iterator
 
 import torch
 
@@ -88,6 +88,6 @@ def flatten_bucket(
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)
     if share_memory:
         buffer.share_memory_()
-    for meta, (_, tensor) in zip(metas, named_full_tensors):
+    for meta, (_, tensor) in zip(metas, named_full_tensors, strict=False):
         buffer[meta.start:meta.end].copy_(tensor.contiguous().view(-1).view(torch.uint8))
     return WeightBucket(buffer=buffer, metas=metas)

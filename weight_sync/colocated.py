@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import io
 from dataclasses import dataclass
-
 from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler

@@ -1,0 +1,71 @@
+"""Config loading: overrides, and bad input failing early with the field and the reason."""
+
+import subprocess
+import sys
+
+import pytest
+
+from rlsys.config import ConfigError, load_config
+from tests.conftest import write_config
+
+
+def test_dotted_overrides_replace_values(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    config = load_config(path, ["trainer.lr=1e-5", "rollout.stop=[a, b]", "eval.interval=3"])
+    assert config.trainer.lr == 1e-5
+    assert config.rollout.stop == ["a", "b"]
+    assert config.eval.interval == 3
+
+
+def test_group_size_below_two_names_the_field(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, ["rollout.n_samples_per_prompt=1"])
+    assert "rollout" in str(error.value) and "n_samples_per_prompt must be >= 2" in str(error.value)
+
+
+def test_unknown_and_mistyped_fields_are_named(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, ["trainer.learning_rate=1e-5", "trainer.lr=fast"])
+    message = str(error.value)
+    assert "trainer.learning_rate: unknown field" in message
+    assert "trainer.lr:" in message and "number" in message
+
+
+def test_colocated_engines_cannot_outnumber_trainer_ranks(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError, match="num_engines"):
+        load_config(path, ["rollout.num_engines=3", "trainer.num_ranks=2"])
+
+
+def test_both_or_neither_data_source_is_an_error(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError, match="exactly one of data.train_path or data.synthetic"):
+        load_config(path, ["data.train_path=x.jsonl"])
+
+
+def test_malformed_override_is_explained(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(path, ["trainer.lr"])
+
+
+def test_cli_reports_bad_config_without_traceback_or_actors(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlsys.cli", "train", str(path), "trainer.lr=-1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "trainer.lr: Input should be greater than 0" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "run directory" not in result.stdout  # failed before anything started
+
+
+def test_missing_model_directory_fails_before_actors(tmp_path):
+    from rlsys.assets import load_assets
+
+    config = load_config(write_config(tmp_path / "c.yaml", tmp_path / "no-model"))
+    with pytest.raises(ConfigError, match="model.path .* is not a local Hugging Face checkpoint"):
+        load_assets(config)

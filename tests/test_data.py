@@ -1,0 +1,126 @@
+"""Datasets, splits, the synthetic task and reward functions."""
+
+import json
+
+import pytest
+
+from rlsys.config import DataConfig, SyntheticTaskConfig
+from rlsys.data import DatasetError, PromptSampler, load_splits, read_jsonl
+from rlsys.rewards import RewardFunctionError, exact_match, last_number_match, load_reward_function
+from rlsys.samples import response_text, score_groups
+from rlsys.tasks import generate_task
+from rlsys.tiny_model import load_tokenizer
+from rollout.engine import Generation
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_malformed_row_names_file_line_and_reason(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [
+        json.dumps({"prompt": "1+1=", "label": "2"}),
+        json.dumps({"prompt": "", "label": "3"}),
+    ])
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: 'prompt' must be a non-empty string"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("{not json", "not valid JSON"),
+    ('["a", "b"]', "must be a JSON object"),
+    ('{"prompt": "x"}', "missing 'label'"),
+    ('{"prompt": "x", "label": [1]}', "'label' must be a string or a number"),
+    ('{"prompt": "x", "label": "1", "metadata": 3}', "'metadata' must be an object"),
+    ('{"prompt": "x", "label": "1", "answer": "1"}', "unknown field"),
+])
+def test_each_kind_of_bad_row_is_explained(tmp_path, line, reason):
+    with pytest.raises(DatasetError, match=reason):
+        read_jsonl(_write(tmp_path / "d.jsonl", [line]))
+
+
+def test_invalid_rows_can_be_skipped_and_counted(tmp_path):
+    path = _write(tmp_path / "d.jsonl", ['{"prompt": "a", "label": 1}', "{bad", '{"prompt": "b", "label": "2"}'])
+    records, skipped = read_jsonl(path, skip_invalid=True)
+    assert [r.label for r in records] == ["1", "2"] and skipped == 1
+
+
+def test_eval_split_is_never_in_train(tmp_path):
+    rows = [json.dumps({"prompt": f"p{i % 30}", "label": str(i)}) for i in range(60)]
+    path = _write(tmp_path / "d.jsonl", rows)
+    splits = load_splits(DataConfig(train_path=str(path), eval_fraction=0.2), seed=0)
+    assert splits.eval
+    assert not {r.prompt for r in splits.eval} & {r.prompt for r in splits.train}
+
+
+def test_synthetic_task_is_disjoint_and_correct():
+    train, eval_ = generate_task(SyntheticTaskConfig(task="max_digit", num_digits=3, num_train=300, num_eval=50))
+    assert len(train) == 300 and len(eval_) == 50
+    assert not {r.prompt for r in train} & {r.prompt for r in eval_}
+    for record in train[:20]:
+        digits = [int(c) for c in record.prompt.rstrip(">").split()]
+        assert record.label == str(max(digits))
+
+
+def test_synthetic_task_too_large_for_its_digit_space_is_rejected():
+    with pytest.raises(ValueError, match="distinct prompts"):
+        generate_task(SyntheticTaskConfig(num_digits=1, num_train=10, num_eval=5))
+
+
+def test_sampler_is_deterministic_and_covers_an_epoch_once():
+    records = list(range(10))
+    a, b = PromptSampler(records, 5, seed=3), PromptSampler(records, 5, seed=3)
+    first = a.next_batch() + a.next_batch()
+    assert first == b.next_batch() + b.next_batch()
+    assert sorted(first) == records
+
+
+def test_tokenizer_round_trips_text(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    text = "4 7 2>9 (a+b)=c?"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_response_is_cut_at_eos_with_special_tokens_kept(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = tokenizer("7")["input_ids"] + [tokenizer.pad_token_id, tokenizer.eos_token_id] + tokenizer("3")["input_ids"]
+    assert response_text(tokenizer, ids) == "7<pad>"
+
+
+def test_reward_function_paths_are_checked():
+    assert load_reward_function("rlsys.rewards:exact_match") is exact_match
+    with pytest.raises(RewardFunctionError, match="package.module:function"):
+        load_reward_function("rlsys.rewards.exact_match")
+    with pytest.raises(RewardFunctionError, match="cannot import module"):
+        load_reward_function("no_such_module:f")
+    with pytest.raises(RewardFunctionError, match="no callable"):
+        load_reward_function("rlsys.rewards:nothing")
+    with pytest.raises(RewardFunctionError, match="must accept"):
+        load_reward_function("math:sqrt")
+
+
+def test_builtin_rewards():
+    assert exact_match("p", " 7 ", "7", {}) == 1.0
+    assert exact_match("p", "77", "7", {}) == 0.0
+    assert last_number_match("p", "so 3 + 4 = 7.0", "7", {}) == 1.0
+    assert last_number_match("p", "no idea", "7", {}) == 0.0
+
+
+def test_raising_reward_drops_its_group_and_is_counted(tiny_model_dir):
+    from rlsys.data import PromptRecord
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    seven = tokenizer("7")["input_ids"]
+
+    def flaky(prompt, response, label, metadata):
+        if prompt == "bad":
+            raise KeyError("boom")
+        return 1.0
+
+    records = [PromptRecord("good", "7"), PromptRecord("bad", "7")]
+    generations = [Generation([1], seven, [0.0], "stop", 0) for _ in range(4)]
+    batch = score_groups(records, generations, 2, tokenizer, flaky)
+    assert batch.reward_errors == 2 and batch.dropped_groups == 1
+    assert [s.record.prompt for s in batch.samples] == ["good", "good"]
+    assert "KeyError" in batch.first_error

@@ -1,0 +1,61 @@
+"""End to end: the CPU quickstart learns, logs what a user reads, and leaves nothing behind."""
+
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from rlsys.metrics import read_metrics
+from tests.conftest import REPO
+
+REQUIRED_COLUMNS = {
+    "step", "reward_mean", "reward_std", "loss", "kl", "clip_fraction", "entropy",
+    "response_len_mean", "weight_version", "logprob_mismatch", "time_generate_s",
+    "time_train_s", "time_sync_s", "time_step_s", "tokens_per_s",
+}
+
+
+def _foreign_leftovers(before_pids: set[int]) -> list[str]:
+    """New sglang/ray processes that are not part of this pytest process's own tree."""
+    mine = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid in before_pids or proc.pid in mine:
+            continue
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "sglang" in cmdline or "ray::" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline:
+            found.append(f"{proc.pid}: {cmdline[:120]}")
+    return found
+
+
+@pytest.mark.slow
+def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir):
+    before_pids = {p.pid for p in psutil.process_iter()}
+    before_shm = set(os.listdir("/dev/shm"))
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
+         f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false"],
+        capture_output=True, text=True, timeout=1200, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert str(run_dir) in result.stdout  # the run directory is printed
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert (run_dir / "config.yaml").is_file()
+    assert [r["step"] for r in rows] == list(range(len(rows)))
+    for row in rows:
+        assert REQUIRED_COLUMNS <= row.keys()
+    evals = [r["eval_reward_mean"] for r in rows if r.get("eval_reward_mean") is not None]
+    assert evals[0] < 0.3, "an untrained model must not solve the task"
+    assert evals[-1] >= 0.9, f"eval reward over the run: {evals}"
+    # the engine's weights advance one version per step and match the trainer (fp32)
+    assert [r["weight_version"] for r in rows] == list(range(len(rows)))
+    assert max(r["logprob_mismatch"] for r in rows) < 1e-3
+
+    assert _foreign_leftovers(before_pids) == []
+    new_shm = [name for name in set(os.listdir("/dev/shm")) - before_shm
+               if name.startswith(("torch_", "sglang_", "sgl_shm"))]
+    assert new_shm == []
