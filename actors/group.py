@@ -36,8 +36,10 @@ class TrainerGroup:
         return [logprobs for share in results for logprobs in share]
 
     def train_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
-        shares = self._shares(sequences)
-        results = ray.get([w.train_step.remote(s) for w, s in zip(self.workers, shares, strict=False)])
+        """Split into `mini_batches_per_step` global mini-batches, then each over the ranks."""
+        minis = split_evenly(sequences, self.spec.mini_batches_per_step)
+        per_rank = [[split_evenly(mini, self.num_ranks)[rank] for mini in minis] for rank in range(self.num_ranks)]
+        results = ray.get([w.train_step.remote(parts) for w, parts in zip(self.workers, per_rank, strict=True)])
         return results[0]  # metrics are all-reduced: every rank returns the same
 
     def sync_weights(self, engine_urls: list[str], engine_tp_size: int, bucket_bytes: int,

@@ -161,12 +161,21 @@ class TrainerWorker:
         return result
 
     # ---- one training step --------------------------------------------------------------
-    def train_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
-        """Old/ref log-probs, then `mini_batches_per_step` optimizer steps. Collective."""
+    def train_step(self, mini_batches: list[list[TrainSequence]]) -> dict[str, float]:
+        """Old/ref log-probs, then one optimizer step per mini-batch. Collective.
+
+        `mini_batches` holds this rank's part of each global mini-batch (TrainerGroup splits the
+        batch into mini-batches first and then over ranks, so any rank count sees the same
+        mini-batches).
+        """
         spec = self.spec
-        minis = split_evenly(list(range(len(sequences))), spec.mini_batches_per_step)
+        sequences = [seq for mini in mini_batches for seq in mini]
+        bounds = [0]
+        for mini in mini_batches:
+            bounds.append(bounds[-1] + len(mini))
+        minis = [list(range(bounds[i], bounds[i + 1])) for i in range(len(mini_batches))]
         counts = self._global_max([max(1, math.ceil(len(m) / spec.micro_batch_size)) for m in minis])
-        plan = [self._micro_batches(sequences, mini, count) for mini, count in zip(minis, counts, strict=False)]
+        plan = [self._micro_batches(sequences, mini, count) for mini, count in zip(minis, counts, strict=True)]
 
         # Old log-probs (and reference log-probs) from the weights that generated the rollout.
         old, ref = {}, {}

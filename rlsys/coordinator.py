@@ -199,7 +199,6 @@ def _exit_cleanly_on_sigterm() -> None:
 
 def run(config: RunConfig) -> Path:
     """Run GRPO to completion; returns the run directory."""
-    _exit_cleanly_on_sigterm()
     assets = load_assets(config)  # every input check happens before any actor starts
     random.seed(config.seed)
     run_dir = prepare_run_dir(config)
@@ -207,6 +206,7 @@ def run(config: RunConfig) -> Path:
     log = MetricsLog(run_dir / "metrics.jsonl")
     bundles = config.trainer.num_ranks
     with ray_cluster(config.placement.ray_address, config.placement.num_cpus or 2 * bundles + 1):
+        _exit_cleanly_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
         parts = start_components(config, run_dir)
         try:
             _train_loop(config, assets, parts, log)

@@ -25,7 +25,7 @@ def test_two_fsdp_ranks_match_one_unsharded_process(ray_cluster, tiny_model_dir)
     # Several micro-batches per rank, two optimizer steps per batch (so clipping acts), KL on.
     spec = TrainerSpec(
         model_path=str(tiny_model_dir), lr=1e-3, micro_batch_size=3, mini_batches_per_step=2,
-        use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, seed=0,
+        use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, clip_eps_low=0.01, clip_eps_high=0.01, seed=0,
     )
     sharded = TrainerGroup(spec, num_ranks=2)
     single = TrainerGroup(TrainerSpec(**{**spec.__dict__, "shard": False}), num_ranks=1)
