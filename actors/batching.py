@@ -1,8 +1,12 @@
-"""Turn training sequences into padded micro-batches with response masks.
+"""Turn training sequences into micro-batches: packed back to back (default) or right-padded.
 
 A `TrainSequence` is prompt + response token ids; the trainer scores the response tokens only.
-Targets are shifted by one: position t predicts token t + 1, so response tokens of a sequence
-with prompt length P and total length L sit at target positions P - 1 .. L - 2.
+Targets are shifted by one: position t predicts token t + 1, so the response tokens of a sequence
+with prompt length P and total length L sit at target positions P - 1 .. L - 2 of its row.
+
+Packed: one row holding every sequence of the micro-batch, `position_ids` restarting at 0 for
+each and no attention mask; transformers then attends block-causally within each sequence
+(varlen flash-attn on GPU, SDPA with a block mask on CPU). Padded: one row per sequence.
 """
 
 from __future__ import annotations
@@ -27,60 +31,89 @@ class TrainSequence:
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T]
+    position_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor | None  # [B, T] for padded rows; None when packed
     targets: torch.Tensor  # [B, T-1]
     response_mask: torch.Tensor  # [B, T-1] float
-    advantages: torch.Tensor  # [B, 1]
+    advantages: torch.Tensor  # [B, T-1] per token
     engine_logprobs: torch.Tensor  # [B, T-1], 0 outside the response
     engine_mask: torch.Tensor  # [B, T-1] float: response tokens that have an engine log-prob
     indices: list[int]  # positions of these sequences in the caller's list
+    spans: list[tuple[int, int, int]]  # per sequence: (row, first, end) target positions
 
     @property
     def num_tokens(self) -> float:
         return float(self.response_mask.sum())
 
+    def model_inputs(self) -> dict:
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        return inputs
+
+
+def _check(seq: TrainSequence) -> None:
+    if seq.prompt_len < 1:
+        raise ValueError("a training sequence needs at least one prompt token")
+    if seq.engine_logprobs and len(seq.engine_logprobs) != seq.response_len:
+        raise ValueError(f"{len(seq.engine_logprobs)} engine log-probs for {seq.response_len} response tokens")
+
 
 def build_micro_batch(
-    sequences: list[TrainSequence], indices: list[int], pad_id: int, device: torch.device
+    sequences: list[TrainSequence], indices: list[int], pad_id: int, device: torch.device, packed: bool
 ) -> MicroBatch:
-    """Right-padded batch; an empty list gives a one-token dummy row with an all-zero mask."""
-    if not sequences:
-        # A rank with no data still joins FSDP's collectives with a dummy forward/backward.
-        sequences = [TrainSequence(token_ids=[pad_id, pad_id], prompt_len=2)]
-        indices = []
-    width = max(len(s.token_ids) for s in sequences)
-    batch = len(sequences)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    response_mask = torch.zeros((batch, width - 1))
-    engine_logprobs = torch.zeros((batch, width - 1))
-    engine_mask = torch.zeros((batch, width - 1))
-    for row, seq in enumerate(sequences):
-        if seq.prompt_len < 1:
-            raise ValueError("a training sequence needs at least one prompt token")
-        length = len(seq.token_ids)
-        input_ids[row, :length] = torch.tensor(seq.token_ids)
-        attention_mask[row, :length] = 1
-        response_mask[row, seq.prompt_len - 1:length - 1] = 1.0
-        if seq.engine_logprobs:
-            if len(seq.engine_logprobs) != seq.response_len:
-                raise ValueError(
-                    f"{len(seq.engine_logprobs)} engine log-probs for {seq.response_len} response tokens"
-                )
-            engine_logprobs[row, seq.prompt_len - 1:length - 1] = torch.tensor(seq.engine_logprobs)
-            engine_mask[row, seq.prompt_len - 1:length - 1] = 1.0
-    advantages = torch.tensor([[s.advantage] for s in sequences], dtype=torch.float32)
-    if not indices:
-        response_mask.zero_()
+    """Lay sequences out packed (one row) or padded (one row each).
+
+    An empty list gives a two-token dummy row with an all-zero mask: a rank with no data still
+    joins FSDP's collectives.
+    """
+    is_dummy = not sequences
+    if is_dummy:
+        sequences, indices = [TrainSequence(token_ids=[pad_id, pad_id], prompt_len=2)], []
+    for seq in sequences:
+        _check(seq)
+    if packed:
+        rows = [[seq for seq in sequences]]
+        width = sum(len(s.token_ids) for s in sequences)
+    else:
+        rows = [[seq] for seq in sequences]
+        width = max(len(s.token_ids) for s in sequences)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    per_token = {name: torch.zeros((len(rows), width - 1)) for name in ("mask", "adv", "engine", "engine_mask")}
+    spans = []
+    for row, row_sequences in enumerate(rows):
+        offset = 0
+        for seq in row_sequences:
+            length = len(seq.token_ids)
+            input_ids[row, offset:offset + length] = torch.tensor(seq.token_ids)
+            position_ids[row, offset:offset + length] = torch.arange(length)
+            attention_mask[row, offset:offset + length] = 1
+            first, end = offset + seq.prompt_len - 1, offset + length - 1
+            spans.append((row, first, end))
+            per_token["mask"][row, first:end] = 1.0
+            per_token["adv"][row, first:end] = seq.advantage
+            if seq.engine_logprobs:
+                per_token["engine"][row, first:end] = torch.tensor(seq.engine_logprobs)
+                per_token["engine_mask"][row, first:end] = 1.0
+            offset += length
+    if is_dummy:
+        per_token["mask"].zero_()
+        per_token["engine_mask"].zero_()
+        spans = []
     return MicroBatch(
         input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        attention_mask=None if packed else attention_mask.to(device),
         targets=input_ids[:, 1:].to(device),
-        response_mask=response_mask.to(device),
-        advantages=advantages.to(device),
-        engine_logprobs=engine_logprobs.to(device),
-        engine_mask=(engine_mask * response_mask).to(device),
+        response_mask=per_token["mask"].to(device),
+        advantages=per_token["adv"].to(device),
+        engine_logprobs=per_token["engine"].to(device),
+        engine_mask=per_token["engine_mask"].to(device),
         indices=list(indices),
+        spans=spans,
     )
 
 
@@ -93,3 +126,20 @@ def split_evenly(items: list, parts: int) -> list[list]:
         chunks.append(items[start:end])
         start = end
     return chunks
+
+
+def split_by_token_budget(lengths: list[int], indices: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive groups of `indices` whose total length stays within `max_tokens`.
+
+    A sequence longer than the budget goes alone (it cannot be split)."""
+    groups, current, used = [], [], 0
+    for index in indices:
+        length = lengths[index]
+        if current and used + length > max_tokens:
+            groups.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        groups.append(current)
+    return groups

@@ -54,6 +54,31 @@ class TrainerGroup:
         ]
         return ray.get(calls)
 
+    def loss_gradients(self, sequences: list[TrainSequence]) -> dict:
+        shares = self._shares(sequences)
+        return ray.get([w.loss_gradients.remote(s) for w, s in zip(self.workers, shares, strict=True)])[0]
+
+    def compute_sequence_kl(self, sequences: list[TrainSequence]) -> list[float]:
+        shares = self._shares(sequences)
+        results = ray.get([w.compute_sequence_kl.remote(s) for w, s in zip(self.workers, shares, strict=True)])
+        return [kl for share in results for kl in share]
+
+    def sleep(self) -> dict:
+        """Offload every rank; returns summed bytes and the slowest rank's seconds."""
+        return _combine(ray.get([w.sleep.remote() for w in self.workers]))
+
+    def wake_up(self) -> dict:
+        return _combine(ray.get([w.wake_up.remote() for w in self.workers]))
+
+    def save_checkpoint(self, directory: str) -> None:
+        ray.get([w.save_checkpoint.remote(directory) for w in self.workers])
+
+    def load_checkpoint(self, directory: str) -> None:
+        ray.get([w.load_checkpoint.remote(directory) for w in self.workers])
+
+    def host_memory_bytes(self) -> list[int]:
+        return ray.get([w.host_memory_bytes.remote() for w in self.workers])
+
     def full_state_dict(self) -> dict:
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
 
@@ -65,3 +90,7 @@ class TrainerGroup:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+def _combine(reports: list[dict]) -> dict:
+    return {"bytes": sum(r["bytes"] for r in reports), "seconds": max(r["seconds"] for r in reports)}

@@ -17,12 +17,21 @@ def _train(args: argparse.Namespace) -> int:
     from rlsys.config import load_config
     from rlsys.coordinator import RunFailed, run
 
-    config = load_config(args.config, args.overrides)
+    overrides = list(args.overrides) + (["checkpoint.resume=auto"] if args.resume else [])
+    config = load_config(args.config, overrides)
     try:
         run(config)
     except RunFailed as error:
         print(f"rlsys: run failed: {error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from rlsys.export import export_hf
+
+    out = export_hf(args.run_dir, args.step, args.out_dir)
+    print(f"rlsys: Hugging Face checkpoint written to {out}")
     return 0
 
 
@@ -41,7 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run a GRPO job from a YAML config")
     train.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in run_dir (same as checkpoint.resume=auto)")
     train.set_defaults(handler=_train)
+
+    export = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face model")
+    export.add_argument("run_dir")
+    export.add_argument("out_dir")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    export.set_defaults(handler=_export)
 
     tiny = commands.add_parser("make-tiny-model", help="build a local random-init model + tokenizer")
     tiny.add_argument("out_dir")

@@ -93,8 +93,17 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0.0)
-    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward on one rank.")
+    packing: bool = Field(True, description="Pack sequences back to back (no padding) in micro-batches.")
+    max_tokens_per_microbatch: int = Field(4096, ge=16, description="Token budget of a packed micro-batch.")
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per padded micro-batch (packing off).")
     mini_batches_per_step: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
+    gradient_checkpointing: bool = False
+    offload_between_steps: bool = Field(
+        True, description="Colocated: sleep (offload params, grads, optimizer) outside the train phase."
+    )
     threads_per_rank: int = Field(1, ge=1)
 
 
@@ -103,16 +112,27 @@ class AlgorithmConfig(_Section):
     clip_eps_low: float = Field(0.2, ge=0.0)
     clip_eps_high: float = Field(0.2, ge=0.0)
     normalize_adv_by_std: bool = True
-    use_kl_loss: bool = False
+    use_kl_loss: bool = Field(False, description="KL to the frozen reference as a loss term.")
+    kl_in_reward: bool = Field(False, description="Subtract kl_coef * sequence KL from the reward instead.")
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0.0)
 
     @model_validator(mode="after")
     def _kl(self):
-        if self.use_kl_loss and self.kl_coef == 0.0:
-            raise ValueError("use_kl_loss is true but kl_coef is 0; set kl_coef > 0 or use_kl_loss: false")
+        if self.use_kl_loss and self.kl_in_reward:
+            raise ValueError("use_kl_loss and kl_in_reward are alternatives; set only one")
+        if (self.use_kl_loss or self.kl_in_reward) and self.kl_coef == 0.0:
+            raise ValueError("KL is on (use_kl_loss or kl_in_reward) but kl_coef is 0; set kl_coef > 0")
         return self
+
+
+class CheckpointConfig(_Section):
+    interval: int = Field(0, ge=0, description="Save every this many steps (and at the end); 0 = never.")
+    keep_last: int = Field(2, ge=1)
+    resume: Literal["never", "auto"] = Field(
+        "never", description="auto: continue from the latest complete checkpoint in run_dir, if any."
+    )
 
 
 class WeightSyncConfig(_Section):
@@ -147,6 +167,7 @@ class RunConfig(_Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ import random
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -17,6 +18,12 @@ from actors.group import TrainerGroup
 from actors.placement import ColocatedPlacement, create_colocated_placement
 from actors.trainer import TrainerSpec
 from rlsys.assets import EncodedPrompt, RunAssets, load_assets
+from rlsys.checkpointing import (
+    CheckpointStore,
+    CoordinatorState,
+    python_random_state,
+    restore_python_random_state,
+)
 from rlsys.cluster import ACTOR_ENV, ray_cluster
 from rlsys.config import RunConfig, dump_config
 from rlsys.data import PromptSampler
@@ -32,13 +39,14 @@ class RunFailed(RuntimeError):
     """The run stopped on bad input or a broken component; the message says which."""
 
 
-def prepare_run_dir(config: RunConfig) -> Path:
-    run_dir = Path(config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
-    if (run_dir / "metrics.jsonl").exists():
-        raise RunFailed(f"run directory {run_dir} already holds a run (metrics.jsonl); choose another run_dir")
+def prepare_run_dir(config: RunConfig, run_dir: Path, resuming: bool) -> None:
+    if not resuming and (run_dir / "metrics.jsonl").exists():
+        raise RunFailed(
+            f"run directory {run_dir} already holds a run (metrics.jsonl) and no checkpoint to resume; "
+            "choose another run_dir, or pass --resume to continue a checkpointed run"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config.model_copy(update={"run_dir": str(run_dir)}), run_dir / "config.yaml")
-    return run_dir
 
 
 def trainer_spec(config: RunConfig) -> TrainerSpec:
@@ -46,9 +54,14 @@ def trainer_spec(config: RunConfig) -> TrainerSpec:
     return TrainerSpec(
         model_path=config.model.path, dtype=config.model.dtype, lr=t.lr,
         weight_decay=t.weight_decay, betas=tuple(t.betas), grad_clip=t.grad_clip,
+        packing=t.packing, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         micro_batch_size=t.micro_batch_size, mini_batches_per_step=t.mini_batches_per_step,
+        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio,
+        total_optimizer_steps=t.total_steps * t.mini_batches_per_step,
+        gradient_checkpointing=t.gradient_checkpointing,
         threads_per_rank=t.threads_per_rank, temperature=config.rollout.temperature,
         clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, use_kl_loss=a.use_kl_loss,
+        kl_in_reward=a.kl_in_reward,
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, seed=config.seed,
     )
 
@@ -103,11 +116,7 @@ def start_components(config: RunConfig, run_dir: Path) -> Components:
 
 def evaluate(config: RunConfig, assets: RunAssets, rollout: RolloutManager) -> float:
     prompts = assets.eval[: config.eval.max_prompts] if config.eval.max_prompts else assets.eval
-    sampling = SamplingParams(
-        temperature=config.eval.temperature, top_p=1.0, max_new_tokens=config.rollout.max_new_tokens,
-        stop=config.rollout.stop if not config.rollout.engine.skip_tokenizer_init else [],
-        stop_token_ids=assets.stop_token_ids,
-    )
+    sampling = _sampling(config, assets, config.eval.temperature, 1.0)
     generations = rollout.generate([p.token_ids for p in prompts], sampling, n=1)
     rewards = []
     for prompt, generation in zip(prompts, generations, strict=False):
@@ -119,58 +128,96 @@ def evaluate(config: RunConfig, assets: RunAssets, rollout: RolloutManager) -> f
     return sum(rewards) / max(len(rewards), 1)
 
 
-def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: MetricsLog) -> None:
-    from tqdm import tqdm
-
-    group_size = config.rollout.n_samples_per_prompt
-    sampling = SamplingParams(
-        temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-        max_new_tokens=config.rollout.max_new_tokens,
+def _sampling(config: RunConfig, assets: RunAssets, temperature: float, top_p: float) -> SamplingParams:
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, max_new_tokens=config.rollout.max_new_tokens,
+        # Without its tokenizer the engine stops on token ids only (assets.stop_token_ids).
         stop=config.rollout.stop if not config.rollout.engine.skip_tokenizer_init else [],
         stop_token_ids=assets.stop_token_ids,
     )
+
+
+def _check_reward_errors(config: RunConfig, scored, num_generations: int, step: int) -> None:
+    if scored.reward_errors > config.reward.max_error_fraction * num_generations:
+        raise RunFailed(
+            f"step {step}: {scored.reward_errors} of {num_generations} rewards raised "
+            f"(reward.max_error_fraction={config.reward.max_error_fraction}); first error:\n"
+            f"{scored.first_error}"
+        )
+
+
+def _fold_kl_into_rewards(config: RunConfig, trainer: TrainerGroup, samples: list) -> float:
+    """reward -= kl_coef * sum_t KL_t(policy || reference); returns the mean penalty."""
+    kls = trainer.compute_sequence_kl(to_train_sequences(samples))
+    for sample, kl in zip(samples, kls, strict=True):
+        sample.reward -= config.algorithm.kl_coef * kl
+    return config.algorithm.kl_coef * sum(kls) / max(len(kls), 1)
+
+
+@contextmanager
+def _timed(row: dict, phase: str):
+    """Adds the block's seconds to row["time_<phase>_s"]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        row[f"time_{phase}_s"] = row.get(f"time_{phase}_s", 0.0) + time.perf_counter() - start
+
+
+def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: MetricsLog,
+                store: CheckpointStore, state: CoordinatorState) -> None:
+    from tqdm import tqdm
+
+    group_size = config.rollout.n_samples_per_prompt
+    sampling = _sampling(config, assets, config.rollout.temperature, config.rollout.top_p)
     sampler = PromptSampler(assets.train, config.data.prompts_per_step, config.seed)
+    sampler.restore(state.data_epoch, state.data_index)
+    offload = config.trainer.offload_between_steps
     total = config.trainer.total_steps
-    weight_version = 0
-    bar = tqdm(range(total), desc="GRPO", disable=not config.logging.progress_bar, dynamic_ncols=True)
+    bar = tqdm(range(state.next_step, total), initial=state.next_step, total=total, desc="GRPO",
+               disable=not config.logging.progress_bar, dynamic_ncols=True)
     for step in bar:
-        row: dict = {"step": step}
+        row: dict = {"step": step, "data_epoch": sampler.epoch, "data_index": sampler.index}
         step_start = time.perf_counter()
 
         if assets.eval and (step % config.eval.interval == 0 or step == total - 1):
-            tick = time.perf_counter()
-            row["eval_reward_mean"] = evaluate(config, assets, parts.rollout)
-            row["time_eval_s"] = time.perf_counter() - tick
+            with _timed(row, "eval"):
+                row["eval_reward_mean"] = evaluate(config, assets, parts.rollout)
 
         prompts: list[EncodedPrompt] = sampler.next_batch()
-        tick = time.perf_counter()
-        generations = parts.rollout.generate([p.token_ids for p in prompts], sampling, group_size)
-        row["time_generate_s"] = time.perf_counter() - tick
-
+        with _timed(row, "generate"):
+            generations = parts.rollout.generate([p.token_ids for p in prompts], sampling, group_size)
         scored = score_groups([p.record for p in prompts], generations, group_size,
                               assets.tokenizer, assets.reward_fn)
-        if scored.reward_errors > config.reward.max_error_fraction * len(generations):
-            raise RunFailed(
-                f"step {step}: {scored.reward_errors} of {len(generations)} rewards raised "
-                f"(reward.max_error_fraction={config.reward.max_error_fraction}); first error:\n"
-                f"{scored.first_error}"
-            )
+        _check_reward_errors(config, scored, len(generations), step)
+        rewards = [s.reward for s in scored.samples]  # task rewards, before any KL penalty
+
+        if offload:
+            with _timed(row, "offload"):
+                row["offload_bytes"] = parts.trainer.wake_up()["bytes"]
+        if config.algorithm.kl_in_reward:
+            with _timed(row, "train"):
+                row["kl_reward_penalty"] = _fold_kl_into_rewards(config, parts.trainer, scored.samples)
         assign_advantages(scored.samples, group_size, config.algorithm.normalize_adv_by_std)
-
-        tick = time.perf_counter()
-        train_metrics = parts.trainer.train_step(to_train_sequences(scored.samples))
-        row["time_train_s"] = time.perf_counter() - tick
-
-        tick = time.perf_counter()
-        parts.trainer.sync_weights(
-            parts.rollout.urls, parts.rollout.tp_size,
-            int(config.weight_sync.bucket_size_mb * 2**20), weight_version + 1,
-        )
-        weight_version += 1
-        row["time_sync_s"] = time.perf_counter() - tick
+        with _timed(row, "train"):
+            train_metrics = parts.trainer.train_step(to_train_sequences(scored.samples))
+        with _timed(row, "sync"):
+            parts.trainer.sync_weights(
+                parts.rollout.urls, parts.rollout.tp_size,
+                int(config.weight_sync.bucket_size_mb * 2**20), state.weight_version + 1,
+            )
+        state.weight_version += 1
+        state.next_step, state.data_epoch, state.data_index = step + 1, sampler.epoch, sampler.index
+        interval = config.checkpoint.interval
+        if interval and ((step + 1) % interval == 0 or step + 1 == total):
+            with _timed(row, "checkpoint"):
+                state.python_random_state = python_random_state()
+                store.save(step + 1, parts.trainer.save_checkpoint, state)
+        if offload:
+            with _timed(row, "offload"):
+                parts.trainer.sleep()
         row["time_step_s"] = time.perf_counter() - step_start
 
-        rewards = [s.reward for s in scored.samples]
         mean = sum(rewards) / max(len(rewards), 1)
         tokens = sum(len(g.prompt_ids) + len(g.response_ids) for g in generations)
         row.update(
@@ -178,7 +225,7 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
             reward_std=(sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1)) ** 0.5,
             response_len_mean=sum(len(g.response_ids) for g in generations) / max(len(generations), 1),
             weight_version=generations[0].weight_version if generations else None,
-            synced_weight_version=weight_version,
+            synced_weight_version=state.weight_version,
             tokens_per_s=tokens / row["time_step_s"],
             reward_errors=scored.reward_errors,
             dropped_groups=scored.dropped_groups,
@@ -186,6 +233,26 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
         )
         log.append(row)
         bar.set_postfix(reward=f"{mean:.2f}", eval=f"{row.get('eval_reward_mean', float('nan')):.2f}")
+
+
+def resume_point(config: RunConfig, store: CheckpointStore) -> Path | None:
+    if config.checkpoint.resume != "auto":
+        return None
+    return store.latest()
+
+
+def restore(parts: Components, config: RunConfig, checkpoint: Path | None) -> CoordinatorState:
+    """Load the trainer from `checkpoint` and bring the engines to the same weights and version."""
+    if checkpoint is None:
+        return CoordinatorState(next_step=0, weight_version=0, data_epoch=0, data_index=0)
+    state = CheckpointStore.load_state(checkpoint)
+    parts.trainer.load_checkpoint(str(checkpoint))
+    parts.trainer.sync_weights(
+        parts.rollout.urls, parts.rollout.tp_size, int(config.weight_sync.bucket_size_mb * 2**20),
+        state.weight_version,
+    )
+    restore_python_random_state(state.python_random_state)
+    return state
 
 
 def _exit_cleanly_on_sigterm() -> None:
@@ -198,18 +265,27 @@ def _exit_cleanly_on_sigterm() -> None:
 
 
 def run(config: RunConfig) -> Path:
-    """Run GRPO to completion; returns the run directory."""
+    """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
     assets = load_assets(config)  # every input check happens before any actor starts
     random.seed(config.seed)
-    run_dir = prepare_run_dir(config)
+    run_dir = Path(config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
+    store = CheckpointStore(run_dir, config.checkpoint.keep_last)
+    checkpoint = resume_point(config, store)
+    prepare_run_dir(config, run_dir, resuming=checkpoint is not None)
     print(f"rlsys: run directory {run_dir.resolve()}", flush=True)
+    if checkpoint is not None:
+        print(f"rlsys: resuming from {checkpoint}", flush=True)
     log = MetricsLog(run_dir / "metrics.jsonl")
     bundles = config.trainer.num_ranks
     with ray_cluster(config.placement.ray_address, config.placement.num_cpus or 2 * bundles + 1):
         _exit_cleanly_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
         parts = start_components(config, run_dir)
         try:
-            _train_loop(config, assets, parts, log)
+            state = restore(parts, config, checkpoint)
+            log.truncate_from(state.next_step)  # rows of steps that will run again
+            if config.trainer.offload_between_steps:
+                parts.trainer.sleep()
+            _train_loop(config, assets, parts, log, store, state)
         finally:
             parts.shutdown()
     print(f"rlsys: finished; metrics in {(run_dir / 'metrics.jsonl').resolve()}", flush=True)

@@ -117,6 +117,11 @@ class PromptSampler:
         random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
         return order
 
+    def restore(self, epoch: int, index: int) -> None:
+        """Continue from a saved position: the same prompts come next, none replayed or skipped."""
+        self.epoch, self.index = epoch, index
+        self._order = self._shuffled_order()
+
     def next_batch(self) -> list[PromptRecord]:
         batch = []
         while len(batch) < self.batch_size:

@@ -20,5 +20,16 @@ class MetricsLog:
             handle.flush()
 
 
+    def truncate_from(self, step: int) -> None:
+        """Drop rows of steps >= `step` (they are about to run again after a resume)."""
+        if not self.path.exists():
+            return
+        kept = [row for row in read_metrics(self.path) if row.get("step", 0) < step]
+        temporary = self.path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        temporary.replace(self.path)
+        self.rows = kept
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -84,5 +84,4 @@ def to_train_sequences(samples: list[Sample]) -> list[TrainSequence]:
             engine_logprobs=s.generation.logprobs,
         )
         for s in samples
-        if s.generation.response_ids
     ]

@@ -1,0 +1,36 @@
+"""Trainer-side checkpoints: sharded model + optimizer through torch.distributed.checkpoint (DCP),
+plus each rank's scheduler and RNG states. The caller (rlsys/checkpointing.py) makes the
+directory appear atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+def _rank_file(directory: Path, rank: int) -> Path:
+    return directory / f"trainer_rank{rank}.pt"
+
+
+def save_trainer_checkpoint(directory: Path, model, optimizer, scheduler, rank: int) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / "dcp"))
+    torch.save(
+        {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
+        _rank_file(directory, rank),
+    )
+
+
+def load_trainer_checkpoint(directory: Path, model, optimizer, scheduler, rank: int) -> None:
+    if not (directory / "dcp").is_dir():
+        raise FileNotFoundError(f"{directory} holds no trainer checkpoint (no dcp/ directory)")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(directory / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = torch.load(_rank_file(directory, rank), weights_only=False)
+    scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["rng"])

@@ -1,0 +1,94 @@
+"""Run checkpoints: RUN_DIR/checkpoints/step_NNNNNNNN/ holding the trainer's DCP shards, each
+rank's scheduler and RNG state, and coordinator.json (next step, data position, weight version).
+
+A checkpoint is written into a temporary sibling directory and renamed into place only when
+every part is on disk, so a crash mid-save leaves the last good checkpoint untouched; leftover
+temporary directories are ignored on resume and removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_FINAL = re.compile(r"^step_(\d{8})$")
+STATE_FILE = "coordinator.json"
+
+
+@dataclass
+class CoordinatorState:
+    next_step: int
+    weight_version: int
+    data_epoch: int
+    data_index: int
+    python_random_state: list | None = None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointStore:
+    def __init__(self, run_dir: Path, keep_last: int = 2):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def complete_checkpoints(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if _FINAL.match(p.name) and (p / STATE_FILE).is_file()]
+        return sorted(found, key=lambda p: int(_FINAL.match(p.name).group(1)))
+
+    def latest(self) -> Path | None:
+        complete = self.complete_checkpoints()
+        return complete[-1] if complete else None
+
+    def save(self, step: int, write_trainer_state: Callable[[str], None], state: CoordinatorState) -> Path:
+        """Write a checkpoint named after `step` (the number of finished steps) atomically."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for partial in self.root.glob("*.tmp-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        temporary = self.root / f"step_{step:08d}.tmp-{uuid.uuid4().hex[:8]}"
+        temporary.mkdir()
+        write_trainer_state(str(temporary))
+        state_path = temporary / STATE_FILE
+        with state_path.open("w") as handle:  # written last: its presence marks a whole checkpoint
+            json.dump(asdict(state), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        final = self.path_for(step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(temporary, final)
+        _fsync_dir(self.root)
+        for old in self.complete_checkpoints()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    @staticmethod
+    def load_state(checkpoint: Path) -> CoordinatorState:
+        return CoordinatorState(**json.loads((Path(checkpoint) / STATE_FILE).read_text()))
+
+
+def python_random_state() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def restore_python_random_state(state: list | None) -> None:
+    if state is not None:
+        random.setstate((state[0], tuple(state[1]), state[2]))

@@ -1,0 +1,142 @@
+"""Trainer depth: sleep/wake_up, packing, micro-batch invariance, KL, checkpoints and resume."""
+
+import random
+
+import pytest
+import torch
+
+from actors.batching import TrainSequence
+from actors.group import TrainerGroup
+from actors.trainer import TrainerSpec
+
+
+def _batch(seed: int, count: int = 12) -> list[TrainSequence]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        prompt = [rng.randrange(3, 80) for _ in range(rng.randint(2, 9))]
+        response = [rng.randrange(3, 80) for _ in range(rng.randint(1, 12))]
+        out.append(TrainSequence(prompt + response, len(prompt), advantage=rng.uniform(-1.5, 1.5)))
+    return out
+
+
+def _identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _spec(model_dir, **overrides) -> TrainerSpec:
+    return TrainerSpec(model_path=str(model_dir), lr=1e-3, **overrides)
+
+
+@pytest.mark.slow
+def test_training_after_sleep_and_wake_up_is_bit_identical(ray_cluster, tiny_model_dir):
+    plain = TrainerGroup(_spec(tiny_model_dir), 2)
+    cycled = TrainerGroup(_spec(tiny_model_dir), 2)
+    try:
+        for step in range(3):
+            plain.train_step(_batch(step))
+            cycled.train_step(_batch(step))
+            slept = cycled.sleep()
+            assert slept["bytes"] > 0
+            assert cycled.wake_up()["bytes"] == slept["bytes"]
+        assert _identical(plain.full_state_dict(), cycled.full_state_dict())
+    finally:
+        plain.shutdown()
+        cycled.shutdown()
+
+
+@pytest.fixture(scope="module")
+def medium_model_dir(tmp_path_factory):
+    from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("medium"), TinyModelSpec(hidden_size=256, num_layers=4))
+
+
+@pytest.mark.slow
+def test_twenty_sleep_cycles_do_not_leak_host_memory(ray_cluster, medium_model_dir):
+    group = TrainerGroup(_spec(medium_model_dir), 2)
+    try:
+        group.train_step(_batch(0))  # optimizer state exists from here on
+        moved = group.sleep()["bytes"]
+        group.wake_up()
+        baseline = group.host_memory_bytes()
+        for _ in range(19):
+            group.sleep()
+            group.wake_up()
+        growth = max(after - before for after, before in zip(group.host_memory_bytes(), baseline, strict=True))
+        per_rank_state = moved / 2
+        assert growth < 0.5 * per_rank_state, f"RSS grew {growth} bytes over 19 cycles of {per_rank_state} bytes"
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+def test_packed_logprobs_equal_unpacked_per_sequence(ray_cluster, tiny_model_dir):
+    packed = TrainerGroup(_spec(tiny_model_dir, packing=True, max_tokens_per_microbatch=64), 2)
+    one_by_one = TrainerGroup(_spec(tiny_model_dir, packing=False, micro_batch_size=1), 1)
+    try:
+        batch = _batch(7, count=15)
+        a, b = packed.compute_log_probs(batch), one_by_one.compute_log_probs(batch)
+        assert [len(x) for x in a] == [s.response_len for s in batch]
+        worst = max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+        assert worst < 1e-5
+    finally:
+        packed.shutdown()
+        one_by_one.shutdown()
+
+
+@pytest.mark.slow
+def test_one_or_four_micro_batches_give_the_same_gradient(ray_cluster, tiny_model_dir):
+    batch = _batch(3, count=16)
+    tokens = sum(len(s.token_ids) for s in batch)
+    whole = TrainerGroup(_spec(tiny_model_dir, max_tokens_per_microbatch=tokens), 1)
+    quarters = TrainerGroup(_spec(tiny_model_dir, max_tokens_per_microbatch=tokens // 4 + 1), 1)
+    padded = TrainerGroup(_spec(tiny_model_dir, packing=False, micro_batch_size=4), 1)
+    try:
+        g1, g4, gp = whole.loss_gradients(batch), quarters.loss_gradients(batch), padded.loss_gradients(batch)
+        for name in g1:
+            assert torch.allclose(g1[name], g4[name], atol=1e-6, rtol=1e-5), name
+            assert torch.allclose(g1[name], gp[name], atol=1e-6, rtol=1e-5), name
+        assert max(g.abs().max().item() for g in g1.values()) > 1e-4  # a real gradient
+    finally:
+        for group in (whole, quarters, padded):
+            group.shutdown()
+
+
+@pytest.mark.slow
+def test_kl_is_zero_at_start_and_positive_once_the_policy_moves(ray_cluster, tiny_model_dir):
+    group = TrainerGroup(_spec(tiny_model_dir, use_kl_loss=True, kl_coef=0.1, kl_estimator="k3"), 2)
+    try:
+        first = group.train_step(_batch(0))
+        assert first["kl"] == 0.0
+        second = group.train_step(_batch(1))
+        assert second["kl"] > 0.0
+        assert all(kl > 0 for kl in group.compute_sequence_kl(_batch(2)))
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny_model_dir, tmp_path):
+    spec = _spec(tiny_model_dir, lr_schedule="cosine", warmup_steps=2, total_optimizer_steps=8,
+                 mini_batches_per_step=2)
+    straight = TrainerGroup(spec, 2)
+    first_half = TrainerGroup(spec, 2)
+    try:
+        for step in range(4):
+            straight_last = straight.train_step(_batch(step))
+        for step in range(2):
+            first_half.train_step(_batch(step))
+        first_half.save_checkpoint(str(tmp_path))
+    finally:
+        first_half.shutdown()  # the ranks are killed; only the checkpoint survives
+    resumed = TrainerGroup(spec, 2)
+    try:
+        resumed.load_checkpoint(str(tmp_path))
+        for step in range(2, 4):
+            last = resumed.train_step(_batch(step))
+        assert _identical(straight.full_state_dict(), resumed.full_state_dict())
+        assert last["lr"] == straight_last["lr"] < spec.lr  # the cosine schedule was restored too
+    finally:
+        straight.shutdown()
+        resumed.shutdown()
