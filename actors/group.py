@@ -79,6 +79,17 @@ class TrainerGroup:
     def host_memory_bytes(self) -> list[int]:
         return ray.get([w.host_memory_bytes.remote() for w in self.workers])
 
+    def health(self, timeout_s: float = 10.0) -> list[dict]:
+        """Per rank: alive and host memory; an actor that does not answer reads as not alive."""
+        reports = []
+        for rank, worker in enumerate(self.workers):
+            try:
+                reports.append({"rank": rank, "alive": True,
+                                "memory_bytes": ray.get(worker.host_memory_bytes.remote(), timeout=timeout_s)})
+            except Exception as error:  # noqa: BLE001 - the actor itself may be gone
+                reports.append({"rank": rank, "alive": False, "memory_bytes": None, "error": str(error)[:200]})
+        return reports
+
     def full_state_dict(self) -> dict:
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
 

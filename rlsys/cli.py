@@ -35,6 +35,61 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import time
+
+    from rlsys.status.server import StatusServer
+    from rlsys.status.state import RunStatus
+
+    try:
+        status = RunStatus.from_run_dir(args.run_dir)
+    except FileNotFoundError as error:
+        print(f"rlsys: error: {error}", file=sys.stderr)
+        return 2
+    server = StatusServer(status, args.host, args.port, token=None)  # a finished run takes no control calls
+    url = server.start()
+    print(f"rlsys: serving {args.run_dir} ({status.state}, {status.step} steps) at {url}/", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from rich.console import Console
+    from rich.table import Table
+
+    url = args.url.rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{url}/api/v1/status", timeout=10) as response:
+            status = json.loads(response.read())
+    except (urllib.error.URLError, OSError) as error:
+        print(f"rlsys: error: no rlsys status server at {url}: {error}", file=sys.stderr)
+        return 1
+    table = Table(title=f"rlsys run {status['run_id']}", show_header=False)
+    eta = status.get("eta_seconds")
+    for key, value in [
+        ("state", status["state"] + (" (pause requested)" if status.get("paused") else "")),
+        ("step", f"{status['step']} / {status['total_steps']}"),
+        ("weight version", status["weight_version"]),
+        ("ETA", "-" if eta is None else f"{eta:.0f} s"),
+        ("run dir", status["run_dir"]),
+    ]:
+        table.add_row(key, str(value))
+    for key, value in (status.get("last_metrics") or {}).items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    if status.get("error"):
+        table.add_row("error", status["error"])
+    Console().print(table)
+    return 0
+
+
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from rlsys.tiny_model import TinyModelSpec, make_tiny_model
 
@@ -59,6 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     export.set_defaults(handler=_export)
+
+    serve = commands.add_parser("serve", help="serve the dashboard and API over a finished run directory")
+    serve.add_argument("run_dir")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8470)
+    serve.set_defaults(handler=_serve)
+
+    status = commands.add_parser("status", help="print a running (or served) run's status as a table")
+    status.add_argument("url", nargs="?", default="http://127.0.0.1:8470")
+    status.set_defaults(handler=_status)
 
     tiny = commands.add_parser("make-tiny-model", help="build a local random-init model + tokenizer")
     tiny.add_argument("out_dir")

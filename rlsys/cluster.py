@@ -16,15 +16,13 @@ ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLE
 def ray_cluster(address: str | None, local_num_cpus: int):
     """`ray.init` for the run; shuts down only what this process started or joined."""
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(
-        runtime_env={"env_vars": ACTOR_ENV},
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-    )
+    kwargs = dict(log_to_driver=False, logging_level=logging.WARNING)
     if address:
+        # Under `ray job submit` the job's runtime env (working_dir, env vars) applies as given;
+        # per-actor env vars are set where the actors are created.
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=local_num_cpus, include_dashboard=False, **kwargs)
+        ray.init(num_cpus=local_num_cpus, include_dashboard=False, runtime_env={"env_vars": ACTOR_ENV}, **kwargs)
     try:
         yield
     finally:

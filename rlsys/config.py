@@ -151,6 +151,15 @@ class EvalConfig(_Section):
     max_prompts: int | None = Field(None, ge=1)
 
 
+class StatusConfig(_Section):
+    enabled: bool = True
+    host: str = Field("127.0.0.1", description="Bind address; keep loopback unless you set a token.")
+    port: int = Field(8470, ge=0, le=65535, description="0 picks a free port.")
+    token: str | None = Field(
+        None, description="Bearer token for control calls; falls back to $RLSYS_STATUS_TOKEN. None: control off."
+    )
+
+
 class LoggingConfig(_Section):
     progress_bar: bool = True
 
@@ -168,6 +177,7 @@ class RunConfig(_Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    status: StatusConfig = Field(default_factory=StatusConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")

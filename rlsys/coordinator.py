@@ -29,6 +29,8 @@ from rlsys.config import RunConfig, dump_config
 from rlsys.data import PromptSampler
 from rlsys.metrics import MetricsLog
 from rlsys.samples import assign_advantages, response_text, score_groups, to_train_sequences
+from rlsys.status.reporting import collect_actor_health, new_status, status_server
+from rlsys.status.state import RunStatus
 from rollout.engine import SamplingParams
 from rollout.manager import RolloutManager
 from rollout.server import ServerSpec
@@ -164,8 +166,21 @@ def _timed(row: dict, phase: str):
         row[f"time_{phase}_s"] = row.get(f"time_{phase}_s", 0.0) + time.perf_counter() - start
 
 
+def _save_checkpoint(store: CheckpointStore, parts: Components, state: CoordinatorState) -> None:
+    state.python_random_state = python_random_state()
+    store.save(state.next_step, parts.trainer.save_checkpoint, state)
+
+
+def _wait_while_paused(status: RunStatus) -> None:
+    if status.pause_requested and not status.stop_requested:
+        status.set_state("paused")
+        status.save_snapshot()
+        while status.pause_requested and not status.stop_requested:
+            time.sleep(0.2)
+
+
 def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: MetricsLog,
-                store: CheckpointStore, state: CoordinatorState) -> None:
+                store: CheckpointStore, state: CoordinatorState, status: RunStatus) -> None:
     from tqdm import tqdm
 
     group_size = config.rollout.n_samples_per_prompt
@@ -177,14 +192,19 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
     bar = tqdm(range(state.next_step, total), initial=state.next_step, total=total, desc="GRPO",
                disable=not config.logging.progress_bar, dynamic_ncols=True)
     for step in bar:
+        _wait_while_paused(status)
+        if status.stop_requested:
+            break
         row: dict = {"step": step, "data_epoch": sampler.epoch, "data_index": sampler.index}
         step_start = time.perf_counter()
 
         if assets.eval and (step % config.eval.interval == 0 or step == total - 1):
+            status.set_state("evaluating")
             with _timed(row, "eval"):
                 row["eval_reward_mean"] = evaluate(config, assets, parts.rollout)
 
         prompts: list[EncodedPrompt] = sampler.next_batch()
+        status.set_state("rollout")
         with _timed(row, "generate"):
             generations = parts.rollout.generate([p.token_ids for p in prompts], sampling, group_size)
         scored = score_groups([p.record for p in prompts], generations, group_size,
@@ -192,6 +212,7 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
         _check_reward_errors(config, scored, len(generations), step)
         rewards = [s.reward for s in scored.samples]  # task rewards, before any KL penalty
 
+        status.set_state("training")
         if offload:
             with _timed(row, "offload"):
                 row["offload_bytes"] = parts.trainer.wake_up()["bytes"]
@@ -201,6 +222,7 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
         assign_advantages(scored.samples, group_size, config.algorithm.normalize_adv_by_std)
         with _timed(row, "train"):
             train_metrics = parts.trainer.train_step(to_train_sequences(scored.samples))
+        status.set_state("syncing")
         with _timed(row, "sync"):
             parts.trainer.sync_weights(
                 parts.rollout.urls, parts.rollout.tp_size,
@@ -209,10 +231,11 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
         state.weight_version += 1
         state.next_step, state.data_epoch, state.data_index = step + 1, sampler.epoch, sampler.index
         interval = config.checkpoint.interval
-        if interval and ((step + 1) % interval == 0 or step + 1 == total):
+        due = interval and ((step + 1) % interval == 0 or step + 1 == total)
+        if due or status.take_checkpoint_request() or (interval and status.stop_requested):
+            status.set_state("checkpointing")
             with _timed(row, "checkpoint"):
-                state.python_random_state = python_random_state()
-                store.save(step + 1, parts.trainer.save_checkpoint, state)
+                _save_checkpoint(store, parts, state)
         if offload:
             with _timed(row, "offload"):
                 parts.trainer.sleep()
@@ -232,6 +255,9 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
             **train_metrics,
         )
         log.append(row)
+        status.record_step(row)
+        status.set_actors(collect_actor_health(parts.trainer, parts.rollout))
+        status.save_snapshot()
         bar.set_postfix(reward=f"{mean:.2f}", eval=f"{row.get('eval_reward_mean', float('nan')):.2f}")
 
 
@@ -276,17 +302,29 @@ def run(config: RunConfig) -> Path:
     if checkpoint is not None:
         print(f"rlsys: resuming from {checkpoint}", flush=True)
     log = MetricsLog(run_dir / "metrics.jsonl")
+    status = new_status(config, run_dir)
     bundles = config.trainer.num_ranks
-    with ray_cluster(config.placement.ray_address, config.placement.num_cpus or 2 * bundles + 1):
+    with status_server(config, status), \
+            ray_cluster(config.placement.ray_address, config.placement.num_cpus or 2 * bundles + 1):
         _exit_cleanly_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
-        parts = start_components(config, run_dir)
         try:
-            state = restore(parts, config, checkpoint)
-            log.truncate_from(state.next_step)  # rows of steps that will run again
-            if config.trainer.offload_between_steps:
-                parts.trainer.sleep()
-            _train_loop(config, assets, parts, log, store, state)
-        finally:
-            parts.shutdown()
-    print(f"rlsys: finished; metrics in {(run_dir / 'metrics.jsonl').resolve()}", flush=True)
+            parts = start_components(config, run_dir)
+            try:
+                state = restore(parts, config, checkpoint)
+                log.truncate_from(state.next_step)  # rows of steps that will run again
+                for row in log.rows:
+                    status.record_step(row)
+                status.set_actors(collect_actor_health(parts.trainer, parts.rollout))
+                if config.trainer.offload_between_steps:
+                    parts.trainer.sleep()
+                _train_loop(config, assets, parts, log, store, state, status)
+            finally:
+                parts.shutdown()
+        except BaseException as error:
+            status.fail(f"{type(error).__name__}: {error}")
+            status.save_snapshot()
+            raise
+        status.set_state("stopped" if status.stop_requested else "finished")
+        status.save_snapshot()
+    print(f"rlsys: {status.state}; metrics in {(run_dir / 'metrics.jsonl').resolve()}", flush=True)
     return run_dir

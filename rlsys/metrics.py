@@ -10,7 +10,7 @@ from pathlib import Path
 class MetricsLog:
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.rows: list[dict] = []
+        self.rows: list[dict] = read_metrics(self.path) if self.path.exists() else []
 
     def append(self, row: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

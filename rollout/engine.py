@@ -106,5 +106,15 @@ class RolloutEngine:
     def is_alive(self) -> bool:
         return self.server.is_alive()
 
+    def health(self) -> dict:
+        """Whether the server answers, and the memory of its process tree."""
+        alive = self.server.is_alive()
+        if alive:
+            try:
+                get_json(f"{self.server.url}/health", timeout_s=5.0)
+            except Exception:  # noqa: BLE001 - any failure to answer means unhealthy
+                alive = False
+        return {"alive": alive, "memory_bytes": self.server.memory_bytes(), "url": self.server.url}
+
     def shutdown(self) -> None:
         self.server.stop()

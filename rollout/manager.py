@@ -42,6 +42,17 @@ class RolloutManager:
     def score(self, sequences: list[list[int]], engine_index: int = 0) -> list[list[float]]:
         return ray.get(self.engines[engine_index].score.remote(sequences))
 
+    def health(self, timeout_s: float = 10.0) -> list[dict]:
+        """Per engine: alive, memory_bytes, url; a dead or unresponsive actor reads as not alive."""
+        reports = []
+        for index, engine in enumerate(self.engines):
+            try:
+                report = ray.get(engine.health.remote(), timeout=timeout_s)
+            except Exception as error:  # noqa: BLE001 - the actor itself may be gone
+                report = {"alive": False, "memory_bytes": None, "url": "", "error": str(error)[:200]}
+            reports.append({"index": index, **report})
+        return reports
+
     def weight_versions(self) -> list[int]:
         return ray.get([e.weight_version.remote() for e in self.engines])
 

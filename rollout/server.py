@@ -135,6 +135,18 @@ class SGLangServer:
     def is_alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def memory_bytes(self) -> int | None:
+        """Resident memory of the server and its scheduler/detokenizer processes."""
+        import psutil
+
+        if not self.is_alive():
+            return None
+        try:
+            root = psutil.Process(self._process.pid)
+            return sum(p.memory_info().rss for p in [root] + root.children(recursive=True))
+        except psutil.Error:
+            return None
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

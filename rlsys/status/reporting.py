@@ -1,0 +1,52 @@
+"""Feed a `RunStatus` from the running components: actor health, and the server's life."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from rlsys.config import RunConfig
+from rlsys.status.state import ActorHealth, RunStatus
+
+
+def collect_actor_health(trainer, rollout) -> list[ActorHealth]:
+    now = time.time()
+    actors = [
+        ActorHealth(name=f"trainer-rank-{r['rank']}", kind="trainer", alive=r["alive"],
+                    last_heartbeat=now if r["alive"] else None, memory_bytes=r["memory_bytes"],
+                    detail=r.get("error", ""))
+        for r in trainer.health()
+    ]
+    actors += [
+        ActorHealth(name=f"engine-{e['index']}", kind="engine", alive=e["alive"],
+                    last_heartbeat=now if e["alive"] else None, memory_bytes=e["memory_bytes"],
+                    detail=e.get("error", e.get("url", "")))
+        for e in rollout.health()
+    ]
+    return actors
+
+
+def new_status(config: RunConfig, run_dir: Path) -> RunStatus:
+    return RunStatus(run_id=f"{run_dir.name}-{uuid.uuid4().hex[:6]}", total_steps=config.trainer.total_steps,
+                     run_dir=str(run_dir))
+
+
+@contextmanager
+def status_server(config: RunConfig, status: RunStatus):
+    """Serve `status` for the duration of the block (nothing when status.enabled is false)."""
+    if not config.status.enabled:
+        yield None
+        return
+    from rlsys.status.server import StatusServer
+
+    token = config.status.token or os.environ.get("RLSYS_STATUS_TOKEN") or None
+    server = StatusServer(status, config.status.host, config.status.port, token)
+    url = server.start()
+    print(f"rlsys: status and dashboard at {url}/ (API: {url}/api/v1/status)", flush=True)
+    try:
+        yield url
+    finally:
+        server.stop()

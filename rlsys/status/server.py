@@ -1,0 +1,186 @@
+"""The status server: FastAPI in the coordinator process, reading a `RunStatus`.
+
+GET  /api/v1/status   /api/v1/metrics?since=STEP   /api/v1/actors   /healthz   /metrics (Prometheus)
+POST /api/v1/pause    /api/v1/resume   /api/v1/checkpoint   /api/v1/stop   (bearer token)
+GET  /                the live dashboard (JS served from this package: works offline)
+"""
+
+
+import math
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import uvicorn
+from fastapi import Depends, FastAPI, HTTPException, Query
+from fastapi.responses import HTMLResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
+
+from rlsys.status.state import RunStatus
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+
+class StatusResponse(BaseModel):
+    run_id: str
+    state: str
+    step: int
+    total_steps: int
+    weight_version: int
+    started_at: float
+    finished_at: float | None
+    eta_seconds: float | None
+    last_metrics: dict | None
+    error: str | None
+    paused: bool
+    run_dir: str
+
+
+class MetricsResponse(BaseModel):
+    since: int
+    rows: list[dict]
+
+
+class ActorResponse(BaseModel):
+    name: str
+    kind: str
+    alive: bool
+    last_heartbeat: float | None
+    memory_bytes: int | None
+    detail: str
+
+
+class ActorsResponse(BaseModel):
+    actors: list[ActorResponse]
+
+
+class ControlResponse(BaseModel):
+    accepted: bool
+    request: str
+    state: str
+
+
+class HealthResponse(BaseModel):
+    ok: bool
+    state: str
+
+
+def _finite(row: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def prometheus_text(status: RunStatus) -> str:
+    summary = status.summary()
+    lines = [
+        "# HELP rlsys_step Steps finished.", "# TYPE rlsys_step gauge", f"rlsys_step {summary['step']}",
+        "# HELP rlsys_total_steps Steps planned.", "# TYPE rlsys_total_steps gauge",
+        f"rlsys_total_steps {summary['total_steps']}",
+        "# HELP rlsys_weight_version Weight version on the engines.", "# TYPE rlsys_weight_version gauge",
+        f"rlsys_weight_version {summary['weight_version']}",
+        "# HELP rlsys_up 1 while the run is not finished, stopped or failed.", "# TYPE rlsys_up gauge",
+        f"rlsys_up {0 if summary['state'] in ('finished', 'stopped', 'failed') else 1}",
+    ]
+    for key, value in sorted((summary["last_metrics"] or {}).items()):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and key != "step":
+            lines += [f"# TYPE rlsys_{key} gauge", f"rlsys_{key} {value}"]
+    for actor in status.actor_list():
+        lines.append(f'rlsys_actor_alive{{name="{actor.name}",kind="{actor.kind}"}} {int(actor.alive)}')
+    return "\n".join(lines) + "\n"
+
+
+def build_app(status: RunStatus, token: str | None) -> FastAPI:
+    app = FastAPI(title="rlsys status", version="1", description="Live state and control of one rlsys run.")
+    bearer = HTTPBearer(auto_error=False)
+
+    def require_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        if token is None or credentials is None or not secrets.compare_digest(credentials.credentials, token):
+            raise HTTPException(
+                status_code=401, detail="control calls need 'Authorization: Bearer <status.token>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    @app.get("/api/v1/status", response_model=StatusResponse)
+    def get_status() -> StatusResponse:
+        summary = status.summary()
+        if summary["last_metrics"]:
+            summary["last_metrics"] = _finite(summary["last_metrics"])
+        return StatusResponse(**summary)
+
+    @app.get("/api/v1/metrics", response_model=MetricsResponse)
+    def get_metrics(since: int = Query(0, ge=0, description="First step to return.")) -> MetricsResponse:
+        return MetricsResponse(since=since, rows=[_finite(r) for r in status.metrics_since(since)])
+
+    @app.get("/api/v1/actors", response_model=ActorsResponse)
+    def get_actors() -> ActorsResponse:
+        return ActorsResponse(actors=[ActorResponse(**a.__dict__) for a in status.actor_list()])
+
+    @app.get("/healthz", response_model=HealthResponse)
+    def healthz() -> HealthResponse:
+        return HealthResponse(ok=status.state != "failed", state=status.state)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def prometheus() -> str:
+        return prometheus_text(status)
+
+    def control(what: str):
+        def handler() -> ControlResponse:
+            if status.state in ("finished", "stopped", "failed"):
+                raise HTTPException(status_code=409, detail=f"the run is {status.state}")
+            status.request(what)
+            return ControlResponse(accepted=True, request=what, state=status.state)
+
+        handler.__name__ = f"post_{what}"
+        return handler
+
+    for what in ("pause", "resume", "checkpoint", "stop"):
+        app.post(f"/api/v1/{what}", response_model=ControlResponse, dependencies=[Depends(require_token)])(control(what))
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def dashboard() -> str:
+        return (STATIC_DIR / "dashboard.html").read_text()
+
+    return app
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+class StatusServer:
+    """uvicorn serving `build_app` on a background thread."""
+
+    def __init__(self, status: RunStatus, host: str, port: int, token: str | None):
+        if port and not port_is_free(host, port):
+            raise OSError(f"status.port {port} on {host} is in use; pick another or set status.port: 0")
+        config = uvicorn.Config(build_app(status, token), host=host, port=port, log_level="warning",
+                                access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="rlsys-status", daemon=True)
+        self.host = host
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the status server did not start")
+            time.sleep(0.05)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{port}"
+        return self.url
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)

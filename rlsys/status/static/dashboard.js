@@ -1,0 +1,126 @@
+// Live dashboard: polls the status API every 2 s and grows the plots as steps finish.
+"use strict";
+
+const PHASE_COLORS = { eval: "#8e24aa", generate: "#1e88e5", train: "#43a047", sync: "#fb8c00",
+                       checkpoint: "#6d4c41", offload: "#90a4ae" };
+const CHARTS = [
+  { id: "chart-reward", series: [["reward_mean", "train", "#1e88e5"], ["eval_reward_mean", "eval", "#e53935"]] },
+  { id: "chart-kl", series: [["kl", "kl", "#8e24aa"]] },
+  { id: "chart-loss", series: [["loss", "loss", "#43a047"]] },
+  { id: "chart-entropy", series: [["entropy", "entropy", "#fb8c00"]] },
+  { id: "chart-response-len", series: [["response_len_mean", "mean length", "#00897b"]] },
+  { id: "chart-tokens-per-s", series: [["tokens_per_s", "tokens/s", "#3949ab"]] },
+  { id: "chart-mismatch", series: [["logprob_mismatch", "mismatch", "#6d4c41"]] },
+];
+
+const rows = [];
+const plots = {};
+
+function fmtSeconds(s) {
+  if (s === null || s === undefined) return "–";
+  if (s < 90) return `${s.toFixed(0)} s`;
+  if (s < 5400) return `${(s / 60).toFixed(1)} min`;
+  return `${(s / 3600).toFixed(1)} h`;
+}
+
+function chartData(chart) {
+  const xs = rows.map(r => r.step);
+  return [xs, ...chart.series.map(([key]) => rows.map(r => (r[key] === undefined ? null : r[key])))];
+}
+
+function ensurePlots() {
+  for (const chart of CHARTS) {
+    if (plots[chart.id]) continue;
+    const el = document.getElementById(chart.id);
+    const title = document.createElement("h3");
+    title.textContent = el.dataset.title;
+    el.appendChild(title);
+    plots[chart.id] = new uPlot({
+      width: Math.max(el.clientWidth - 12, 300), height: 190,
+      scales: { x: { time: false } },
+      series: [{ label: "step" }, ...chart.series.map(([, label, color]) => ({ label, stroke: color, spanGaps: true,
+               points: { show: true, size: 3 } }))],
+      axes: [{ label: "step" }, {}],
+    }, chartData(chart), el);
+  }
+}
+
+function redrawPlots() {
+  ensurePlots();
+  for (const chart of CHARTS) {
+    plots[chart.id].setData(chartData(chart));
+    // One point per finished step: exposed for tests and for people reading the DOM.
+    document.getElementById(chart.id).dataset.points = String(rows.length);
+  }
+}
+
+function redrawTimeline() {
+  const legend = document.getElementById("timeline-legend");
+  if (!legend.childElementCount) {
+    for (const [phase, color] of Object.entries(PHASE_COLORS)) {
+      legend.insertAdjacentHTML("beforeend", `<span class="legend-item"><i style="background:${color}"></i>${phase}</span>`);
+    }
+  }
+  const recent = rows.slice(-60);
+  const longest = Math.max(...recent.map(r => r.time_step_s || 0), 1e-9);
+  const box = document.getElementById("timeline");
+  box.innerHTML = "";
+  for (const r of recent) {
+    const segments = Object.entries(PHASE_COLORS).filter(([p]) => r[`time_${p}_s`] > 0).map(([p, color]) => {
+      const seconds = r[`time_${p}_s`];
+      const width = Math.max((seconds / longest) * 600, 1);
+      return `<div class="tl-seg" data-phase="${p}" title="${p}: ${seconds.toFixed(3)} s" style="width:${width}px;background:${color}"></div>`;
+    }).join("");
+    box.insertAdjacentHTML("beforeend",
+      `<div class="tl-row" data-step="${r.step}"><span class="tl-step">${r.step}</span><div class="tl-bar">${segments}</div>` +
+      `<span style="margin-left:6px">${(r.time_step_s || 0).toFixed(2)} s</span></div>`);
+  }
+  box.dataset.steps = String(recent.length);
+}
+
+function redrawActors(actors) {
+  const body = document.querySelector("#actors tbody");
+  const now = Date.now() / 1000;
+  body.innerHTML = actors.map(a => `<tr data-kind="${a.kind}"><td>${a.name}</td><td>${a.kind}</td>` +
+    `<td class="${a.alive ? "alive" : "dead"}">${a.alive ? "yes" : "no"}</td>` +
+    `<td>${a.last_heartbeat ? fmtSeconds(now - a.last_heartbeat) + " ago" : "–"}</td>` +
+    `<td>${a.memory_bytes ? (a.memory_bytes / 2 ** 20).toFixed(0) + " MiB" : "–"}</td><td>${a.detail || ""}</td></tr>`).join("");
+}
+
+function redrawStatus(s) {
+  document.getElementById("run-id").textContent = s.run_id;
+  const badge = document.getElementById("state");
+  badge.textContent = s.paused && s.state !== "paused" ? `${s.state} (pausing)` : s.state;
+  badge.className = `badge ${s.state}`;
+  document.getElementById("step").textContent = s.step;
+  document.getElementById("total-steps").textContent = s.total_steps;
+  document.getElementById("weight-version").textContent = s.weight_version;
+  document.getElementById("eta").textContent = fmtSeconds(s.eta_seconds);
+  const last = s.last_metrics || {};
+  document.getElementById("tps").textContent = last.tokens_per_s ? last.tokens_per_s.toFixed(0) : "–";
+  const error = document.getElementById("error");
+  error.hidden = !s.error;
+  error.textContent = s.error || "";
+}
+
+async function poll() {
+  try {
+    const next = rows.length ? rows[rows.length - 1].step + 1 : 0;
+    const [status, metrics, actors] = await Promise.all([
+      fetch("/api/v1/status").then(r => r.json()),
+      fetch(`/api/v1/metrics?since=${next}`).then(r => r.json()),
+      fetch("/api/v1/actors").then(r => r.json()),
+    ]);
+    rows.push(...metrics.rows);
+    redrawStatus(status);
+    redrawPlots();
+    redrawTimeline();
+    redrawActors(actors.actors);
+    document.body.dataset.loaded = "true";
+  } catch (err) {
+    document.getElementById("state").textContent = "disconnected";
+  }
+}
+
+poll();
+setInterval(poll, 2000);
