@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_DIR := .cache/tiny-model
 STAMP := $(VENV)/.rlsys-installed
 
-.PHONY: install quickstart test test-fast lint clean
+.PHONY: install quickstart test test-fast lint clean chromium
 
 # torch first (2.14.1 lies on local disk), then SGLang's pure-Python runtime deps, then sglang
 # itself without its CUDA-only kernel packages, then rlsys. See requirements/sglang-cpu.txt.
@@ -26,7 +26,12 @@ $(MODEL_DIR)/config.json: $(STAMP)
 quickstart: $(MODEL_DIR)/config.json
 	$(BIN)/rlsys train configs/quickstart.yaml
 
-test: install
+# The browser test drives Debian's chromium; install it when missing (needs root, as on CI).
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq chromium >/dev/null) || echo "rlsys: could not install chromium"
+
+test: install chromium
 	$(BIN)/python -m pytest -q tests
 
 test-fast: install

@@ -23,6 +23,13 @@ function fmtSeconds(s) {
   return `${(s / 3600).toFixed(1)} h`;
 }
 
+function fmtTick(v) {
+  if (v === null) return "";
+  const a = Math.abs(v);
+  if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(1);
+  return String(+v.toPrecision(3));
+}
+
 function chartData(chart) {
   const xs = rows.map(r => r.step);
   return [xs, ...chart.series.map(([key]) => rows.map(r => (r[key] === undefined ? null : r[key])))];
@@ -40,7 +47,7 @@ function ensurePlots() {
       scales: { x: { time: false } },
       series: [{ label: "step" }, ...chart.series.map(([, label, color]) => ({ label, stroke: color, spanGaps: true,
                points: { show: true, size: 3 } }))],
-      axes: [{ label: "step" }, {}],
+      axes: [{ label: "step" }, { size: 60, values: (u, ticks) => ticks.map(fmtTick) }],
     }, chartData(chart), el);
   }
 }

@@ -1,0 +1,124 @@
+"""The status API: every endpoint's schema, the Prometheus text, and the token on control calls."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from rlsys.status.server import (
+    ActorsResponse,
+    ControlResponse,
+    HealthResponse,
+    MetricsResponse,
+    StatusResponse,
+    build_app,
+)
+from rlsys.status.state import ActorHealth, RunStatus
+
+
+def _status(tmp_path, steps: int = 3) -> RunStatus:
+    status = RunStatus(run_id="test-run", total_steps=10, run_dir=str(tmp_path))
+    for step in range(steps):
+        status.record_step({"step": step, "reward_mean": 0.1 * step, "kl": 0.0, "time_step_s": 0.5,
+                            "synced_weight_version": step + 1, "eval_reward_mean": float("nan")})
+    status.set_actors([ActorHealth("trainer-rank-0", "trainer", True, time.time(), 123, ""),
+                       ActorHealth("engine-0", "engine", False, None, None, "gone")])
+    status.set_state("training")
+    return status
+
+
+def test_every_read_endpoint_matches_its_schema(tmp_path):
+    client = TestClient(build_app(_status(tmp_path), token="s3cret"))
+    status = StatusResponse.model_validate(client.get("/api/v1/status").json())
+    assert (status.step, status.total_steps, status.weight_version, status.state) == (3, 10, 3, "training")
+    assert status.eta_seconds == pytest.approx(7 * 0.5)
+    assert status.last_metrics["eval_reward_mean"] is None  # NaN is not valid JSON
+    metrics = MetricsResponse.model_validate(client.get("/api/v1/metrics", params={"since": 1}).json())
+    assert [row["step"] for row in metrics.rows] == [1, 2]
+    assert client.get("/api/v1/metrics", params={"since": -1}).status_code == 422
+    actors = ActorsResponse.model_validate(client.get("/api/v1/actors").json())
+    assert [(a.name, a.alive) for a in actors.actors] == [("trainer-rank-0", True), ("engine-0", False)]
+    assert HealthResponse.model_validate(client.get("/healthz").json()).ok
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/api/v1/status", "/api/v1/metrics", "/api/v1/actors", "/healthz", "/metrics",
+                 "/api/v1/pause", "/api/v1/resume", "/api/v1/checkpoint", "/api/v1/stop"):
+        assert path in paths
+
+
+def test_prometheus_text_parses(tmp_path):
+    text = TestClient(build_app(_status(tmp_path), token=None)).get("/metrics").text
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if not s.labels}
+    assert samples["rlsys_step"] == 3 and samples["rlsys_weight_version"] == 3
+    assert samples["rlsys_reward_mean"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("action", ["pause", "resume", "checkpoint", "stop"])
+def test_control_calls_need_the_bearer_token(tmp_path, action):
+    status = _status(tmp_path)
+    client = TestClient(build_app(status, token="s3cret"))
+    assert client.post(f"/api/v1/{action}").status_code == 401
+    assert client.post(f"/api/v1/{action}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    answer = client.post(f"/api/v1/{action}", headers={"Authorization": "Bearer s3cret"})
+    assert answer.status_code == 200
+    assert ControlResponse.model_validate(answer.json()).request == action
+
+
+def test_control_is_off_without_a_configured_token(tmp_path):
+    client = TestClient(build_app(_status(tmp_path), token=None))
+    assert client.post("/api/v1/stop", headers={"Authorization": "Bearer anything"}).status_code == 401
+
+
+def test_pause_then_stop_set_the_requests_the_loop_reads(tmp_path):
+    status = _status(tmp_path)
+    client = TestClient(build_app(status, token="t"))
+    auth = {"Authorization": "Bearer t"}
+    client.post("/api/v1/pause", headers=auth)
+    assert status.pause_requested and client.get("/api/v1/status").json()["paused"]
+    client.post("/api/v1/checkpoint", headers=auth)
+    assert status.take_checkpoint_request() and not status.take_checkpoint_request()
+    client.post("/api/v1/stop", headers=auth)
+    assert status.stop_requested and not status.pause_requested
+    status.set_state("stopped")
+    assert client.post("/api/v1/resume", headers=auth).status_code == 409
+
+
+def test_serve_shows_a_finished_run_directory(tmp_path):
+    status = _status(tmp_path, steps=4)
+    status.set_state("finished")
+    status.save_snapshot()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in status.metrics_since(0)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "rlsys.cli", "serve", str(tmp_path), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/status", timeout=2) as answer:
+                    served = json.loads(answer.read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, server.stderr.read() if server.poll() else ""
+                time.sleep(0.3)
+        assert (served["state"], served["step"]) == ("finished", 4)
+        cli = subprocess.run([sys.executable, "-m", "rlsys.cli", "status", f"http://127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0 and "finished" in cli.stdout and "4 / 10" in cli.stdout
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_serve_rejects_a_directory_that_is_not_a_run(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rlsys.cli", "serve", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "is not a run directory" in result.stderr
