@@ -90,6 +90,15 @@ class TrainerGroup:
                 reports.append({"rank": rank, "alive": False, "memory_bytes": None, "error": str(error)[:200]})
         return reports
 
+    def connect_broadcast(self, engine_urls: list[str], engine_tp_size: int, timeout_s: float) -> None:
+        ray.get(self.workers[0].connect_broadcast.remote([(url, engine_tp_size) for url in engine_urls], timeout_s))
+
+    def sync_weights_broadcast(self, bucket_bytes: int, weight_version: int) -> list[dict]:
+        return ray.get([w.sync_weights_broadcast.remote(bucket_bytes, weight_version) for w in self.workers])
+
+    def vocab_size(self) -> int:
+        return ray.get(self.workers[0].vocab_size.remote())
+
     def full_state_dict(self) -> dict:
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
 

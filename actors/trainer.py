@@ -22,8 +22,9 @@ from actors.offload import StateOffloader, trainer_state_tensors
 from actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import clipped_policy_loss, kl_estimate, masked_sum, token_entropy
 from weight_sync.backend import detect_backend
+from weight_sync.broadcast import BroadcastWeightSender, EngineEndpoint
 from weight_sync.colocated import EngineWeightClient
-from weight_sync.sync import sync_weights_colocated
+from weight_sync.sync import sync_weights
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class TrainerWorker:
         self.optimizer = None
         self.scheduler = None
         self.offloader = StateOffloader(pin_memory=self.backend.has_gpu)
+        self.broadcast_sender: BroadcastWeightSender | None = None
 
     # ---- set-up -------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -340,12 +342,28 @@ class TrainerWorker:
     def sync_weights(
         self, engine_url: str | None, engine_tp_size: int, bucket_bytes: int, weight_version: int
     ) -> dict:
-        """Push the weights to this rank's colocated engine (or just join the gathers)."""
+        """Colocated: push the weights to this rank's engine by IPC handle (or join the gathers)."""
         client = EngineWeightClient(engine_url, engine_tp_size) if engine_url else None
-        stats = sync_weights_colocated(
-            self.model.named_parameters(), bucket_bytes, client, str(weight_version), self.backend
+        return sync_weights(self.model.named_parameters(), bucket_bytes, client, str(weight_version),
+                            self.backend).as_dict()
+
+    def connect_broadcast(self, engines: list[tuple[str, int]], timeout_s: float) -> None:
+        """Rank 0 only: form the weight-update group with every engine worker."""
+        if self.rank != 0:
+            raise RuntimeError("only trainer rank 0 joins the weight-update group")
+        address, _ = self.rendezvous_address()
+        self.broadcast_sender = BroadcastWeightSender(
+            [EngineEndpoint(url, tp) for url, tp in engines], self.backend, address, timeout_s
         )
-        return stats.as_dict()
+        self.broadcast_sender.connect()
+
+    def sync_weights_broadcast(self, bucket_bytes: int, weight_version: int) -> dict:
+        """Disaggregated: rank 0 broadcasts each gathered bucket; the other ranks join the gathers."""
+        return sync_weights(self.model.named_parameters(), bucket_bytes, self.broadcast_sender,
+                            str(weight_version), self.backend).as_dict()
+
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU copies of every parameter (collective; for tests and export)."""
@@ -354,5 +372,8 @@ class TrainerWorker:
         return {name: gather_full_tensor(p).cpu().clone() for name, p in self.model.named_parameters()}
 
     def shutdown(self) -> None:
+        if self.broadcast_sender is not None:
+            self.broadcast_sender.close()
+            self.broadcast_sender = None
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -137,10 +137,15 @@ class CheckpointConfig(_Section):
 
 class WeightSyncConfig(_Section):
     bucket_size_mb: float = Field(16.0, gt=0.0)
+    timeout_s: float = Field(120.0, gt=0.0, description="Disaggregated: group set-up and per-bucket timeout.")
+    verify: bool = Field(False, description="After each sync, check every engine against the trainer (logprob probes).")
+    verify_tolerance: float | None = Field(
+        None, gt=0.0, description="Max |engine - trainer| probe logprob; default 1e-3 (fp32) or 5e-2 (bf16)."
+    )
 
 
 class PlacementConfig(_Section):
-    mode: Literal["colocated"] = "colocated"
+    mode: Literal["colocated", "disaggregated"] = "colocated"
     ray_address: str | None = Field(None, description="Ray cluster address; a local cluster when unset.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs for a local Ray cluster.")
 

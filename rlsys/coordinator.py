@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from actors.group import TrainerGroup
-from actors.placement import ColocatedPlacement, create_colocated_placement
+from actors.placement import Placement, create_placement
 from actors.trainer import TrainerSpec
 from rlsys.assets import EncodedPrompt, RunAssets, load_assets
 from rlsys.checkpointing import (
@@ -31,6 +31,7 @@ from rlsys.metrics import MetricsLog
 from rlsys.samples import assign_advantages, response_text, score_groups, to_train_sequences
 from rlsys.status.reporting import collect_actor_health, new_status, status_server
 from rlsys.status.state import RunStatus
+from rlsys.verify import verify_engine_weights
 from rollout.engine import SamplingParams
 from rollout.manager import RolloutManager
 from rollout.server import ServerSpec
@@ -80,7 +81,7 @@ def server_spec(config: RunConfig) -> ServerSpec:
 
 @dataclass
 class Components:
-    placement: ColocatedPlacement
+    placement: Placement
     rollout: RolloutManager
     trainer: TrainerGroup
 
@@ -93,27 +94,44 @@ class Components:
 
 def start_components(config: RunConfig, run_dir: Path) -> Components:
     backend = detect_backend()
-    placement = create_colocated_placement(config.trainer.num_ranks, backend.has_gpu)
+    placement = create_placement(config.placement.mode, config.trainer.num_ranks, config.rollout.num_engines,
+                                 config.rollout.engine.tp_size, backend.has_gpu)
     rollout = RolloutManager(
         server_spec(config), config.rollout.num_engines, str(run_dir / "logs"),
-        [placement.options(i) for i in range(config.rollout.num_engines)],
+        [placement.engine_options(i) for i in range(config.rollout.num_engines)],
         config.rollout.engine.startup_timeout_s, config.rollout.engine.request_timeout_s,
     )
     try:
         trainer = TrainerGroup(
             trainer_spec(config), config.trainer.num_ranks,
-            [placement.options(i) for i in range(config.trainer.num_ranks)], env_vars=ACTOR_ENV,
+            [placement.trainer_options(i) for i in range(config.trainer.num_ranks)], env_vars=ACTOR_ENV,
         )
     except Exception:
         rollout.shutdown()
         placement.remove()
         raise
+    parts = Components(placement, rollout, trainer)
     try:
         rollout.wait_ready()
-    except Exception:
-        Components(placement, rollout, trainer).shutdown()
+        if config.placement.mode == "disaggregated":
+            trainer.connect_broadcast(rollout.urls, rollout.tp_size, config.weight_sync.timeout_s)
+    except BaseException:
+        parts.shutdown()
         raise
-    return Components(placement, rollout, trainer)
+    return parts
+
+
+def push_weights(config: RunConfig, parts: Components, weight_version: int) -> None:
+    """Trainer -> engines, by IPC handle (colocated) or broadcast (disaggregated); then, with
+    weight_sync.verify, check that every engine computes what the trainer computes."""
+    bucket_bytes = int(config.weight_sync.bucket_size_mb * 2**20)
+    if config.placement.mode == "colocated":
+        parts.trainer.sync_weights(parts.rollout.urls, parts.rollout.tp_size, bucket_bytes, weight_version)
+    else:
+        parts.trainer.sync_weights_broadcast(bucket_bytes, weight_version)
+    if config.weight_sync.verify:
+        tolerance = config.weight_sync.verify_tolerance or (1e-3 if config.model.dtype == "float32" else 5e-2)
+        verify_engine_weights(parts.trainer, parts.rollout, weight_version, tolerance, config.seed)
 
 
 def evaluate(config: RunConfig, assets: RunAssets, rollout: RolloutManager) -> float:
@@ -187,7 +205,8 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
     sampling = _sampling(config, assets, config.rollout.temperature, config.rollout.top_p)
     sampler = PromptSampler(assets.train, config.data.prompts_per_step, config.seed)
     sampler.restore(state.data_epoch, state.data_index)
-    offload = config.trainer.offload_between_steps
+    # Only colocated trainers give their device memory to the engines between steps.
+    offload = config.trainer.offload_between_steps and config.placement.mode == "colocated"
     total = config.trainer.total_steps
     bar = tqdm(range(state.next_step, total), initial=state.next_step, total=total, desc="GRPO",
                disable=not config.logging.progress_bar, dynamic_ncols=True)
@@ -224,10 +243,7 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
             train_metrics = parts.trainer.train_step(to_train_sequences(scored.samples))
         status.set_state("syncing")
         with _timed(row, "sync"):
-            parts.trainer.sync_weights(
-                parts.rollout.urls, parts.rollout.tp_size,
-                int(config.weight_sync.bucket_size_mb * 2**20), state.weight_version + 1,
-            )
+            push_weights(config, parts, state.weight_version + 1)
         state.weight_version += 1
         state.next_step, state.data_epoch, state.data_index = step + 1, sampler.epoch, sampler.index
         interval = config.checkpoint.interval
@@ -273,10 +289,7 @@ def restore(parts: Components, config: RunConfig, checkpoint: Path | None) -> Co
         return CoordinatorState(next_step=0, weight_version=0, data_epoch=0, data_index=0)
     state = CheckpointStore.load_state(checkpoint)
     parts.trainer.load_checkpoint(str(checkpoint))
-    parts.trainer.sync_weights(
-        parts.rollout.urls, parts.rollout.tp_size, int(config.weight_sync.bucket_size_mb * 2**20),
-        state.weight_version,
-    )
+    push_weights(config, parts, state.weight_version)
     restore_python_random_state(state.python_random_state)
     return state
 
@@ -303,9 +316,11 @@ def run(config: RunConfig) -> Path:
         print(f"rlsys: resuming from {checkpoint}", flush=True)
     log = MetricsLog(run_dir / "metrics.jsonl")
     status = new_status(config, run_dir)
-    bundles = config.trainer.num_ranks
+    # Logical CPUs for a local cluster: one per actor (plus the colocated pairs' second slot) and a spare.
+    actors = config.trainer.num_ranks + (
+        config.trainer.num_ranks if config.placement.mode == "colocated" else config.rollout.num_engines)
     with status_server(config, status), \
-            ray_cluster(config.placement.ray_address, config.placement.num_cpus or 2 * bundles + 1):
+            ray_cluster(config.placement.ray_address, config.placement.num_cpus or actors + 1):
         _exit_cleanly_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
         try:
             parts = start_components(config, run_dir)
@@ -315,7 +330,7 @@ def run(config: RunConfig) -> Path:
                 for row in log.rows:
                     status.record_step(row)
                 status.set_actors(collect_actor_health(parts.trainer, parts.rollout))
-                if config.trainer.offload_between_steps:
+                if config.trainer.offload_between_steps and config.placement.mode == "colocated":
                     parts.trainer.sleep()
                 _train_loop(config, assets, parts, log, store, state, status)
             finally:

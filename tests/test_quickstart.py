@@ -31,12 +31,13 @@ def _foreign_leftovers(before_pids: set[int]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_disaggregated.yaml"])
+def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
     before_pids = {p.pid for p in psutil.process_iter()}
     before_shm = set(os.listdir("/dev/shm"))
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
+        [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs" / config),
          f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false"],
         capture_output=True, text=True, timeout=1200, cwd=REPO,
     )

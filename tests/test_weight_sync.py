@@ -1,12 +1,15 @@
-"""Colocated weight sync into a real SGLang server: the engine ends up computing what the trainer does."""
+"""Weight sync into real SGLang servers, both transports: afterwards each engine computes what
+the trainer computes (fp32 log-probs of fixed sequences) and reports the new weight version."""
 
 import random
+import socket
 
 import pytest
 
 from actors.batching import TrainSequence
 from actors.group import TrainerGroup
 from actors.trainer import TrainerSpec
+from rlsys.verify import WeightSyncMismatch, verify_engine_weights
 from rollout.engine import SamplingParams
 from rollout.manager import RolloutManager
 from rollout.server import ServerSpec
@@ -26,11 +29,16 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
 
 
+def _engines_match_trainer(rollout, trainer) -> list[float]:
+    expected = trainer.compute_log_probs([TrainSequence(tokens, prompt_len=1) for tokens in FIXED])
+    return [_max_diff(rollout.score(FIXED, engine_index=i), expected) for i in range(len(rollout.engines))]
+
+
 @pytest.fixture(scope="module")
-def engine_and_trainer(ray_cluster, tiny_model_dir, tmp_path_factory):
+def two_engines_two_ranks(ray_cluster, tiny_model_dir, tmp_path_factory):
     spec = ServerSpec(model_path=str(tiny_model_dir), skip_tokenizer_init=True, context_length=64,
                       max_total_tokens=4096)
-    rollout = RolloutManager(spec, 1, str(tmp_path_factory.mktemp("logs")), [{"num_cpus": 1}],
+    rollout = RolloutManager(spec, 2, str(tmp_path_factory.mktemp("logs")), [{"num_cpus": 1}] * 2,
                              startup_timeout_s=300, request_timeout_s=120)
     trainer = TrainerGroup(TrainerSpec(model_path=str(tiny_model_dir), lr=1e-2), num_ranks=2)
     rollout.wait_ready()
@@ -40,29 +48,55 @@ def engine_and_trainer(ray_cluster, tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_engine_logprobs_equal_trainer_logprobs_after_sync(engine_and_trainer):
-    rollout, trainer = engine_and_trainer
-    fixed = [TrainSequence(tokens, prompt_len=1) for tokens in FIXED]
-    assert _max_diff(rollout.score(FIXED), trainer.compute_log_probs(fixed)) < 1e-3  # same start
-    assert rollout.weight_versions() == [0]
+def test_colocated_sync_puts_trainer_weights_on_every_engine(two_engines_two_ranks):
+    rollout, trainer = two_engines_two_ranks
+    assert max(_engines_match_trainer(rollout, trainer)) < 1e-3  # same initial weights
+    assert rollout.weight_versions() == [0, 0]
 
     trainer.train_step(_batch(0))
-    trainer_logprobs = trainer.compute_log_probs(fixed)
-    assert _max_diff(rollout.score(FIXED), trainer_logprobs) > 1e-2  # engine still has old weights
+    assert min(_engines_match_trainer(rollout, trainer)) > 1e-2  # engines still hold the old weights
+    with pytest.raises(WeightSyncMismatch, match="weight versions"):
+        verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0)
 
-    trainer.sync_weights(rollout.urls, rollout.tp_size, 16 * 2**20, weight_version=1)
-    assert _max_diff(rollout.score(FIXED), trainer_logprobs) < 1e-3
-    assert rollout.weight_versions() == [1]
-    generation = rollout.generate([FIXED[0][:3]], SamplingParams(max_new_tokens=2), n=2)
-    assert [g.weight_version for g in generation] == [1, 1]
+    trainer.sync_weights(rollout.urls, rollout.tp_size, 16 * 2**20, weight_version=1)  # rank i -> engine i
+    assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
+    assert rollout.weight_versions() == [1, 1]
+    assert verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0) < 1e-3
+    generations = rollout.generate([FIXED[0][:3], FIXED[1][:3]], SamplingParams(max_new_tokens=2), n=2)
+    assert [g.weight_version for g in generations] == [1, 1, 1, 1]
 
 
 @pytest.mark.slow
-def test_bucket_smaller_than_largest_tensor_still_syncs(engine_and_trainer):
-    rollout, trainer = engine_and_trainer
-    fixed = [TrainSequence(tokens, prompt_len=1) for tokens in FIXED]
+def test_bucket_smaller_than_largest_tensor_still_syncs(two_engines_two_ranks):
+    rollout, trainer = two_engines_two_ranks
     trainer.train_step(_batch(1))
     stats = trainer.sync_weights(rollout.urls, rollout.tp_size, 4096, weight_version=2)
     assert stats[0]["buckets"] > 20  # every tensor (the largest is 64 KB) travelled on its own
-    assert _max_diff(rollout.score(FIXED), trainer.compute_log_probs(fixed)) < 1e-3
-    assert rollout.weight_versions() == [2]
+    assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
+    assert rollout.weight_versions() == [2, 2]
+
+
+@pytest.mark.slow
+def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ranks):
+    rollout, trainer = two_engines_two_ranks
+    trainer.connect_broadcast(rollout.urls, rollout.tp_size, timeout_s=60)
+    for version, bucket_bytes in [(3, 16 * 2**20), (4, 4096)]:
+        trainer.train_step(_batch(version))
+        assert min(_engines_match_trainer(rollout, trainer)) > 1e-2
+        stats = trainer.sync_weights_broadcast(bucket_bytes, weight_version=version)
+        assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # only rank 0 sends
+        assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
+        assert rollout.weight_versions() == [version, version]
+
+
+@pytest.mark.slow
+def test_engine_that_never_joins_gives_a_timeout_naming_it(ray_cluster, tiny_model_dir):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens here any more
+    trainer = TrainerGroup(TrainerSpec(model_path=str(tiny_model_dir)), num_ranks=1)
+    try:
+        with pytest.raises(Exception, match=rf"engine {dead} did not join within 5s"):
+            trainer.connect_broadcast([dead], 1, timeout_s=5)
+    finally:
+        trainer.shutdown()

@@ -76,18 +76,23 @@ def gather_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def flatten_bucket(
-    named_full_tensors: list[tuple[str, torch.Tensor]], share_memory: bool, device: torch.device
+    named_full_tensors: list[tuple[str, torch.Tensor]], share_memory: bool, device: torch.device,
+    alignment: int = _ALIGN_BYTES,
 ) -> WeightBucket:
-    """Copy tensors back to back into one uint8 buffer (in shared memory when asked)."""
+    """Copy tensors back to back into one uint8 buffer (in shared memory when asked).
+
+    Tensors are laid out widest dtype first, so even with `alignment=1` (no padding, the layout
+    SGLang's broadcast receiver computes itself) every view stays aligned for its dtype."""
+    named_full_tensors = sorted(named_full_tensors, key=lambda item: -item[1].element_size())
     metas, offset = [], 0
     for name, tensor in named_full_tensors:
-        offset = (offset + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
+        offset = (offset + alignment - 1) // alignment * alignment
         end = offset + full_nbytes(tensor)
         metas.append(TensorMeta(name, tensor.shape, tensor.dtype, offset, end))
         offset = end
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)
     if share_memory:
         buffer.share_memory_()
-    for meta, (_, tensor) in zip(metas, named_full_tensors, strict=False):
+    for meta, (_, tensor) in zip(metas, named_full_tensors, strict=True):
         buffer[meta.start:meta.end].copy_(tensor.contiguous().view(-1).view(torch.uint8))
     return WeightBucket(buffer=buffer, metas=metas)

@@ -37,6 +37,8 @@ class EngineWeightClient:
     url: str
     tp_size: int = 1
     timeout_s: float = 600.0
+    share_memory: bool = True  # CPU tensors must live in shared memory to travel as handles
+    alignment: int = 16
 
     def _post(self, path: str, payload: dict) -> dict:
         answer = post_json(f"{self.url}{path}", payload, timeout_s=self.timeout_s)
@@ -47,7 +49,9 @@ class EngineWeightClient:
     def begin(self) -> None:
         self._post("/begin_weight_update", {})
 
-    def load_bucket(self, serialized: str, flush_cache: bool, weight_version: str | None) -> None:
+    def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None:
+        """Returns once the engine has loaded the bucket, so the handle may then be released."""
+        serialized = serialize_bucket(bucket)
         # One payload per TP rank: each rank maps the same full tensors and keeps its shard.
         self._post(
             "/update_weights_from_tensor",
