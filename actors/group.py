@@ -12,12 +12,12 @@ from actors.trainer import TrainerSpec, TrainerWorker
 
 class TrainerGroup:
     def __init__(self, spec: TrainerSpec, num_ranks: int, actor_options: list[dict] | None = None,
-                 env_vars: dict[str, str] | None = None):
+                 env_vars: dict[str, str] | None = None, worker_cls: type = TrainerWorker):
         self.spec = spec
         self.num_ranks = num_ranks
         options = actor_options or [{"num_cpus": 1}] * num_ranks
         runtime_env = {"env_vars": env_vars or {}}
-        remote_cls = ray.remote(TrainerWorker)
+        remote_cls = ray.remote(worker_cls)
         self.workers = [
             remote_cls.options(**options[rank], runtime_env=runtime_env).remote(
                 replace(spec), rank, num_ranks

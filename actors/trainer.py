@@ -87,6 +87,7 @@ class TrainerWorker:
         self.scheduler = None
         self.offloader = StateOffloader(pin_memory=self.backend.has_gpu)
         self.broadcast_sender: BroadcastWeightSender | None = None
+        self.colocated_clients: dict[str, EngineWeightClient] = {}  # kept: they own staging buffers
 
     # ---- set-up -------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -343,7 +344,9 @@ class TrainerWorker:
         self, engine_url: str | None, engine_tp_size: int, bucket_bytes: int, weight_version: int
     ) -> dict:
         """Colocated: push the weights to this rank's engine by IPC handle (or join the gathers)."""
-        client = EngineWeightClient(engine_url, engine_tp_size) if engine_url else None
+        client = None
+        if engine_url:
+            client = self.colocated_clients.setdefault(engine_url, EngineWeightClient(engine_url, engine_tp_size))
         return sync_weights(self.model.named_parameters(), bucket_bytes, client, str(weight_version),
                             self.backend).as_dict()
 
@@ -375,5 +378,8 @@ class TrainerWorker:
         if self.broadcast_sender is not None:
             self.broadcast_sender.close()
             self.broadcast_sender = None
+        for client in self.colocated_clients.values():
+            client.close()
+        self.colocated_clients = {}
         if dist.is_initialized():
             dist.destroy_process_group()

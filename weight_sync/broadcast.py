@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from weight_sync.backend import Backend
 from weight_sync.buckets import WeightBucket
+from weight_sync.colocated import StagingBuffer
 from weight_sync.http import EngineHTTPError, post_json
 
 
@@ -79,7 +80,6 @@ class _Calls:
 class BroadcastWeightSender:
     """Trainer rank 0's side of the weight-update group."""
 
-    share_memory = False
     alignment = 1  # SGLang's receiver lays tensors out back to back
 
     def __init__(self, engines: list[EngineEndpoint], backend: Backend, master_address: str,
@@ -90,6 +90,10 @@ class BroadcastWeightSender:
         self.timeout_s = timeout_s
         self.group_name = f"rlsys-weights-{uuid.uuid4().hex[:8]}"
         self.group = None
+        self._staging = StagingBuffer(share_memory=False)
+
+    def staging_buffer(self, nbytes: int, device):
+        return self._staging.get(nbytes, device)
 
     def connect(self) -> None:
         import socket
@@ -171,4 +175,5 @@ class BroadcastWeightSender:
                 pass  # the engine may already be gone
         dist.destroy_process_group(self.group)
         self.group = None
+        self._staging.release()
 

@@ -75,14 +75,11 @@ def gather_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def flatten_bucket(
-    named_full_tensors: list[tuple[str, torch.Tensor]], share_memory: bool, device: torch.device,
-    alignment: int = _ALIGN_BYTES,
-) -> WeightBucket:
-    """Copy tensors back to back into one uint8 buffer (in shared memory when asked).
-
-    Tensors are laid out widest dtype first, so even with `alignment=1` (no padding, the layout
-    SGLang's broadcast receiver computes itself) every view stays aligned for its dtype."""
+def bucket_layout(named_full_tensors: list[tuple[str, torch.Tensor]], alignment: int = _ALIGN_BYTES
+                  ) -> tuple[list[tuple[str, torch.Tensor]], list[TensorMeta], int]:
+    """(ordered tensors, their metadata, total bytes) of a bucket, widest dtype first so every
+    view stays aligned for its dtype even with `alignment=1` (no padding: the layout SGLang's
+    broadcast receiver computes itself)."""
     named_full_tensors = sorted(named_full_tensors, key=lambda item: -item[1].element_size())
     metas, offset = [], 0
     for name, tensor in named_full_tensors:
@@ -90,9 +87,16 @@ def flatten_bucket(
         end = offset + full_nbytes(tensor)
         metas.append(TensorMeta(name, tensor.shape, tensor.dtype, offset, end))
         offset = end
-    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
-    if share_memory:
-        buffer.share_memory_()
+    return named_full_tensors, metas, offset
+
+
+def flatten_bucket(named_full_tensors: list[tuple[str, torch.Tensor]], buffer: torch.Tensor,
+                   alignment: int = _ALIGN_BYTES) -> WeightBucket:
+    """Copy tensors back to back into (the start of) `buffer`, a reusable uint8 staging buffer."""
+    named_full_tensors, metas, total = bucket_layout(named_full_tensors, alignment)
+    if buffer.numel() < total:
+        raise ValueError(f"staging buffer of {buffer.numel()} bytes is smaller than the bucket ({total})")
+    buffer = buffer[:total]
     for meta, (_, tensor) in zip(metas, named_full_tensors, strict=True):
         buffer[meta.start:meta.end].copy_(tensor.contiguous().view(-1).view(torch.uint8))
     return WeightBucket(buffer=buffer, metas=metas)

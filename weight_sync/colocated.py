@@ -10,17 +10,43 @@ from __future__ import annotations
 
 import base64
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 
+import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
 
 from weight_sync.buckets import WeightBucket
 from weight_sync.http import post_json
 
 
+class StagingBuffer:
+    """One reusable bucket-sized buffer: every bucket of every sync is flattened into it.
+
+    Reuse keeps the extra memory at one bucket and avoids first-touch page faults of fresh memory
+    (2-5 GB/s here against 14-18 GB/s for warm copies); the engine maps the same pages each time.
+    CPU buffers live in shared memory so they travel as handles (the twin of CUDA IPC)."""
+
+    def __init__(self, share_memory: bool):
+        self.share_memory = share_memory
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes or self._buffer.device != device:
+            self._buffer = None
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            if self.share_memory and device.type == "cpu":
+                buffer.share_memory_()
+            self._buffer = buffer
+        return self._buffer
+
+    def release(self) -> None:
+        self._buffer = None
+
+
 def serialize_bucket(bucket: WeightBucket) -> str:
     """A base64 `flattened_bucket` payload of IPC handles (a few KB, whatever the bucket size)."""
+    # Views travel as (storage handle, offset, size): the receiver maps the same storage.
     payload = {
         "flattened_tensor": bucket.buffer,
         "metadata": [meta.as_sglang() for meta in bucket.metas],
@@ -37,8 +63,14 @@ class EngineWeightClient:
     url: str
     tp_size: int = 1
     timeout_s: float = 600.0
-    share_memory: bool = True  # CPU tensors must live in shared memory to travel as handles
     alignment: int = 16
+    _staging: StagingBuffer = field(default_factory=lambda: StagingBuffer(share_memory=True))
+
+    def staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return self._staging.get(nbytes, device)
+
+    def close(self) -> None:
+        self._staging.release()
 
     def _post(self, path: str, payload: dict) -> dict:
         answer = post_json(f"{self.url}{path}", payload, timeout_s=self.timeout_s)

@@ -15,13 +15,19 @@ from typing import Protocol
 import torch
 
 from weight_sync.backend import Backend
-from weight_sync.buckets import WeightBucket, flatten_bucket, gather_full_tensor, group_into_buckets
+from weight_sync.buckets import (
+    WeightBucket,
+    flatten_bucket,
+    full_nbytes,
+    gather_full_tensor,
+    group_into_buckets,
+)
 
 
 class WeightTransport(Protocol):
-    share_memory: bool
     alignment: int
 
+    def staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor: ...
     def begin(self) -> None: ...
     def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None: ...
     def end(self) -> None: ...
@@ -56,6 +62,9 @@ def sync_weights(
     start = time.perf_counter()
     groups = list(group_into_buckets(named_params, bucket_bytes))
     if transport is not None:
+        # One staging buffer, sized for the largest bucket (with alignment padding), reused by all.
+        alignment = transport.alignment
+        largest = max(sum(full_nbytes(t) + alignment for _, t in group) for group in groups)
         transport.begin()
     for index, group in enumerate(groups):
         tick = time.perf_counter()
@@ -65,7 +74,8 @@ def sync_weights(
         stats.gather_s += time.perf_counter() - tick
         if transport is not None:
             tick = time.perf_counter()
-            bucket = flatten_bucket(full, transport.share_memory, full[0][1].device, transport.alignment)
+            staging = transport.staging_buffer(largest, full[0][1].device)
+            bucket = flatten_bucket(full, staging, alignment)
             stats.flatten_s += time.perf_counter() - tick
             tick = time.perf_counter()
             is_last = index == len(groups) - 1

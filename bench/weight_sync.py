@@ -1,0 +1,245 @@
+"""Weight-sync benchmark: both transports end to end into a real SGLang engine, against a naive
+baseline and against this machine's own memcpy and all-gather bandwidth, measured in one run.
+Prints one JSON object.
+
+    .venv/bin/python bench/weight_sync.py [--hidden-size 1024 --layers 32 --bucket-mb 64 256 1024]
+
+The synthetic model is a Qwen2 of ~0.5 B parameters (fp32, ~2 GB) built locally; 2 FSDP2 ranks
+hold it sharded; one SGLang engine (CPU) serves it. Stages, for one sync, timed on trainer rank 0:
+- gather_s: DTensor full_tensor() all-gathers, bucket by bucket (a collective over the ranks);
+- flatten_s: copy of the gathered tensors into the reusable staging buffer (the bucket);
+- handover_s: per-bucket fixed cost of the hand-over (colocated: pickling the IPC handle + the
+  HTTP round trip; broadcast: HTTP request + group round trip), measured with a one-tensor bucket;
+- load_s: the rest of the per-bucket call: the engine maps (colocated) or receives (broadcast)
+  the bucket and copies it into its parameters;
+- after_gather_s = flatten_s + handover_s + load_s; total_s = the whole sync, gather included.
+The naive baseline gathers the full state dict on rank 0, torch.save()s it to bytes, writes them
+where the engine can read them (/dev/shm) and has the engine load them (/update_weights_from_disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import ray
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from actors.group import TrainerGroup  # noqa: E402
+from actors.trainer import TrainerSpec, TrainerWorker  # noqa: E402
+from rlsys.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+from rollout.manager import RolloutManager  # noqa: E402
+from rollout.server import ServerSpec  # noqa: E402
+from weight_sync.http import post_json  # noqa: E402
+
+
+class PeakRSS:
+    """Samples this process's RSS every 2 ms; `peak - start` is the extra memory of the block."""
+
+    def __enter__(self):
+        self.process = psutil.Process()
+        self.start = self.peak = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.extra = self.peak - self.start
+
+
+class BenchTrainerWorker(TrainerWorker):
+    """A trainer rank with measuring wrappers around the library's own sync paths."""
+
+    def measured_sync(self, engine_url: str | None, bucket_bytes: int, version: int, broadcast: bool) -> dict:
+        with PeakRSS() as memory:
+            if broadcast:
+                stats = self.sync_weights_broadcast(bucket_bytes, version)
+            else:
+                stats = self.sync_weights(engine_url, 1, bucket_bytes, version)
+        return {**stats, "extra_peak_rss_bytes": memory.extra}
+
+    def handover_overhead(self, engine_url: str | None, broadcast: bool, repeats: int = 5) -> float:
+        """Seconds of one bucket's hand-over with almost nothing in it: the smallest parameter (a
+        norm weight, a few KB), so the time is the fixed cost of a bucket, not its bytes."""
+        from weight_sync.buckets import flatten_bucket, gather_full_tensor
+
+        name, param = min(self.model.named_parameters(), key=lambda item: item[1].numel())
+        tiny = [(name, gather_full_tensor(param))]  # collective: every rank takes part
+        if self.rank != 0:
+            return 0.0
+        transport = self.broadcast_sender if broadcast else self.colocated_clients[engine_url]
+        times = []
+        transport.begin()
+        for _ in range(repeats):
+            bucket = flatten_bucket(tiny, transport.staging_buffer(1 << 20, tiny[0][1].device), transport.alignment)
+            start = time.perf_counter()
+            transport.send_bucket(bucket, flush_cache=False, weight_version=None)
+            times.append(time.perf_counter() - start)
+        transport.end()
+        return statistics.median(times)
+
+    def naive_sync(self, engine_url: str | None, model_dir: str, stage_dir: str) -> dict:
+        """Full state dict on rank 0 -> torch.save bytes -> written -> engine loads from disk."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        timings = {}
+        with PeakRSS() as memory:
+            start = time.perf_counter()
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            timings["gather_s"] = time.perf_counter() - start
+            if self.rank == 0:
+                tick = time.perf_counter()
+                buffer = io.BytesIO()
+                torch.save(state, buffer)
+                timings["serialize_s"] = time.perf_counter() - tick
+                tick = time.perf_counter()
+                Path(stage_dir).mkdir(parents=True, exist_ok=True)
+                (Path(stage_dir) / "pytorch_model.bin").write_bytes(buffer.getbuffer())
+                for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+                    if (Path(model_dir) / name).exists():
+                        shutil.copy2(Path(model_dir) / name, Path(stage_dir) / name)
+                timings["send_s"] = time.perf_counter() - tick
+                tick = time.perf_counter()
+                post_json(f"{engine_url}/update_weights_from_disk", {"model_path": stage_dir, "load_format": "pt"})
+                timings["load_s"] = time.perf_counter() - tick
+                timings["bytes"] = buffer.getbuffer().nbytes
+            timings["total_s"] = time.perf_counter() - start
+        timings["extra_peak_rss_bytes"] = memory.extra
+        return timings
+
+    def all_gather_bandwidth(self, nbytes: int, repeats: int = 3) -> float:
+        """GB/s of the backend's raw all_gather_into_tensor (output bytes / seconds)."""
+        import torch.distributed as dist
+
+        shard = torch.ones(nbytes // self.world_size // 4, dtype=torch.float32)
+        out = torch.empty(shard.numel() * self.world_size, dtype=torch.float32)
+        dist.all_gather_into_tensor(out, shard)  # warm-up
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_gather_into_tensor(out, shard)
+            times.append(time.perf_counter() - start)
+        return out.numel() * 4 / statistics.median(times) / 1e9
+
+
+def memcpy_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def summarize(stats: list[dict], handover_per_bucket: float) -> dict:
+    rank0 = stats[0]
+    handover = handover_per_bucket * rank0["buckets"]
+    load = max(rank0["handover_and_load_s"] - handover, 0.0)
+    after_gather = rank0["flatten_s"] + rank0["handover_and_load_s"]
+    gb = rank0["bytes"] / 1e9
+    return {
+        "buckets": rank0["buckets"], "bytes": rank0["bytes"],
+        "gather_s": rank0["gather_s"], "flatten_s": rank0["flatten_s"], "handover_s": handover, "load_s": load,
+        "after_gather_s": after_gather, "total_s": rank0["total_s"],
+        "gather_gbps": gb / rank0["gather_s"], "after_gather_gbps": gb / after_gather, "total_gbps": gb / rank0["total_s"],
+        "extra_peak_rss_bytes_rank0": rank0["extra_peak_rss_bytes"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="rlsys-bench-ws-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    model_dir = work / "model"
+    make_tiny_model(model_dir, TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=16,
+                                             num_kv_heads=4, intermediate_size=args.hidden_size * 4))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    num_params = sum(p.numel() for p in skeleton.parameters())
+    result = {"model_parameters": num_params, "model_bytes": num_params * 4, "memcpy_gbps": memcpy_gbps()}
+
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+    rollout = RolloutManager(ServerSpec(model_path=str(model_dir), skip_tokenizer_init=True, context_length=128,
+                                        max_total_tokens=2048, mem_fraction_static=0.2),
+                             1, str(work / "logs"), [{"num_cpus": 1}], startup_timeout_s=900, request_timeout_s=900)
+    group = None
+    try:
+        group = TrainerGroup(TrainerSpec(model_path=str(model_dir), lr=1e-5), 2, worker_cls=BenchTrainerWorker)
+        url = rollout.wait_ready()[0]
+        result["allgather_gbps_gloo_2_ranks"] = ray.get([w.all_gather_bandwidth.remote(256 << 20) for w in group.workers])[0]
+
+        version = 0
+        result["colocated"], result["broadcast"] = {}, {}
+        for transport in ("colocated", "broadcast"):
+            if transport == "broadcast":
+                group.connect_broadcast([url], 1, timeout_s=600)
+            for bucket_mb in args.bucket_mb:
+                runs = []
+                for _ in range(args.repeats):
+                    version += 1
+                    calls = [w.measured_sync.remote(url if rank == 0 else None, bucket_mb << 20, version,
+                                                    transport == "broadcast") for rank, w in enumerate(group.workers)]
+                    runs.append(ray.get(calls))
+                overhead = ray.get([w.handover_overhead.remote(url if rank == 0 else None, transport == "broadcast")
+                                    for rank, w in enumerate(group.workers)])[0]
+                best = min(runs, key=lambda stats: stats[0]["total_s"])  # warm run: buffers reused
+                result[transport][f"{bucket_mb}MB"] = summarize(best, overhead)
+                assert rollout.weight_versions() == [version]
+
+        naive = ray.get([w.naive_sync.remote(url if rank == 0 else None, str(model_dir), str(work / "naive"))
+                         for rank, w in enumerate(group.workers)])[0]
+        naive["gbps"] = naive["bytes"] / 1e9 / naive["total_s"]
+        result["naive"] = naive
+    finally:
+        if group is not None:
+            group.shutdown()
+        rollout.shutdown()
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+    colocated_best = min(result["colocated"].values(), key=lambda r: r["total_s"])
+    result["checks"] = {
+        "colocated_after_gather_over_memcpy": colocated_best["after_gather_gbps"] / result["memcpy_gbps"],
+        "colocated_total_speedup_over_naive": result["naive"]["total_s"] / colocated_best["total_s"],
+        "broadcast_total_speedup_over_naive": result["naive"]["total_s"] / min(
+            r["total_s"] for r in result["broadcast"].values()),
+        "gather_over_raw_allgather": colocated_best["gather_gbps"] / result["allgather_gbps_gloo_2_ranks"],
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
