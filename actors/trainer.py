@@ -23,7 +23,7 @@ from actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import clipped_policy_loss, kl_estimate, masked_sum, token_entropy
 from weight_sync.backend import detect_backend
 from weight_sync.broadcast import BroadcastWeightSender, EngineEndpoint
-from weight_sync.colocated import EngineWeightClient
+from weight_sync.colocated import EngineWeightClient, StagingBuffer
 from weight_sync.sync import sync_weights
 
 
@@ -88,6 +88,7 @@ class TrainerWorker:
         self.offloader = StateOffloader(pin_memory=self.backend.has_gpu)
         self.broadcast_sender: BroadcastWeightSender | None = None
         self.colocated_clients: dict[str, EngineWeightClient] = {}  # kept: they own staging buffers
+        self.gather_scratch = StagingBuffer(share_memory=False)  # ranks that only join the gathers
 
     # ---- set-up -------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -348,7 +349,7 @@ class TrainerWorker:
         if engine_url:
             client = self.colocated_clients.setdefault(engine_url, EngineWeightClient(engine_url, engine_tp_size))
         return sync_weights(self.model.named_parameters(), bucket_bytes, client, str(weight_version),
-                            self.backend).as_dict()
+                            self.backend, self.gather_scratch).as_dict()
 
     def connect_broadcast(self, engines: list[tuple[str, int]], timeout_s: float) -> None:
         """Rank 0 only: form the weight-update group with every engine worker."""
@@ -363,7 +364,7 @@ class TrainerWorker:
     def sync_weights_broadcast(self, bucket_bytes: int, weight_version: int) -> dict:
         """Disaggregated: rank 0 broadcasts each gathered bucket; the other ranks join the gathers."""
         return sync_weights(self.model.named_parameters(), bucket_bytes, self.broadcast_sender,
-                            str(weight_version), self.backend).as_dict()
+                            str(weight_version), self.backend, self.gather_scratch).as_dict()
 
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)

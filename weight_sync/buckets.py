@@ -67,6 +67,27 @@ def group_into_buckets(
         yield group
 
 
+def gather_into(tensor: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the full tensor into `out` (a view into a bucket), all-gathering shards straight into
+    it when they are even dim-0 shards (FSDP2's layout), so no extra copy of the bucket is made.
+    A collective for DTensor shards: every rank calls it for the same tensors in the same order."""
+    tensor = tensor.detach()
+    if not hasattr(tensor, "full_tensor"):
+        out.copy_(tensor)
+        return
+    from torch.distributed.tensor import Shard
+
+    mesh = tensor.device_mesh
+    placements = tensor.placements
+    even = tensor.shape[0] % mesh.size() == 0 if tensor.ndim else False
+    if mesh.ndim == 1 and len(placements) == 1 and placements[0] == Shard(0) and even:
+        import torch.distributed as dist
+
+        dist.all_gather_into_tensor(out, tensor.to_local().contiguous(), group=mesh.get_group())
+    else:
+        out.copy_(tensor.full_tensor())
+
+
 def gather_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor on this rank: a collective for DTensor shards, a no-op otherwise."""
     tensor = tensor.detach()
@@ -88,6 +109,18 @@ def bucket_layout(named_full_tensors: list[tuple[str, torch.Tensor]], alignment:
         metas.append(TensorMeta(name, tensor.shape, tensor.dtype, offset, end))
         offset = end
     return named_full_tensors, metas, offset
+
+
+def gather_bucket(named_tensors: list[tuple[str, torch.Tensor]], buffer: torch.Tensor,
+                  alignment: int = _ALIGN_BYTES) -> WeightBucket:
+    """All-gather (possibly sharded) tensors straight into `buffer`, laid out as `bucket_layout`."""
+    ordered, metas, total = bucket_layout(named_tensors, alignment)
+    if buffer.numel() < total:
+        raise ValueError(f"staging buffer of {buffer.numel()} bytes is smaller than the bucket ({total})")
+    bucket = WeightBucket(buffer=buffer[:total], metas=metas)
+    for (_, tensor), (_, view) in zip(ordered, bucket.tensors(), strict=True):
+        gather_into(tensor, view)
+    return bucket
 
 
 def flatten_bucket(named_full_tensors: list[tuple[str, torch.Tensor]], buffer: torch.Tensor,

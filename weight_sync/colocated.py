@@ -31,6 +31,9 @@ class StagingBuffer:
         self.share_memory = share_memory
         self._buffer: torch.Tensor | None = None
 
+    def staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return self.get(nbytes, device)
+
     def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() < nbytes or self._buffer.device != device:
             self._buffer = None

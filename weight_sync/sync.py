@@ -15,13 +15,8 @@ from typing import Protocol
 import torch
 
 from weight_sync.backend import Backend
-from weight_sync.buckets import (
-    WeightBucket,
-    flatten_bucket,
-    full_nbytes,
-    gather_full_tensor,
-    group_into_buckets,
-)
+from weight_sync.buckets import WeightBucket, full_nbytes, gather_bucket, group_into_buckets
+from weight_sync.colocated import StagingBuffer
 
 
 class WeightTransport(Protocol):
@@ -37,8 +32,7 @@ class WeightTransport(Protocol):
 class SyncStats:
     buckets: int = 0
     bytes: int = 0
-    gather_s: float = 0.0
-    flatten_s: float = 0.0
+    gather_s: float = 0.0  # all-gather straight into the staging buffer (the bucket)
     handover_and_load_s: float = 0.0
     total_s: float = 0.0
 
@@ -52,38 +46,34 @@ def sync_weights(
     transport: WeightTransport | None,
     weight_version: str,
     backend: Backend,
-    engine_dtype: torch.dtype | None = None,
+    scratch: StagingBuffer | None = None,
 ) -> SyncStats:
     """Gather buckets of full tensors (a collective: every rank must call this) and, where a
-    transport is given, send each one. The engines flush their cache and take the new weight
-    version once, with the last bucket."""
+    transport is given, send each one. Shards are all-gathered straight into one reusable staging
+    buffer (the transport's, or `scratch` on ranks that only take part in the gathers). The
+    engines flush their cache and take the new weight version once, with the last bucket."""
     backend.prepare_ipc()
     stats = SyncStats()
     start = time.perf_counter()
     groups = list(group_into_buckets(named_params, bucket_bytes))
+    alignment = transport.alignment if transport is not None else 1
+    # One staging buffer, sized for the largest bucket (with alignment padding), reused by all.
+    largest = max(sum(full_nbytes(t) + alignment for _, t in group) for group in groups)
+    staging = transport if transport is not None else (scratch or StagingBuffer(share_memory=False))
+    device = next(iter(groups[0]))[1].device
     if transport is not None:
-        # One staging buffer, sized for the largest bucket (with alignment padding), reused by all.
-        alignment = transport.alignment
-        largest = max(sum(full_nbytes(t) + alignment for _, t in group) for group in groups)
         transport.begin()
     for index, group in enumerate(groups):
         tick = time.perf_counter()
-        full = [(name, gather_full_tensor(tensor)) for name, tensor in group]
-        if engine_dtype is not None:
-            full = [(name, tensor.to(engine_dtype)) for name, tensor in full]
+        bucket = gather_bucket(group, staging.staging_buffer(largest, device), alignment)
         stats.gather_s += time.perf_counter() - tick
         if transport is not None:
-            tick = time.perf_counter()
-            staging = transport.staging_buffer(largest, full[0][1].device)
-            bucket = flatten_bucket(full, staging, alignment)
-            stats.flatten_s += time.perf_counter() - tick
             tick = time.perf_counter()
             is_last = index == len(groups) - 1
             transport.send_bucket(bucket, flush_cache=is_last, weight_version=weight_version if is_last else None)
             stats.bytes += bucket.buffer.numel()
-            del bucket  # loaded by the engine: the handle may go
             stats.handover_and_load_s += time.perf_counter() - tick
-        del full
+        del bucket  # loaded by the engine: the staging buffer may be reused
         stats.buckets += 1
     if transport is not None:
         transport.end()
