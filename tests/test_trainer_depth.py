@@ -140,3 +140,20 @@ def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny
     finally:
         straight.shutdown()
         resumed.shutdown()
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_and_lr_warmup_behave(ray_cluster, tiny_model_dir):
+    batch = _batch(5)
+    plain = TrainerGroup(_spec(tiny_model_dir, warmup_steps=4), 1)
+    checkpointed = TrainerGroup(_spec(tiny_model_dir, gradient_checkpointing=True), 1)
+    try:
+        g_plain, g_ckpt = plain.loss_gradients(batch), checkpointed.loss_gradients(batch)
+        for name in g_plain:
+            assert torch.allclose(g_plain[name], g_ckpt[name], atol=1e-6, rtol=1e-5), name
+        # linear warmup over 4 optimizer steps: lr after each step is lr * min(step + 1, 4) / 4
+        lrs = [plain.train_step(_batch(s))["lr"] for s in range(5)]
+        assert lrs == pytest.approx([5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    finally:
+        plain.shutdown()
+        checkpointed.shutdown()
