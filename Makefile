@@ -32,7 +32,7 @@ chromium:
 		apt-get install -y -qq chromium >/dev/null) || echo "rlsys: could not install chromium"
 
 test: install chromium
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

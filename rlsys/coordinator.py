@@ -37,6 +37,8 @@ from rollout.manager import RolloutManager
 from rollout.server import ServerSpec
 from weight_sync.backend import detect_backend
 
+HEALTH_INTERVAL_S = 5.0  # actor and engine health is refreshed at most this often
+
 
 class RunFailed(RuntimeError):
     """The run stopped on bad input or a broken component; the message says which."""
@@ -208,6 +210,7 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
     # Only colocated trainers give their device memory to the engines between steps.
     offload = config.trainer.offload_between_steps and config.placement.mode == "colocated"
     total = config.trainer.total_steps
+    last_health = time.monotonic()
     bar = tqdm(range(state.next_step, total), initial=state.next_step, total=total, desc="GRPO",
                disable=not config.logging.progress_bar, dynamic_ncols=True)
     for step in bar:
@@ -272,7 +275,9 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
         )
         log.append(row)
         status.record_step(row)
-        status.set_actors(collect_actor_health(parts.trainer, parts.rollout))
+        if time.monotonic() - last_health >= HEALTH_INTERVAL_S or step + 1 == total:
+            status.set_actors(collect_actor_health(parts.trainer, parts.rollout))
+            last_health = time.monotonic()
         status.save_snapshot()
         bar.set_postfix(reward=f"{mean:.2f}", eval=f"{row.get('eval_reward_mean', float('nan')):.2f}")
 

@@ -107,11 +107,13 @@ class RolloutEngine:
         return self.server.is_alive()
 
     def health(self) -> dict:
-        """Whether the server answers, and the memory of its process tree."""
+        """Whether the server answers, and the memory of its process tree.
+
+        Asks /model_info (about 2 ms) rather than /health, which takes a full second on SGLang."""
         alive = self.server.is_alive()
         if alive:
             try:
-                get_json(f"{self.server.url}/health", timeout_s=5.0)
+                get_json(f"{self.server.url}/model_info", timeout_s=5.0)
             except Exception:  # noqa: BLE001 - any failure to answer means unhealthy
                 alive = False
         return {"alive": alive, "memory_bytes": self.server.memory_bytes(), "url": self.server.url}
