@@ -14,7 +14,7 @@ hold it sharded; one SGLang engine (CPU) serves it. Stages, for one sync, timed 
   the bucket and copies it into its parameters;
 - after_gather_s = handover_s + load_s; total_s = the whole sync, gather included.
 The naive baseline gathers the full state dict on rank 0, torch.save()s it to bytes, writes them
-where the engine can read them (/dev/shm) and has the engine load them (/update_weights_from_disk).
+to a file the engine reads and has the engine load them (/update_weights_from_disk).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -189,7 +188,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="rlsys-bench-ws-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    work = Path(tempfile.mkdtemp(prefix="rlsys-bench-ws-"))
     model_dir = work / "model"
     make_tiny_model(model_dir, TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=16,
                                              num_kv_heads=4, intermediate_size=args.hidden_size * 4))
