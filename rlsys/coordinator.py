@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ray.exceptions import RayError
+
 from actors.group import TrainerGroup
 from actors.placement import Placement, create_placement
 from actors.trainer import TrainerSpec
@@ -299,6 +301,11 @@ def restore(parts: Components, config: RunConfig, checkpoint: Path | None) -> Co
     return state
 
 
+def _first_lines(text: str, count: int) -> str:
+    lines = text.splitlines()
+    return "\n".join(lines[:count] + (["..."] if len(lines) > count else []))
+
+
 def _exit_cleanly_on_sigterm() -> None:
     # A killed job (ray job stop, timeout, kill) still stops its engines and trainers.
     def _raise(signum, frame):
@@ -340,6 +347,13 @@ def run(config: RunConfig) -> Path:
                 _train_loop(config, assets, parts, log, store, state, status)
             finally:
                 parts.shutdown()
+        except RayError as error:
+            # A trainer rank or engine died or raised: say which, keep the cause for the log.
+            cause = getattr(error, "cause", None) or error  # the remote exception, without Ray's wrapping
+            message = f"{type(cause).__name__}: {_first_lines(str(cause), 40)}"
+            status.fail(message)
+            status.save_snapshot()
+            raise RunFailed(f"a trainer rank or rollout engine failed: {message}") from error
         except BaseException as error:
             status.fail(f"{type(error).__name__}: {error}")
             status.save_snapshot()

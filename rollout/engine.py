@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rollout.server import ServerSpec, SGLangServer
 from weight_sync.backend import detect_backend
-from weight_sync.http import get_json, post_json
+from weight_sync.http import EngineHTTPError, get_json, post_json
 
 
 @dataclass
@@ -62,7 +62,14 @@ class RolloutEngine:
             raise RuntimeError(
                 f"SGLang server {self.server.url} is not running; last log lines:\n{self.server.log_tail()}"
             )
-        return post_json(f"{self.server.url}{path}", payload, timeout_s=self.request_timeout_s)
+        try:
+            return post_json(f"{self.server.url}{path}", payload, timeout_s=self.request_timeout_s)
+        except EngineHTTPError as error:
+            state = "is running" if self.server.is_alive() else "has exited"
+            raise RuntimeError(
+                f"SGLang server {self.server.url} {state} and {path} failed: {error}; last log lines:\n"
+                f"{self.server.log_tail()}"
+            ) from error
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Generation]:
         """`n` samples for every prompt, grouped prompt by prompt (len = n * len(prompts))."""

@@ -19,6 +19,8 @@ from pathlib import Path
 from weight_sync.backend import Backend
 from weight_sync.http import EngineHTTPError, get_json
 
+# Shared-memory files SGLang's processes create (load slots, segments, multiprocessing semaphores).
+_SGLANG_SHM_PREFIXES = ("/dev/shm/sglang_", "/dev/shm/sgl_shm", "/dev/shm/sem.mp-")
 CPU_COMPAT_SITE = Path(__file__).resolve().parent / "cpu_compat" / "site"
 
 
@@ -99,6 +101,7 @@ class SGLangServer:
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
         self._process: subprocess.Popen | None = None
+        self._owned_shm: set[str] = set()
 
     def start(self, timeout_s: float) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +126,7 @@ class SGLangServer:
                 )
             try:
                 get_json(f"{self.url}/model_info", timeout_s=2.0)
+                self._owned_shm = self._shared_memory_files()  # removed at stop, even after a crash
                 return
             except (EngineHTTPError, OSError):
                 time.sleep(0.5)
@@ -165,7 +169,7 @@ class SGLangServer:
         files = set()
         for process in processes:
             try:
-                files.update(m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/sglang_"))
+                files.update(m.path for m in process.memory_maps() if m.path.startswith(_SGLANG_SHM_PREFIXES))
             except psutil.Error:
                 continue
         return files
@@ -178,7 +182,7 @@ class SGLangServer:
         """
         if self._process is None:
             return
-        owned_shm = self._shared_memory_files() if self._process.poll() is None else set()
+        owned_shm = self._owned_shm | (self._shared_memory_files() if self._process.poll() is None else set())
         if self._process.poll() is None:
             # SIGTERM to the server alone: it tears down its scheduler and detokenizer itself.
             self._process.terminate()

@@ -59,5 +59,5 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
 
     assert _foreign_leftovers(before_pids) == []
     new_shm = [name for name in set(os.listdir("/dev/shm")) - before_shm
-               if name.startswith(("torch_", "sglang_", "sgl_shm"))]
+               if name.startswith(("torch_", "sglang_", "sgl_shm", "sem.mp-"))]
     assert new_shm == []

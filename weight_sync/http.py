@@ -22,9 +22,9 @@ def _request(url: str, payload: dict | None, timeout_s: float):
             body = response.read()
     except urllib.error.HTTPError as error:
         detail = error.read().decode(errors="replace")[:2000]
-        raise EngineHTTPError(f"{url} answered HTTP {error.code}: {detail}") from error
+        raise EngineHTTPError(f"SGLang server request {url} answered HTTP {error.code}: {detail}") from error
     except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-        raise EngineHTTPError(f"{url} could not be reached: {error}") from error
+        raise EngineHTTPError(f"SGLang server request {url} could not be reached: {error}") from error
     return json.loads(body) if body else None
 
 

@@ -163,7 +163,9 @@ class StatusServer:
 
     def __init__(self, status: RunStatus, host: str, port: int, token: str | None):
         if port and not port_is_free(host, port):
-            raise OSError(f"status.port {port} on {host} is in use; pick another or set status.port: 0")
+            from rlsys.config import ConfigError
+
+            raise ConfigError(f"status.port {port} on {host} is in use; pick another, or status.port=0 for a free one")
         config = uvicorn.Config(build_app(status, token), host=host, port=port, log_level="warning",
                                 access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)

@@ -1,0 +1,51 @@
+"""Fault injection: an engine that dies mid-run stops the run with a clear message, cleanly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import REPO
+from tests.test_quickstart import _foreign_leftovers
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_run_fails_the_run_with_a_clear_message(tmp_path, tiny_model_dir):
+    before_pids = {p.pid for p in psutil.process_iter()}
+    before_shm = set(os.listdir("/dev/shm"))
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
+         f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false",
+         "trainer.total_steps=2000", "status.port=0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
+            time.sleep(0.3)
+        servers = [p for p in psutil.process_iter(["pid", "cmdline"])
+                   if "sglang.launch_server" in " ".join(p.info["cmdline"] or [])
+                   and str(tiny_model_dir) in " ".join(p.info["cmdline"] or []) and p.pid not in before_pids]
+        assert len(servers) == 1
+        os.kill(servers[0].pid, signal.SIGKILL)  # the engine's server dies without warning
+
+        _, stderr = run.communicate(timeout=300)
+        assert run.returncode == 1
+        assert "rlsys: run failed: a trainer rank or rollout engine failed" in stderr
+        assert "SGLang server" in stderr
+        assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+        time.sleep(2)
+        assert _foreign_leftovers(before_pids) == []
+        assert [n for n in set(os.listdir("/dev/shm")) - before_shm if n.startswith(("torch_", "sglang_", "sem.mp-"))] == []
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
