@@ -19,7 +19,7 @@ def _command(run_dir, model_dir, *extra):
         sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
         f"model.path={model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false",
         "trainer.total_steps=6", "checkpoint.interval=2", "eval.interval=100",
-        "algorithm.use_kl_loss=true", "algorithm.kl_coef=0.01", *extra,
+        "algorithm.use_kl_loss=true", "algorithm.kl_coef=0.01", "status.port=0", *extra,
     ]
 
 

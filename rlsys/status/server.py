@@ -151,6 +151,7 @@ def build_app(status: RunStatus, token: str | None) -> FastAPI:
 
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is fine
         try:
             sock.bind((host, port))
             return True
