@@ -212,7 +212,7 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
     # Only colocated trainers give their device memory to the engines between steps.
     offload = config.trainer.offload_between_steps and config.placement.mode == "colocated"
     total = config.trainer.total_steps
-    last_health = time.monotonic()
+    last_health, last_eval = time.monotonic(), None
     bar = tqdm(range(state.next_step, total), initial=state.next_step, total=total, desc="GRPO",
                disable=not config.logging.progress_bar, dynamic_ncols=True)
     for step in bar:
@@ -281,7 +281,8 @@ def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: Me
             status.set_actors(collect_actor_health(parts.trainer, parts.rollout))
             last_health = time.monotonic()
         status.save_snapshot()
-        bar.set_postfix(reward=f"{mean:.2f}", eval=f"{row.get('eval_reward_mean', float('nan')):.2f}")
+        last_eval = row.get("eval_reward_mean", last_eval)
+        bar.set_postfix(reward=f"{mean:.2f}", eval=f"{last_eval:.2f}" if last_eval is not None else "-")
 
 
 def resume_point(config: RunConfig, store: CheckpointStore) -> Path | None:
