@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +29,6 @@ class ScoredBatch:
     reward_errors: int = 0
     first_error: str | None = None
     dropped_groups: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def response_text(tokenizer, response_ids: list[int]) -> str:
