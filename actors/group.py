@@ -44,11 +44,13 @@ class TrainerGroup:
 
     def sync_weights(self, engine_urls: list[str], engine_tp_size: int, bucket_bytes: int,
                      weight_version: int) -> list[dict]:
-        """Colocated sync: rank i feeds engine i; ranks without an engine join the gathers."""
+        """Colocated sync: rank i feeds engine i; ranks without an engine join the gathers.
+        With a single engine only rank 0 needs full tensors, so shards are gathered to it alone."""
+        gather_dst = 0 if len(engine_urls) == 1 else None
         calls = [
             worker.sync_weights.remote(
                 engine_urls[rank] if rank < len(engine_urls) else None,
-                engine_tp_size, bucket_bytes, weight_version,
+                engine_tp_size, bucket_bytes, weight_version, gather_dst,
             )
             for rank, worker in enumerate(self.workers)
         ]

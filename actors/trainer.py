@@ -342,14 +342,16 @@ class TrainerWorker:
 
     # ---- weights ------------------------------------------------------------------------
     def sync_weights(
-        self, engine_url: str | None, engine_tp_size: int, bucket_bytes: int, weight_version: int
+        self, engine_url: str | None, engine_tp_size: int, bucket_bytes: int, weight_version: int,
+        gather_dst: int | None = None,
     ) -> dict:
-        """Colocated: push the weights to this rank's engine by IPC handle (or join the gathers)."""
+        """Colocated: push the weights to this rank's engine by IPC handle (or join the gathers).
+        `gather_dst`: the only rank with an engine, if just one has one (see `sync_weights`)."""
         client = None
         if engine_url:
             client = self.colocated_clients.setdefault(engine_url, EngineWeightClient(engine_url, engine_tp_size))
         return sync_weights(self.model.named_parameters(), bucket_bytes, client, str(weight_version),
-                            self.backend, self.gather_scratch).as_dict()
+                            self.backend, self.gather_scratch, gather_dst).as_dict()
 
     def connect_broadcast(self, engines: list[tuple[str, int]], timeout_s: float) -> None:
         """Rank 0 only: form the weight-update group with every engine worker."""
@@ -364,7 +366,7 @@ class TrainerWorker:
     def sync_weights_broadcast(self, bucket_bytes: int, weight_version: int) -> dict:
         """Disaggregated: rank 0 broadcasts each gathered bucket; the other ranks join the gathers."""
         return sync_weights(self.model.named_parameters(), bucket_bytes, self.broadcast_sender,
-                            str(weight_version), self.backend, self.gather_scratch).as_dict()
+                            str(weight_version), self.backend, self.gather_scratch, gather_dst=0).as_dict()
 
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)

@@ -6,12 +6,14 @@ Prints one JSON object.
 
 The synthetic model is a Qwen2 of ~0.5 B parameters (fp32, ~2 GB) built locally; 2 FSDP2 ranks
 hold it sharded; one SGLang engine (CPU) serves it. Stages, for one sync, timed on trainer rank 0:
-- gather_s: all-gather of each bucket's shards straight into the reusable staging buffer, which
-  then is the bucket (a collective over the ranks; no separate flattening copy);
+- gather_s: gathering each bucket's shards straight into rank 0's reusable staging buffer, which
+  then is the bucket (one engine: only rank 0 needs the full tensors, so the other ranks send
+  their shards point-to-point instead of all-gathering; no separate flattening copy);
 - handover_s: per-bucket fixed cost of the hand-over (colocated: pickling the IPC handle + the
   HTTP round trip; broadcast: HTTP request + group round trip), measured with a one-tensor bucket;
 - load_s: the rest of the per-bucket call: the engine maps (colocated) or receives (broadcast)
-  the bucket and copies it into its parameters;
+  the bucket and copies it into its parameters (colocated: `weight_sync.engine_loader`, with
+  `engine_weight_load_threads` threads, the machine's cores: the trainer ranks wait meanwhile);
 - after_gather_s = handover_s + load_s; total_s = the whole sync, gather included.
 The naive baseline gathers the full state dict on rank 0, torch.save()s it to bytes, writes them
 to a file the engine reads and has the engine load them (/update_weights_from_disk).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -75,7 +78,7 @@ class BenchTrainerWorker(TrainerWorker):
             if broadcast:
                 stats = self.sync_weights_broadcast(bucket_bytes, version)
             else:
-                stats = self.sync_weights(engine_url, 1, bucket_bytes, version)
+                stats = self.sync_weights(engine_url, 1, bucket_bytes, version, gather_dst=0)  # one engine
         return {**stats, "extra_peak_rss_bytes": memory.extra}
 
     def handover_overhead(self, engine_url: str | None, broadcast: bool, repeats: int = 5) -> float:
@@ -127,20 +130,31 @@ class BenchTrainerWorker(TrainerWorker):
         timings["extra_peak_rss_bytes"] = memory.extra
         return timings
 
-    def all_gather_bandwidth(self, nbytes: int, repeats: int = 3) -> float:
-        """GB/s of the backend's raw all_gather_into_tensor (output bytes / seconds)."""
+    def raw_gather_bandwidth(self, nbytes: int, repeats: int = 3) -> dict:
+        """GB/s (full-tensor bytes / seconds) of the backend's raw collectives on plain tensors:
+        all_gather_into_tensor, and shards sent point-to-point to rank 0 (what a sync to a single
+        engine does, `weight_sync.buckets.gather_shards_to`)."""
         import torch.distributed as dist
+
+        from weight_sync.buckets import gather_shards_to
 
         shard = torch.ones(nbytes // self.world_size // 4, dtype=torch.float32)
         out = torch.empty(shard.numel() * self.world_size, dtype=torch.float32)
-        dist.all_gather_into_tensor(out, shard)  # warm-up
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_gather_into_tensor(out, shard)
-            times.append(time.perf_counter() - start)
-        return out.numel() * 4 / statistics.median(times) / 1e9
+        primitives = {
+            "all_gather": lambda: dist.all_gather_into_tensor(out, shard),
+            "gather_to_rank0": lambda: gather_shards_to(shard, out if self.rank == 0 else None, 0, dist.group.WORLD),
+        }
+        result = {}
+        for name, run in primitives.items():
+            run()  # warm-up
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            result[name] = out.numel() * 4 / statistics.median(times) / 1e9
+        return result
 
 
 def memcpy_gbps(nbytes: int = 1 << 30, repeats: int = 5, threads: int | None = None) -> float:
@@ -199,7 +213,8 @@ def main() -> None:
     num_params = sum(p.numel() for p in skeleton.parameters())
     result = {"model_parameters": num_params, "model_bytes": num_params * 4,
               "memcpy_gbps": memcpy_gbps(), "memcpy_gbps_1_thread": memcpy_gbps(threads=1),
-              "torch_threads": torch.get_num_threads()}
+              "torch_threads": torch.get_num_threads(),
+              "engine_weight_load_threads": len(os.sched_getaffinity(0))}  # ServerSpec's default
 
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # trainer ranks set 1 thread themselves
@@ -210,7 +225,9 @@ def main() -> None:
     try:
         group = TrainerGroup(TrainerSpec(model_path=str(model_dir), lr=1e-5), 2, worker_cls=BenchTrainerWorker)
         url = rollout.wait_ready()[0]
-        result["allgather_gbps_gloo_2_ranks"] = ray.get([w.all_gather_bandwidth.remote(256 << 20) for w in group.workers])[0]
+        raw = ray.get([w.raw_gather_bandwidth.remote(256 << 20) for w in group.workers])[0]
+        result["allgather_gbps_gloo_2_ranks"] = raw["all_gather"]
+        result["gather_to_rank0_gbps_gloo_2_ranks"] = raw["gather_to_rank0"]
 
         version = 0
         result["colocated"], result["broadcast"] = {}, {}
@@ -244,12 +261,13 @@ def main() -> None:
     colocated_best = min(result["colocated"].values(), key=lambda r: r["total_s"])
     result["checks"] = {
         "colocated_after_gather_over_memcpy": colocated_best["after_gather_gbps"] / result["memcpy_gbps"],
-        # every process of the sync (trainer ranks, the engine) runs with one thread here
+        # for comparison only: the engine's load uses every core, as memcpy_gbps does
         "colocated_after_gather_over_memcpy_1_thread": colocated_best["after_gather_gbps"] / result["memcpy_gbps_1_thread"],
         "colocated_total_speedup_over_naive": result["naive"]["total_s"] / colocated_best["total_s"],
         "broadcast_total_speedup_over_naive": result["naive"]["total_s"] / min(
             r["total_s"] for r in result["broadcast"].values()),
         "gather_over_raw_allgather": colocated_best["gather_gbps"] / result["allgather_gbps_gloo_2_ranks"],
+        "gather_over_raw_gather_to_rank0": colocated_best["gather_gbps"] / result["gather_to_rank0_gbps_gloo_2_ranks"],
     }
     print(json.dumps(result, indent=2))
 

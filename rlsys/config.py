@@ -65,6 +65,11 @@ class EngineConfig(_Section):
     skip_tokenizer_init: bool = Field(False, description="Engine works on token ids only.")
     startup_timeout_s: float = Field(300.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    weight_load_threads: int | None = Field(
+        None, ge=1,
+        description="CPU threads the engine copies a colocated weight sync with (default: every core of "
+        "its node; the trainers wait during the load). No effect on GPU, where the copy is on device.",
+    )
     extra_args: list[str] = Field(default_factory=list)
 
 

@@ -79,7 +79,7 @@ def server_spec(config: RunConfig) -> ServerSpec:
         model_path=config.model.path, dtype=config.model.dtype, tp_size=e.tp_size,
         mem_fraction_static=e.mem_fraction_static, max_total_tokens=e.max_total_tokens,
         context_length=e.context_length, skip_tokenizer_init=e.skip_tokenizer_init,
-        random_seed=config.seed, extra_args=list(e.extra_args),
+        random_seed=config.seed, weight_load_threads=e.weight_load_threads, extra_args=list(e.extra_args),
     )
 
 

@@ -16,12 +16,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from weight_sync import engine_loader
 from weight_sync.backend import Backend
 from weight_sync.http import EngineHTTPError, get_json
 
 # Shared-memory files SGLang's processes create (load slots, segments, multiprocessing semaphores).
 _SGLANG_SHM_PREFIXES = ("/dev/shm/sglang_", "/dev/shm/sgl_shm", "/dev/shm/sem.mp-")
 CPU_COMPAT_SITE = Path(__file__).resolve().parent / "cpu_compat" / "site"
+# The root that holds `weight_sync`, whose engine-side loader SGLang imports by name.
+PACKAGE_ROOT = Path(engine_loader.__file__).resolve().parents[1]
 
 
 @dataclass
@@ -36,6 +39,8 @@ class ServerSpec:
     context_length: int = 512
     skip_tokenizer_init: bool = False
     random_seed: int = 0
+    # Intra-op threads of a colocated weight load (None: every core this node lets us use).
+    weight_load_threads: int | None = None
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -66,6 +71,8 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> l
         "--random-seed", str(spec.random_seed),
         "--skip-server-warmup",
         "--weight-version", "0",
+        # The colocated transport loads its buckets through our loader (weight_sync/engine_loader.py).
+        "--custom-weight-loader", engine_loader.LOAD_FORMAT,
     ]
     if spec.skip_tokenizer_init:
         command.append("--skip-tokenizer-init")
@@ -80,13 +87,15 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> l
     return command + list(spec.extra_args)
 
 
-def build_env(backend: Backend) -> dict[str, str]:
+def build_env(spec: ServerSpec, backend: Backend) -> dict[str, str]:
     env = dict(os.environ)
+    path = [str(PACKAGE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if not backend.has_gpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # --device cpu alone does not select the CPU path
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(CPU_COMPAT_SITE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        )
+        path.insert(0, str(CPU_COMPAT_SITE))
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    threads = spec.weight_load_threads or len(os.sched_getaffinity(0))
+    env[engine_loader.LOAD_THREADS_ENV] = str(threads)
     return env
 
 
@@ -108,7 +117,7 @@ class SGLangServer:
         log_file = open(self.log_path, "ab")
         self._process = subprocess.Popen(
             build_command(self.spec, self.backend, self.host, self.port),
-            env=build_env(self.backend),
+            env=build_env(self.spec, self.backend),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,

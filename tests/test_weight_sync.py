@@ -90,6 +90,19 @@ def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
 
 
 @pytest.mark.slow
+def test_single_engine_sync_gathers_to_rank_zero_only(two_engines_two_ranks):
+    rollout, trainer = two_engines_two_ranks
+    trainer.train_step(_batch(5))
+    before = _engines_match_trainer(rollout, trainer)
+    stats = trainer.sync_weights(rollout.urls[:1], rollout.tp_size, 4096, weight_version=5)
+    assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # rank 1 only sent its shards
+    after = _engines_match_trainer(rollout, trainer)
+    assert after[0] < 1e-3  # engine 0 got every tensor, bucket by bucket
+    assert after[1] == pytest.approx(before[1]) and after[1] > 1e-2  # engine 1 was not touched
+    assert rollout.weight_versions()[0] == 5
+
+
+@pytest.mark.slow
 def test_engine_that_never_joins_gives_a_timeout_naming_it(ray_cluster, tiny_model_dir):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,9 +1,11 @@
 """Colocated transport: hand weight buckets to an SGLang engine on the same node by IPC handle.
 
-The bucket buffer is pickled with torch's multiprocessing reductions, which emit a CUDA IPC handle
-for a GPU tensor and a shared-memory file name for a CPU tensor (`Backend.prepare_ipc`), so the
-engine maps the same memory instead of receiving bytes. The handle must stay alive until the
-engine has loaded it: `/update_weights_from_tensor` answers only after the load.
+A bucket travels as its tensors' views into the staging buffer, pickled with torch's
+multiprocessing reductions: a CUDA IPC handle for GPU memory, a shared-memory file name for host
+memory (`Backend.prepare_ipc`), plus each view's offset and shape. The engine maps the same memory
+instead of receiving bytes and loads it with `weight_sync.engine_loader` (why not SGLang's own
+`flattened_bucket` loader: see that module). The handle must stay alive until the engine has
+loaded it: `/update_weights_from_tensor` answers only after the load.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
 
 from weight_sync.buckets import WeightBucket
+from weight_sync.engine_loader import LOAD_FORMAT
 from weight_sync.http import post_json
 
 
@@ -48,14 +51,10 @@ class StagingBuffer:
 
 
 def serialize_bucket(bucket: WeightBucket) -> str:
-    """A base64 `flattened_bucket` payload of IPC handles (a few KB, whatever the bucket size)."""
-    # Views travel as (storage handle, offset, size): the receiver maps the same storage.
-    payload = {
-        "flattened_tensor": bucket.buffer,
-        "metadata": [meta.as_sglang() for meta in bucket.metas],
-    }
+    """A base64 payload of (name, view) pairs: IPC handles and offsets, ~100 bytes per tensor
+    whatever the bucket size. All views share one storage, which the receiver opens once."""
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(payload)
+    ForkingPickler(buffer).dump(bucket.tensors())
     return base64.b64encode(buffer.getvalue()).decode()
 
 
@@ -92,7 +91,7 @@ class EngineWeightClient:
             "/update_weights_from_tensor",
             {
                 "serialized_named_tensors": [serialized] * self.tp_size,
-                "load_format": "flattened_bucket",
+                "load_format": LOAD_FORMAT,
                 "flush_cache": flush_cache,
                 "weight_version": weight_version,
             },

@@ -47,11 +47,16 @@ def sync_weights(
     weight_version: str,
     backend: Backend,
     scratch: StagingBuffer | None = None,
+    gather_dst: int | None = None,
 ) -> SyncStats:
     """Gather buckets of full tensors (a collective: every rank must call this) and, where a
-    transport is given, send each one. Shards are all-gathered straight into one reusable staging
-    buffer (the transport's, or `scratch` on ranks that only take part in the gathers). The
-    engines flush their cache and take the new weight version once, with the last bucket."""
+    transport is given, send each one. Shards are gathered straight into one reusable staging
+    buffer: the transport's, or `scratch` on ranks that only take part in an all-gather.
+    `gather_dst`: the one rank that holds a transport, when only one does (broadcast, or a single
+    colocated engine): shards then go only there and the other ranks need no buffer.
+    The engines flush their cache and take the new weight version once, with the last bucket."""
+    if transport is not None and gather_dst is not None and gather_dst != _rank():
+        raise ValueError(f"this rank ({_rank()}) holds a transport but the gathers go to rank {gather_dst}")
     backend.prepare_ipc()
     stats = SyncStats()
     start = time.perf_counter()
@@ -59,13 +64,19 @@ def sync_weights(
     alignment = transport.alignment if transport is not None else 1
     # One staging buffer, sized for the largest bucket (with alignment padding), reused by all.
     largest = max(sum(full_nbytes(t) + alignment for _, t in group) for group in groups)
-    staging = transport if transport is not None else (scratch or StagingBuffer(share_memory=False))
+    if transport is not None:
+        staging = transport
+    elif gather_dst is None:
+        staging = scratch or StagingBuffer(share_memory=False)
+    else:
+        staging = None  # this rank only sends its shards to `gather_dst`
     device = next(iter(groups[0]))[1].device
     if transport is not None:
         transport.begin()
     for index, group in enumerate(groups):
         tick = time.perf_counter()
-        bucket = gather_bucket(group, staging.staging_buffer(largest, device), alignment)
+        buffer = staging.staging_buffer(largest, device) if staging is not None else None
+        bucket = gather_bucket(group, buffer, alignment, gather_dst)
         stats.gather_s += time.perf_counter() - tick
         if transport is not None:
             tick = time.perf_counter()
@@ -79,3 +90,9 @@ def sync_weights(
         transport.end()
     stats.total_s = time.perf_counter() - start
     return stats
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -1,0 +1,68 @@
+"""Engine-side half of the colocated transport: runs inside the SGLang server process.
+
+SGLang calls `load_bucket(model, named_tensors)` for `/update_weights_from_tensor` requests whose
+`load_format` is this function's import path (`LOAD_FORMAT`); the server is started with
+`--custom-weight-loader` naming it (`rollout.server.build_command`). The tensors are views into
+the trainer's staging buffer, opened from one IPC handle (torch caches the opened storage by
+handle, so a bucket maps its buffer once, not once per tensor).
+
+Two things make it faster than SGLang's built-in `flattened_bucket` loader (measured on the 2-core
+CPU machine, 0.49 B params / 1.95 GB in 1 GB buckets: 4.6 GB/s -> 10.2 GB/s, bench/weight_sync.py):
+
+1. Host staging memory stays mapped between buckets and syncs. The trainer reuses one staging
+   buffer, so the engine keeps a reference to the last one it opened; the next bucket finds the
+   mapping (and its populated page tables) in torch's handle cache instead of mapping the file
+   again and faulting every page in. Device (CUDA IPC) memory is not kept: holding it would pin a
+   bucket of GPU memory on the trainer's side while the engine generates.
+2. The copy into the parameters uses `RLSYS_WEIGHT_LOAD_THREADS` intra-op threads (set by the
+   launcher to the cores of the engine's node). During a colocated sync the trainer ranks wait on
+   the engine, so the load may use their cores; generation keeps the engine's own thread count.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+LOAD_FORMAT = "weight_sync.engine_loader.load_bucket"
+LOAD_THREADS_ENV = "RLSYS_WEIGHT_LOAD_THREADS"
+_KEPT_STORAGE_ATTR = "_rlsys_kept_staging_storage"
+
+
+def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    if not named_tensors:
+        return
+    _keep_host_staging_mapped(model, named_tensors[0][1])
+    with _intra_op_threads(_load_threads()):
+        model.load_weights(named_tensors)
+
+
+def _keep_host_staging_mapped(model: torch.nn.Module, tensor: torch.Tensor) -> None:
+    # Only the newest buffer is kept: a trainer that replaced its staging buffer never sends the
+    # old one again. Stored on the model so it lives exactly as long as the engine's weights.
+    storage = tensor.untyped_storage() if tensor.device.type == "cpu" else None
+    setattr(model, _KEPT_STORAGE_ATTR, storage)
+
+
+def _load_threads() -> int | None:
+    value = os.environ.get(LOAD_THREADS_ENV, "")
+    try:
+        threads = int(value)
+    except ValueError:
+        return None
+    return threads if threads > 0 else None
+
+
+@contextmanager
+def _intra_op_threads(threads: int | None):
+    previous = torch.get_num_threads()
+    if threads is None or threads == previous:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
