@@ -57,6 +57,24 @@ def _die_with_parent() -> None:
     os.setsid()
 
 
+def _wait_for_group_exit(group_id: int, grace_s: float) -> None:
+    """Wait until no process of the process group is left, or `grace_s` passes."""
+    import psutil
+
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        members = []
+        for process in psutil.process_iter(["pid", "status"]):
+            try:
+                if os.getpgid(process.pid) == group_id and process.info["status"] != psutil.STATUS_ZOMBIE:
+                    members.append(process.pid)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        if not members:
+            return
+        time.sleep(0.05)
+
+
 def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> list[str]:
     command = [
         sys.executable, "-m", "sglang.launch_server",
@@ -199,6 +217,9 @@ class SGLangServer:
                 self._process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
+        # SGLang's multiprocessing resource tracker (same group) unlinks the server's semaphores
+        # once the server is gone; killing it before it has done so leaves /dev/shm/sem.mp-* behind.
+        _wait_for_group_exit(self._process.pid, grace_s=5.0)
         try:
             os.killpg(self._process.pid, signal.SIGKILL)  # stragglers in the group
         except ProcessLookupError:

@@ -53,8 +53,12 @@ class StagingBuffer:
 def serialize_bucket(bucket: WeightBucket) -> str:
     """A base64 payload of (name, view) pairs: IPC handles and offsets, ~100 bytes per tensor
     whatever the bucket size. All views share one storage, which the receiver opens once."""
+    return serialize_named_tensors(bucket.tensors())
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(bucket.tensors())
+    ForkingPickler(buffer).dump(named_tensors)
     return base64.b64encode(buffer.getvalue()).decode()
 
 
@@ -85,12 +89,12 @@ class EngineWeightClient:
 
     def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None:
         """Returns once the engine has loaded the bucket, so the handle may then be released."""
-        serialized = serialize_bucket(bucket)
-        # One payload per TP rank: each rank maps the same full tensors and keeps its shard.
+        # One payload per TP rank: each rank maps the same full tensors and keeps its shard. Each
+        # is pickled separately: pickling takes a reference on the handle that unpickling returns.
         self._post(
             "/update_weights_from_tensor",
             {
-                "serialized_named_tensors": [serialized] * self.tp_size,
+                "serialized_named_tensors": [serialize_bucket(bucket) for _ in range(self.tp_size)],
                 "load_format": LOAD_FORMAT,
                 "flush_cache": flush_cache,
                 "weight_version": weight_version,
@@ -98,4 +102,9 @@ class EngineWeightClient:
         )
 
     def end(self) -> None:
+        # An empty bucket tells the engine's loader to let go of the staging buffer's mapping.
+        self._post(
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [serialize_named_tensors([])] * self.tp_size, "load_format": LOAD_FORMAT},
+        )
         self._post("/end_weight_update", {})

@@ -9,11 +9,13 @@ handle, so a bucket maps its buffer once, not once per tensor).
 Two things make it faster than SGLang's built-in `flattened_bucket` loader (measured on the 2-core
 CPU machine, 0.49 B params / 1.95 GB in 1 GB buckets: 4.6 GB/s -> 10.2 GB/s, bench/weight_sync.py):
 
-1. Host staging memory stays mapped between buckets and syncs. The trainer reuses one staging
-   buffer, so the engine keeps a reference to the last one it opened; the next bucket finds the
-   mapping (and its populated page tables) in torch's handle cache instead of mapping the file
-   again and faulting every page in. Device (CUDA IPC) memory is not kept: holding it would pin a
-   bucket of GPU memory on the trainer's side while the engine generates.
+1. Host staging memory stays mapped between the buckets of a sync. The trainer reuses one staging
+   buffer, so the engine keeps a reference to it; the next bucket finds the mapping (and its
+   populated page tables) in torch's handle cache instead of mapping the file again and faulting
+   every page in. An empty request (`release_request`) ends the sync and drops the reference:
+   torch's shared-memory files are refcounted across processes and removed when the last holder
+   lets go, so an engine holding one between syncs would leave it behind if it were killed.
+   Device (CUDA IPC) memory is not kept at all: that would pin GPU memory on the trainer's side.
 2. The copy into the parameters uses `RLSYS_WEIGHT_LOAD_THREADS` intra-op threads (set by the
    launcher to the cores of the engine's node). During a colocated sync the trainer ranks wait on
    the engine, so the load may use their cores; generation keeps the engine's own thread count.
@@ -32,7 +34,8 @@ _KEPT_STORAGE_ATTR = "_rlsys_kept_staging_storage"
 
 
 def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    if not named_tensors:
+    if not named_tensors:  # the end of a sync
+        setattr(model, _KEPT_STORAGE_ATTR, None)
         return
     _keep_host_staging_mapped(model, named_tensors[0][1])
     with _intra_op_threads(_load_threads()):
@@ -41,7 +44,7 @@ def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Ten
 
 def _keep_host_staging_mapped(model: torch.nn.Module, tensor: torch.Tensor) -> None:
     # Only the newest buffer is kept: a trainer that replaced its staging buffer never sends the
-    # old one again. Stored on the model so it lives exactly as long as the engine's weights.
+    # old one again. Stored on the model so no state outlives the engine's weights.
     storage = tensor.untyped_storage() if tensor.device.type == "cpu" else None
     setattr(model, _KEPT_STORAGE_ATTR, storage)
 
