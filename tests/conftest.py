@@ -45,3 +45,15 @@ def write_config(path: Path, model_dir: Path, **sections) -> Path:
     tree.update(sections)
     path.write_text(yaml.safe_dump(tree))
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests run only where CUDA is available (they are skipped on the CPU machines)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -37,8 +37,10 @@ def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Ten
     if not named_tensors:  # the end of a sync
         setattr(model, _KEPT_STORAGE_ATTR, None)
         return
-    _keep_host_staging_mapped(model, named_tensors[0][1])
-    with _intra_op_threads(_load_threads()):
+    first = named_tensors[0][1]
+    _keep_host_staging_mapped(model, first)
+    # Host copies scale with threads; a device copy does not need (or want) a big host pool.
+    with _intra_op_threads(_load_threads() if first.device.type == "cpu" else None):
         model.load_weights(named_tensors)
 
 
