@@ -2,7 +2,7 @@
 baseline and against this machine's own memcpy and all-gather bandwidth, measured in one run.
 Prints one JSON object.
 
-    .venv/bin/python bench/weight_sync.py [--hidden-size 1024 --layers 32 --bucket-mb 64 256 1024]
+    .venv/bin/python bench/weight_sync.py [--hidden-size 1024 --layers 32 --bucket-mb 64 512 1024]
 
 The synthetic model is a Qwen2 of ~0.5 B parameters (fp32, ~2 GB) built locally; 2 FSDP2 ranks
 hold it sharded; one SGLang engine (CPU) serves it. Stages, for one sync, timed on trainer rank 0:
@@ -198,7 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[64, 512, 1024])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
