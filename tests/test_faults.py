@@ -1,4 +1,5 @@
-"""Fault injection: an engine that dies mid-run stops the run with a clear message, cleanly."""
+"""Fault injection: an engine that dies mid-run (colocated: IPC transport; disaggregated: one of two
+engines in the broadcast group) stops the run with a clear message, cleanly."""
 
 import json
 import os
@@ -15,12 +16,13 @@ from tests.test_quickstart import _foreign_leftovers
 
 
 @pytest.mark.slow
-def test_engine_killed_mid_run_fails_the_run_with_a_clear_message(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize(("config", "engines"), [("quickstart.yaml", 1), ("quickstart_disaggregated.yaml", 2)])
+def test_engine_killed_mid_run_fails_the_run_with_a_clear_message(tmp_path, tiny_model_dir, config, engines):
     before_pids = {p.pid for p in psutil.process_iter()}
     before_shm = set(os.listdir("/dev/shm"))
     run_dir = tmp_path / "run"
     run = subprocess.Popen(
-        [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
+        [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs" / config),
          f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false",
          "trainer.total_steps=2000", "status.port=0"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -34,8 +36,8 @@ def test_engine_killed_mid_run_fails_the_run_with_a_clear_message(tmp_path, tiny
         servers = [p for p in psutil.process_iter(["pid", "cmdline"])
                    if "sglang.launch_server" in " ".join(p.info["cmdline"] or [])
                    and str(tiny_model_dir) in " ".join(p.info["cmdline"] or []) and p.pid not in before_pids]
-        assert len(servers) == 1
-        os.kill(servers[0].pid, signal.SIGKILL)  # the engine's server dies without warning
+        assert len(servers) == engines
+        os.kill(servers[-1].pid, signal.SIGKILL)  # an engine's server dies without warning
 
         _, stderr = run.communicate(timeout=300)
         assert run.returncode == 1
