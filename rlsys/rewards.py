@@ -6,7 +6,8 @@ The one signature every reward function has:
 
 `response` is the generated text decoded with special tokens kept and cut at the first
 end-of-sequence token (so an `<eos>` sampled mid-answer is not silently dropped). Functions are
-named in config by import path, `package.module:function`. A function that raises, or returns
+named in config by import path, `package.module:function` (importable, or in the working
+directory), or by file, `path/to/file.py:function`. A function that raises, or returns
 something that is not a finite number, makes that sample's group a counted skip.
 """
 
@@ -16,7 +17,10 @@ import importlib
 import inspect
 import math
 import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 RewardFn = Callable[[str, str, str, dict], float]
 
@@ -26,15 +30,17 @@ class RewardFunctionError(ValueError):
 
 
 def load_reward_function(import_path: str) -> RewardFn:
-    module_name, sep, attribute = import_path.partition(":")
+    """`package.module:function` (importable, or a module in the working directory) or
+    `path/to/file.py:function` (relative to the working directory)."""
+    module_name, sep, attribute = import_path.rpartition(":")
     if not sep or not module_name or not attribute:
         raise RewardFunctionError(
-            f"reward.function {import_path!r} must look like 'package.module:function'"
+            f"reward.function {import_path!r} must look like 'package.module:function' or 'path/to/file.py:function'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise RewardFunctionError(f"reward.function: cannot import module {module_name!r}: {error}") from error
+    if module_name.endswith(".py"):
+        module = _module_from_file(Path(module_name))
+    else:
+        module = _import_module(module_name)
     function = getattr(module, attribute, None)
     if not callable(function):
         raise RewardFunctionError(f"reward.function: {module_name!r} has no callable {attribute!r}")
@@ -45,6 +51,33 @@ def load_reward_function(import_path: str) -> RewardFn:
             f"reward.function {import_path!r} must accept (prompt, response, label, metadata): {error}"
         ) from error
     return function
+
+
+def _import_module(module_name: str) -> ModuleType:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name.split(".")[0] or str(Path.cwd()) in sys.path:
+            raise RewardFunctionError(f"reward.function: cannot import module {module_name!r}: {error}") from error
+    except Exception as error:  # the module exists but raised while importing
+        raise RewardFunctionError(f"reward.function: importing {module_name!r} failed: {error!r}") from error
+    # `python -m` puts the working directory on the path; the `rlsys` script does not. Look there
+    # too, so a reward module next to the config works however rlsys is started.
+    sys.path.insert(0, str(Path.cwd()))
+    return _import_module(module_name)
+
+
+def _module_from_file(path: Path) -> ModuleType:
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise RewardFunctionError(f"reward.function: no such file {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(f"rlsys_user_reward_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        raise RewardFunctionError(f"reward.function: loading {str(path)!r} failed: {error!r}") from error
+    return module
 
 
 def score(function: RewardFn, prompt: str, response: str, label: str, metadata: dict) -> float:

@@ -1,6 +1,7 @@
 """Datasets, splits, the synthetic task and reward functions."""
 
 import json
+import sys
 
 import pytest
 
@@ -98,6 +99,23 @@ def test_reward_function_paths_are_checked():
         load_reward_function("rlsys.rewards:nothing")
     with pytest.raises(RewardFunctionError, match="must accept"):
         load_reward_function("math:sqrt")
+
+
+def test_reward_function_from_a_file_or_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "user_reward_mod.py").write_text(
+        "def score(prompt, response, label, metadata):\n    return float(response == label)\n"
+    )
+    (tmp_path / "broken_reward.py").write_text("raise RuntimeError('bad import')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    by_file = load_reward_function("./user_reward_mod.py:score")
+    assert by_file("p", "7", "7", {}) == 1.0
+    by_name = load_reward_function("user_reward_mod:score")  # the `rlsys` script's cwd is not on sys.path
+    assert by_name("p", "7", "8", {}) == 0.0
+    with pytest.raises(RewardFunctionError, match="no such file"):
+        load_reward_function("missing.py:score")
+    with pytest.raises(RewardFunctionError, match="bad import"):
+        load_reward_function("broken_reward.py:score")
 
 
 def test_builtin_rewards():
