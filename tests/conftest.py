@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,49 @@ def ray_cluster():
              runtime_env={"env_vars": ACTOR_ENV})
     yield
     ray.shutdown()
+
+
+def train_command(config: str, model_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """`rlsys train` of a config in configs/ on the tiny model, quietly, on a free status port."""
+    return [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs" / config),
+            f"model.path={model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false",
+            "status.port=0", *overrides]
+
+
+class Leftovers:
+    """What a run leaves behind: new SGLang/Ray processes outside this pytest's own tree, and new
+    shared-memory files of torch, SGLang or multiprocessing. Snapshot before, check after."""
+
+    _SHM_PREFIXES = ("torch_", "sglang_", "sgl_shm", "sem.mp-")
+
+    def __init__(self):
+        import psutil
+
+        self._pids = {p.pid for p in psutil.process_iter()}
+        self._shm = set(os.listdir("/dev/shm"))
+
+    def processes(self) -> list[str]:
+        import psutil
+
+        mine = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if proc.pid in self._pids or proc.pid in mine:
+                continue
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if "sglang" in cmdline or "ray::" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline:
+                found.append(f"{proc.pid}: {cmdline[:120]}")
+        return found
+
+    def shm_files(self) -> list[str]:
+        return sorted(n for n in set(os.listdir("/dev/shm")) - self._shm if n.startswith(self._SHM_PREFIXES))
+
+    def new_pids(self, substring: str) -> list:
+        """New processes whose command line contains `substring` (e.g. to kill one)."""
+        import psutil
+
+        return [p for p in psutil.process_iter(["pid", "cmdline"])
+                if substring in " ".join(p.info["cmdline"] or []) and p.pid not in self._pids]
 
 
 def write_config(path: Path, model_dir: Path, **sections) -> Path:

@@ -5,26 +5,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
-from tests.conftest import REPO
-from tests.test_quickstart import _foreign_leftovers
+from tests.conftest import REPO, Leftovers, train_command
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("config", "engines"), [("quickstart.yaml", 1), ("quickstart_disaggregated.yaml", 2)])
 def test_engine_killed_mid_run_fails_the_run_with_a_clear_message(tmp_path, tiny_model_dir, config, engines):
-    before_pids = {p.pid for p in psutil.process_iter()}
-    before_shm = set(os.listdir("/dev/shm"))
+    leftovers = Leftovers()
     run_dir = tmp_path / "run"
     run = subprocess.Popen(
-        [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs" / config),
-         f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false",
-         "trainer.total_steps=2000", "status.port=0"],
+        train_command(config, tiny_model_dir, run_dir, "trainer.total_steps=2000"),
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -33,9 +27,8 @@ def test_engine_killed_mid_run_fails_the_run_with_a_clear_message(tmp_path, tiny
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
             assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
             time.sleep(0.3)
-        servers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                   if "sglang.launch_server" in " ".join(p.info["cmdline"] or [])
-                   and str(tiny_model_dir) in " ".join(p.info["cmdline"] or []) and p.pid not in before_pids]
+        servers = [p for p in leftovers.new_pids("sglang.launch_server")
+                   if str(tiny_model_dir) in " ".join(p.info["cmdline"] or [])]
         assert len(servers) == engines
         os.kill(servers[-1].pid, signal.SIGKILL)  # an engine's server dies without warning
 
@@ -45,8 +38,8 @@ def test_engine_killed_mid_run_fails_the_run_with_a_clear_message(tmp_path, tiny
         assert "SGLang server" in stderr
         assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
         time.sleep(2)
-        assert _foreign_leftovers(before_pids) == []
-        assert [n for n in set(os.listdir("/dev/shm")) - before_shm if n.startswith(("torch_", "sglang_", "sem.mp-"))] == []
+        assert leftovers.processes() == []
+        assert leftovers.shm_files() == []
     finally:
         if run.poll() is None:
             run.kill()

@@ -1,14 +1,11 @@
 """End to end: the CPU quickstart learns, logs what a user reads, and leaves nothing behind."""
 
-import os
 import subprocess
-import sys
 
-import psutil
 import pytest
 
 from rlsys.metrics import read_metrics
-from tests.conftest import REPO
+from tests.conftest import REPO, Leftovers, train_command
 
 REQUIRED_COLUMNS = {
     "step", "reward_mean", "reward_std", "loss", "kl", "clip_fraction", "entropy",
@@ -17,29 +14,13 @@ REQUIRED_COLUMNS = {
 }
 
 
-def _foreign_leftovers(before_pids: set[int]) -> list[str]:
-    """New sglang/ray processes that are not part of this pytest process's own tree."""
-    mine = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if proc.pid in before_pids or proc.pid in mine:
-            continue
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if "sglang" in cmdline or "ray::" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline:
-            found.append(f"{proc.pid}: {cmdline[:120]}")
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_disaggregated.yaml"])
 def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
-    before_pids = {p.pid for p in psutil.process_iter()}
-    before_shm = set(os.listdir("/dev/shm"))
+    leftovers = Leftovers()
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs" / config),
-         f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false",
-         "trainer.total_steps=130", "status.port=0"],  # eval reaches 1.0 by about step 90
+        train_command(config, tiny_model_dir, run_dir, "trainer.total_steps=130"),  # eval is 1.0 by ~step 90
         capture_output=True, text=True, timeout=1200, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -57,7 +38,5 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
     assert [r["weight_version"] for r in rows] == list(range(len(rows)))
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3
 
-    assert _foreign_leftovers(before_pids) == []
-    new_shm = [name for name in set(os.listdir("/dev/shm")) - before_shm
-               if name.startswith(("torch_", "sglang_", "sgl_shm", "sem.mp-"))]
-    assert new_shm == []
+    assert leftovers.processes() == []
+    assert leftovers.shm_files() == []
