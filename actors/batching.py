@@ -40,6 +40,10 @@ class MicroBatch:
     engine_mask: torch.Tensor  # [B, T-1] float: response tokens that have an engine log-prob
     indices: list[int]  # positions of these sequences in the caller's list
     spans: list[tuple[int, int, int]]  # per sequence: (row, first, end) target positions
+    # Filled by the trainer before its optimizer steps: log-probs of the weights that generated
+    # the rollout, and of the frozen reference (when KL is on). [B, T-1]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> float:

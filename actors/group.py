@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import ray
 
-from actors.batching import TrainSequence, split_evenly
-from actors.trainer import TrainerSpec, TrainerWorker
+from rlsys.actors.batching import TrainSequence, split_evenly
+from rlsys.actors.trainer import TrainerSpec, TrainerWorker
+from rlsys.topology import Topology
 
 
 class TrainerGroup:
@@ -37,24 +38,18 @@ class TrainerGroup:
 
     def train_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
         """Split into `mini_batches_per_step` global mini-batches, then each over the ranks."""
-        minis = split_evenly(sequences, self.spec.mini_batches_per_step)
+        minis = split_evenly(sequences, self.spec.trainer.mini_batches_per_step)
         per_rank = [[split_evenly(mini, self.num_ranks)[rank] for mini in minis] for rank in range(self.num_ranks)]
         results = ray.get([w.train_step.remote(parts) for w, parts in zip(self.workers, per_rank, strict=True)])
         return results[0]  # metrics are all-reduced: every rank returns the same
 
-    def sync_weights(self, engine_urls: list[str], engine_tp_size: int, bucket_bytes: int,
-                     weight_version: int) -> list[dict]:
-        """Colocated sync: rank i feeds engine i; ranks without an engine join the gathers.
-        With a single engine only rank 0 needs full tensors, so shards are gathered to it alone."""
-        gather_dst = 0 if len(engine_urls) == 1 else None
-        calls = [
-            worker.sync_weights.remote(
-                engine_urls[rank] if rank < len(engine_urls) else None,
-                engine_tp_size, bucket_bytes, weight_version, gather_dst,
-            )
-            for rank, worker in enumerate(self.workers)
-        ]
-        return ray.get(calls)
+    def connect_engines(self, topology: Topology, timeout_s: float) -> None:
+        """Give each rank its weight transport to the engines in `topology` (see TrainerWorker)."""
+        ray.get([w.connect_engines.remote(topology, timeout_s) for w in self.workers])
+
+    def sync_weights(self, bucket_bytes: int, weight_version: int) -> list[dict]:
+        """Trainer weights into the engines of the last `connect_engines`; per-rank statistics."""
+        return ray.get([w.sync_weights.remote(bucket_bytes, weight_version) for w in self.workers])
 
     def loss_gradients(self, sequences: list[TrainSequence]) -> dict:
         shares = self._shares(sequences)
@@ -91,12 +86,6 @@ class TrainerGroup:
             except Exception as error:  # noqa: BLE001 - the actor itself may be gone
                 reports.append({"rank": rank, "alive": False, "memory_bytes": None, "error": str(error)[:200]})
         return reports
-
-    def connect_broadcast(self, engine_urls: list[str], engine_tp_size: int, timeout_s: float) -> None:
-        ray.get(self.workers[0].connect_broadcast.remote([(url, engine_tp_size) for url in engine_urls], timeout_s))
-
-    def sync_weights_broadcast(self, bucket_bytes: int, weight_version: int) -> list[dict]:
-        return ray.get([w.sync_weights_broadcast.remote(bucket_bytes, weight_version) for w in self.workers])
 
     def vocab_size(self) -> int:
         return ray.get(self.workers[0].vocab_size.remote())

@@ -19,10 +19,11 @@ import time
 
 import ray
 
-from actors.batching import TrainSequence
-from actors.group import TrainerGroup
-from actors.trainer import TrainerSpec
+from rlsys.actors.batching import TrainSequence
+from rlsys.actors.group import TrainerGroup
+from rlsys.actors.trainer import TrainerSpec
 from rlsys.cluster import ACTOR_ENV
+from rlsys.config import ModelConfig, TrainerConfig
 from rlsys.tiny_model import TinyModelSpec, make_tiny_model
 
 
@@ -77,8 +78,8 @@ def main() -> None:
             "packed_1_rank": (True, 1),
         }
         for name, (packing, ranks) in configs.items():
-            spec = TrainerSpec(model_path=model_dir, lr=1e-5, packing=packing, max_tokens_per_microbatch=2048,
-                               micro_batch_size=4)
+            spec = TrainerSpec(ModelConfig(path=model_dir), TrainerConfig(
+                lr=1e-5, packing=packing, max_tokens_per_microbatch=2048, micro_batch_size=4))
             group = TrainerGroup(spec, ranks)
             try:
                 seconds = time_train_steps(group, batch, args.steps)

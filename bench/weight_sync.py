@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -37,15 +36,14 @@ import psutil
 import ray
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from actors.group import TrainerGroup  # noqa: E402
-from actors.trainer import TrainerSpec, TrainerWorker  # noqa: E402
-from rlsys.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
-from rollout.manager import RolloutManager  # noqa: E402
-from rollout.server import ServerSpec  # noqa: E402
-from weight_sync.http import post_json  # noqa: E402
+from rlsys.actors.group import TrainerGroup
+from rlsys.actors.trainer import TrainerSpec, TrainerWorker
+from rlsys.config import EngineConfig, ModelConfig, TrainerConfig
+from rlsys.rollout.client import EngineAddress
+from rlsys.rollout.manager import RolloutManager
+from rlsys.rollout.server import ServerSpec
+from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+from rlsys.topology import Topology
 
 
 class PeakRSS:
@@ -73,35 +71,33 @@ class PeakRSS:
 class BenchTrainerWorker(TrainerWorker):
     """A trainer rank with measuring wrappers around the library's own sync paths."""
 
-    def measured_sync(self, engine_url: str | None, bucket_bytes: int, version: int, broadcast: bool) -> dict:
+    def measured_sync(self, bucket_bytes: int, version: int) -> dict:
         with PeakRSS() as memory:
-            if broadcast:
-                stats = self.sync_weights_broadcast(bucket_bytes, version)
-            else:
-                stats = self.sync_weights(engine_url, 1, bucket_bytes, version, gather_dst=0)  # one engine
+            stats = self.sync_weights(bucket_bytes, version)
         return {**stats, "extra_peak_rss_bytes": memory.extra}
 
-    def handover_overhead(self, engine_url: str | None, broadcast: bool, repeats: int = 5) -> float:
+    def handover_overhead(self, repeats: int = 5) -> float:
         """Seconds of one bucket's hand-over with almost nothing in it: the smallest parameter (a
         norm weight, a few KB), so the time is the fixed cost of a bucket, not its bytes."""
-        from weight_sync.buckets import flatten_bucket, gather_full_tensor
+        from rlsys.weight_sync.buckets import gather_bucket, gather_full_tensor
 
         name, param = min(self.model.named_parameters(), key=lambda item: item[1].numel())
         tiny = [(name, gather_full_tensor(param))]  # collective: every rank takes part
         if self.rank != 0:
             return 0.0
-        transport = self.broadcast_sender if broadcast else self.colocated_clients[engine_url]
+        transport = self.transport
         times = []
         transport.begin()
         for _ in range(repeats):
-            bucket = flatten_bucket(tiny, transport.staging_buffer(1 << 20, tiny[0][1].device), transport.alignment)
+            buffer = transport.staging_buffer(1 << 20, tiny[0][1].device)
+            bucket = gather_bucket(tiny, buffer, transport.alignment)  # a plain tensor: copied in
             start = time.perf_counter()
             transport.send_bucket(bucket, flush_cache=False, weight_version=None)
             times.append(time.perf_counter() - start)
         transport.end()
         return statistics.median(times)
 
-    def naive_sync(self, engine_url: str | None, model_dir: str, stage_dir: str) -> dict:
+    def naive_sync(self, engine: EngineAddress, model_dir: str, stage_dir: str) -> dict:
         """Full state dict on rank 0 -> torch.save bytes -> written -> engine loads from disk."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -123,7 +119,7 @@ class BenchTrainerWorker(TrainerWorker):
                         shutil.copy2(Path(model_dir) / name, Path(stage_dir) / name)
                 timings["send_s"] = time.perf_counter() - tick
                 tick = time.perf_counter()
-                post_json(f"{engine_url}/update_weights_from_disk", {"model_path": stage_dir, "load_format": "pt"})
+                _post(f"{engine.url}/update_weights_from_disk", {"model_path": stage_dir, "load_format": "pt"})
                 timings["load_s"] = time.perf_counter() - tick
                 timings["bytes"] = buffer.getbuffer().nbytes
             timings["total_s"] = time.perf_counter() - start
@@ -136,7 +132,7 @@ class BenchTrainerWorker(TrainerWorker):
         engine does, `weight_sync.buckets.gather_shards_to`)."""
         import torch.distributed as dist
 
-        from weight_sync.buckets import gather_shards_to
+        from rlsys.weight_sync.buckets import gather_shards_to
 
         shard = torch.ones(nbytes // self.world_size // 4, dtype=torch.float32)
         out = torch.empty(shard.numel() * self.world_size, dtype=torch.float32)
@@ -155,6 +151,15 @@ class BenchTrainerWorker(TrainerWorker):
                 times.append(time.perf_counter() - start)
             result[name] = out.numel() * 4 / statistics.median(times) / 1e9
         return result
+
+
+def _post(url: str, payload: dict) -> None:
+    """The baseline's one call, outside the library's client (which has no disk-loading method)."""
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=900) as response:
+        response.read()
 
 
 def memcpy_gbps(nbytes: int = 1 << 30, repeats: int = 5, threads: int | None = None) -> float:
@@ -216,15 +221,16 @@ def main() -> None:
               "torch_threads": torch.get_num_threads(),
               "engine_weight_load_threads": len(os.sched_getaffinity(0))}  # ServerSpec's default
 
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # trainer ranks set 1 thread themselves
-    rollout = RolloutManager(ServerSpec(model_path=str(model_dir), skip_tokenizer_init=True, context_length=128,
-                                        max_total_tokens=2048, mem_fraction_static=0.2),
-                             1, str(work / "logs"), [{"num_cpus": 1}], startup_timeout_s=900, request_timeout_s=900)
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)  # trainer ranks set 1 thread themselves
+    engine_config = EngineConfig(skip_tokenizer_init=True, context_length=128, max_total_tokens=2048,
+                                 mem_fraction_static=0.2, startup_timeout_s=900, request_timeout_s=900)
+    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(model_dir)), engine_config),
+                             1, str(work / "logs"), [{"num_cpus": 1}])
     group = None
     try:
-        group = TrainerGroup(TrainerSpec(model_path=str(model_dir), lr=1e-5), 2, worker_cls=BenchTrainerWorker)
-        url = rollout.wait_ready()[0]
+        group = TrainerGroup(TrainerSpec(ModelConfig(path=str(model_dir)), TrainerConfig(lr=1e-5)), 2,
+                             worker_cls=BenchTrainerWorker)
+        engine = rollout.wait_ready()[0]
         raw = ray.get([w.raw_gather_bandwidth.remote(256 << 20) for w in group.workers])[0]
         result["allgather_gbps_gloo_2_ranks"] = raw["all_gather"]
         result["gather_to_rank0_gbps_gloo_2_ranks"] = raw["gather_to_rank0"]
@@ -232,23 +238,20 @@ def main() -> None:
         version = 0
         result["colocated"], result["broadcast"] = {}, {}
         for transport in ("colocated", "broadcast"):
-            if transport == "broadcast":
-                group.connect_broadcast([url], 1, timeout_s=600)
+            mode = "colocated" if transport == "colocated" else "disaggregated"
+            topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines([engine])
+            group.connect_engines(topology, timeout_s=600)
             for bucket_mb in args.bucket_mb:
                 runs = []
                 for _ in range(args.repeats):
                     version += 1
-                    calls = [w.measured_sync.remote(url if rank == 0 else None, bucket_mb << 20, version,
-                                                    transport == "broadcast") for rank, w in enumerate(group.workers)]
-                    runs.append(ray.get(calls))
-                overhead = ray.get([w.handover_overhead.remote(url if rank == 0 else None, transport == "broadcast")
-                                    for rank, w in enumerate(group.workers)])[0]
+                    runs.append(ray.get([w.measured_sync.remote(bucket_mb << 20, version) for w in group.workers]))
+                overhead = ray.get([w.handover_overhead.remote() for w in group.workers])[0]
                 best = min(runs, key=lambda stats: stats[0]["total_s"])  # warm run: buffers reused
                 result[transport][f"{bucket_mb}MB"] = summarize(best, overhead)
                 assert rollout.weight_versions() == [version]
 
-        naive = ray.get([w.naive_sync.remote(url if rank == 0 else None, str(model_dir), str(work / "naive"))
-                         for rank, w in enumerate(group.workers)])[0]
+        naive = ray.get([w.naive_sync.remote(engine, str(model_dir), str(work / "naive")) for w in group.workers])[0]
         naive["gbps"] = naive["bytes"] / 1e9 / naive["total_s"]
         result["naive"] = naive
     finally:

@@ -30,6 +30,11 @@ class CoordinatorState:
     data_index: int
     python_random_state: list | None = None
 
+    def finish_step(self, step: int, data_epoch: int, data_index: int) -> None:
+        """`step` is done and its weights are on the engines (one version newer)."""
+        self.next_step, self.data_epoch, self.data_index = step + 1, data_epoch, data_index
+        self.weight_version += 1
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -92,3 +97,23 @@ def python_random_state() -> list:
 def restore_python_random_state(state: list | None) -> None:
     if state is not None:
         random.setstate((state[0], tuple(state[1]), state[2]))
+
+
+class Checkpointer:
+    """When to checkpoint, and taking one: every `checkpoint.interval` steps and at the last
+    step, when the status API asks, and before a requested stop (if checkpoints are on)."""
+
+    def __init__(self, store: CheckpointStore, interval: int, total_steps: int,
+                 save_trainer: Callable[[str], None]):
+        self.store = store
+        self.interval = interval
+        self.total_steps = total_steps
+        self.save_trainer = save_trainer
+
+    def due(self, finished_steps: int, requested: bool, stopping: bool) -> bool:
+        on_schedule = self.interval and (finished_steps % self.interval == 0 or finished_steps == self.total_steps)
+        return bool(on_schedule or requested or (self.interval and stopping))
+
+    def save(self, state: CoordinatorState) -> Path:
+        state.python_random_state = python_random_state()
+        return self.store.save(state.next_step, self.save_trainer, state)

@@ -15,7 +15,8 @@ USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError)
 
 def _train(args: argparse.Namespace) -> int:
     from rlsys.config import load_config
-    from rlsys.coordinator import RunFailed, run
+    from rlsys.coordinator import run
+    from rlsys.errors import RunFailed
 
     overrides = list(args.overrides) + (["checkpoint.resume=auto"] if args.resume else [])
     config = load_config(args.config, overrides)

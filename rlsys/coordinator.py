@@ -1,6 +1,9 @@
-"""The GRPO loop: rollout -> reward -> advantages -> train -> sync -> (periodic) eval.
+"""The run: `run(config)` starts everything and `train_loop` drives the GRPO steps.
 
-`run(config)` is the whole life of a run; every line of `_train_loop` is one component call.
+One step: (eval when due) -> engines generate n samples per prompt -> rewards -> trainer wakes,
+group advantages, old/ref log-probs and optimizer steps -> weight sync into the engines ->
+(checkpoint when due) -> trainer sleeps (colocated). `train_loop` is the table of contents: every
+line is a call into a component; start-up, restore and shutdown live in rlsys/lifecycle.py.
 """
 
 from __future__ import annotations
@@ -9,42 +12,153 @@ import random
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from ray.exceptions import RayError
 
-from actors.group import TrainerGroup
-from actors.placement import Placement, create_placement
-from actors.trainer import TrainerSpec
-from rlsys.assets import EncodedPrompt, RunAssets, load_assets
-from rlsys.checkpointing import (
-    CheckpointStore,
-    CoordinatorState,
-    python_random_state,
-    restore_python_random_state,
-)
-from rlsys.cluster import ACTOR_ENV, ray_cluster
+from rlsys.assets import RunAssets, load_assets
+from rlsys.checkpointing import Checkpointer, CheckpointStore, CoordinatorState
+from rlsys.cluster import ray_cluster
 from rlsys.config import RunConfig, dump_config
 from rlsys.data import PromptSampler
+from rlsys.errors import RunFailed
+from rlsys.evaluation import Evaluator, sampling_params
+from rlsys.lifecycle import Components, push_weights, restore, start_components
 from rlsys.metrics import MetricsLog
-from rlsys.samples import assign_advantages, response_text, score_groups, to_train_sequences
-from rlsys.status.reporting import collect_actor_health, new_status, status_server
+from rlsys.samples import ScoredBatch, assign_advantages, check_reward_errors, score_groups, to_train_sequences
+from rlsys.status.reporting import HealthMonitor, new_status, status_server
 from rlsys.status.state import RunStatus
-from rlsys.verify import verify_engine_weights
-from rollout.engine import SamplingParams
-from rollout.manager import RolloutManager
-from rollout.server import ServerSpec
-from weight_sync.backend import detect_backend
+from rlsys.topology import Topology
+from rlsys.weight_sync.backend import detect_backend
 
-HEALTH_INTERVAL_S = 5.0  # actor and engine health is refreshed at most this often
+__all__ = ["RunFailed", "run"]
 
 
-class RunFailed(RuntimeError):
-    """The run stopped on bad input or a broken component; the message says which."""
+@dataclass
+class Run:
+    """Everything the loop works with, started and restored by `run`."""
 
+    config: RunConfig
+    assets: RunAssets
+    parts: Components
+    state: CoordinatorState
+    status: RunStatus
+    log: MetricsLog
+    sampler: PromptSampler
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    health: HealthMonitor
+
+    @contextmanager
+    def phase(self, row: dict, state: str, timing: str):
+        """Shows `state` in the status and adds the block's seconds to row["time_<timing>_s"]."""
+        self.status.set_state(state)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            row[f"time_{timing}_s"] = row.get(f"time_{timing}_s", 0.0) + time.perf_counter() - start
+
+    def steps(self) -> Iterator[int]:
+        """The steps still to run, with a progress bar; waits while paused, ends on a stop request."""
+        from tqdm import tqdm
+
+        total = self.config.trainer.total_steps
+        bar = tqdm(range(self.state.next_step, total), initial=self.state.next_step, total=total, desc="GRPO",
+                   disable=not self.config.logging.progress_bar, dynamic_ncols=True)
+        last_eval = None
+        for step in bar:
+            _wait_while_paused(self.status)
+            if self.status.stop_requested:
+                return
+            yield step
+            row = self.log.rows[-1]
+            last_eval = row.get("eval_reward_mean", last_eval)
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", eval="-" if last_eval is None else f"{last_eval:.2f}")
+
+
+def train_loop(run: Run) -> None:
+    config, parts, state = run.config, run.parts, run.state
+    sampling = sampling_params(config, run.assets, config.rollout.temperature, config.rollout.top_p)
+    group_size = config.rollout.n_samples_per_prompt
+    for step in run.steps():
+        row: dict = {"step": step, "data_epoch": run.sampler.epoch, "data_index": run.sampler.index}
+        step_start = time.perf_counter()
+        if run.evaluator.due(step):
+            with run.phase(row, "evaluating", "eval"):
+                row["eval_reward_mean"] = run.evaluator.evaluate()
+
+        prompts = run.sampler.next_batch()
+        with run.phase(row, "rollout", "generate"):
+            generations = parts.rollout.generate([p.token_ids for p in prompts], sampling, group_size)
+        scored = score_groups([p.record for p in prompts], generations, group_size,
+                              run.assets.tokenizer, run.assets.reward_fn)
+        check_reward_errors(scored, config.reward.max_error_fraction, step)
+        row.update(scored.reward_metrics())  # task rewards, before any KL penalty
+
+        if parts.topology.trainers_sleep:
+            with run.phase(row, "training", "offload"):
+                row["offload_bytes"] = parts.trainer.wake_up()["bytes"]
+        with run.phase(row, "training", "train"):
+            row.update(_train(config, parts, scored))
+        with run.phase(row, "syncing", "sync"):
+            push_weights(config, parts, state.weight_version + 1)
+        state.finish_step(step, run.sampler.epoch, run.sampler.index)
+        if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
+            with run.phase(row, "checkpointing", "checkpoint"):
+                run.checkpointer.save(state)
+        if parts.topology.trainers_sleep:
+            with run.phase(row, "training", "offload"):
+                parts.trainer.sleep()
+
+        row["time_step_s"] = time.perf_counter() - step_start
+        row.update(_rollout_metrics(generations, row["time_step_s"]), synced_weight_version=state.weight_version)
+        _record(run, row, last_step=step + 1 == config.trainer.total_steps)
+
+
+def _train(config: RunConfig, parts: Components, scored: ScoredBatch) -> dict:
+    """Optional KL-in-reward, group advantages, then the trainer's step; its metrics."""
+    metrics = {}
+    if config.algorithm.kl_in_reward:
+        # reward -= kl_coef * sum_t KL_t(policy || reference)
+        kls = parts.trainer.compute_sequence_kl(to_train_sequences(scored.samples))
+        for sample, kl in zip(scored.samples, kls, strict=True):
+            sample.reward -= config.algorithm.kl_coef * kl
+        metrics["kl_reward_penalty"] = config.algorithm.kl_coef * sum(kls) / max(len(kls), 1)
+    assign_advantages(scored.samples, config.rollout.n_samples_per_prompt, config.algorithm.normalize_adv_by_std)
+    return {**metrics, **parts.trainer.train_step(to_train_sequences(scored.samples))}
+
+
+def _rollout_metrics(generations: list, step_seconds: float) -> dict:
+    tokens = sum(len(g.prompt_ids) + len(g.response_ids) for g in generations)
+    return {
+        "response_len_mean": sum(len(g.response_ids) for g in generations) / max(len(generations), 1),
+        "weight_version": generations[0].weight_version if generations else None,  # what sampled them
+        "tokens_per_s": tokens / step_seconds,
+    }
+
+
+def _record(run: Run, row: dict, last_step: bool) -> None:
+    run.log.append(row)
+    run.status.record_step(row)
+    if run.health.due(last_step):
+        run.health.refresh(run.status)
+    run.status.save_snapshot()
+
+
+def _wait_while_paused(status: RunStatus) -> None:
+    if status.pause_requested and not status.stop_requested:
+        status.set_state("paused")
+        status.save_snapshot()
+        while status.pause_requested and not status.stop_requested:
+            time.sleep(0.2)
+
+
+# ---- the run's life ---------------------------------------------------------------------------
 
 def prepare_run_dir(config: RunConfig, run_dir: Path, resuming: bool) -> None:
     if not resuming and (run_dir / "metrics.jsonl").exists():
@@ -56,255 +170,26 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resuming: bool) -> None:
     dump_config(config.model_copy(update={"run_dir": str(run_dir)}), run_dir / "config.yaml")
 
 
-def trainer_spec(config: RunConfig) -> TrainerSpec:
-    t, a = config.trainer, config.algorithm
-    return TrainerSpec(
-        model_path=config.model.path, dtype=config.model.dtype, lr=t.lr,
-        weight_decay=t.weight_decay, betas=tuple(t.betas), grad_clip=t.grad_clip,
-        packing=t.packing, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        micro_batch_size=t.micro_batch_size, mini_batches_per_step=t.mini_batches_per_step,
-        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio,
-        total_optimizer_steps=t.total_steps * t.mini_batches_per_step,
-        gradient_checkpointing=t.gradient_checkpointing,
-        threads_per_rank=t.threads_per_rank, temperature=config.rollout.temperature,
-        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, use_kl_loss=a.use_kl_loss,
-        kl_in_reward=a.kl_in_reward,
-        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, seed=config.seed,
-    )
-
-
-def server_spec(config: RunConfig) -> ServerSpec:
-    e = config.rollout.engine
-    return ServerSpec(
-        model_path=config.model.path, dtype=config.model.dtype, tp_size=e.tp_size,
-        mem_fraction_static=e.mem_fraction_static, max_total_tokens=e.max_total_tokens,
-        context_length=e.context_length, skip_tokenizer_init=e.skip_tokenizer_init,
-        random_seed=config.seed, weight_load_threads=e.weight_load_threads, extra_args=list(e.extra_args),
-    )
-
-
-@dataclass
-class Components:
-    placement: Placement
-    rollout: RolloutManager
-    trainer: TrainerGroup
-
-    def shutdown(self) -> None:
-        # Engines first: their servers hold shared-memory handles from the trainers.
-        self.rollout.shutdown()
-        self.trainer.shutdown()
-        self.placement.remove()
-
-
-def start_components(config: RunConfig, run_dir: Path) -> Components:
-    backend = detect_backend()
-    placement = create_placement(config.placement.mode, config.trainer.num_ranks, config.rollout.num_engines,
-                                 config.rollout.engine.tp_size, backend.has_gpu)
-    rollout = RolloutManager(
-        server_spec(config), config.rollout.num_engines, str(run_dir / "logs"),
-        [placement.engine_options(i) for i in range(config.rollout.num_engines)],
-        config.rollout.engine.startup_timeout_s, config.rollout.engine.request_timeout_s,
-    )
-    try:
-        trainer = TrainerGroup(
-            trainer_spec(config), config.trainer.num_ranks,
-            [placement.trainer_options(i) for i in range(config.trainer.num_ranks)], env_vars=ACTOR_ENV,
-        )
-    except Exception:
-        rollout.shutdown()
-        placement.remove()
-        raise
-    parts = Components(placement, rollout, trainer)
-    try:
-        rollout.wait_ready()
-        if config.placement.mode == "disaggregated":
-            trainer.connect_broadcast(rollout.urls, rollout.tp_size, config.weight_sync.timeout_s)
-    except BaseException:
-        parts.shutdown()
-        raise
-    return parts
-
-
-def push_weights(config: RunConfig, parts: Components, weight_version: int) -> None:
-    """Trainer -> engines, by IPC handle (colocated) or broadcast (disaggregated); then, with
-    weight_sync.verify, check that every engine computes what the trainer computes."""
-    bucket_bytes = int(config.weight_sync.bucket_size_mb * 2**20)
-    if config.placement.mode == "colocated":
-        parts.trainer.sync_weights(parts.rollout.urls, parts.rollout.tp_size, bucket_bytes, weight_version)
-    else:
-        parts.trainer.sync_weights_broadcast(bucket_bytes, weight_version)
-    if config.weight_sync.verify:
-        tolerance = config.weight_sync.verify_tolerance or (1e-3 if config.model.dtype == "float32" else 5e-2)
-        verify_engine_weights(parts.trainer, parts.rollout, weight_version, tolerance, config.seed)
-
-
-def evaluate(config: RunConfig, assets: RunAssets, rollout: RolloutManager) -> float:
-    prompts = assets.eval[: config.eval.max_prompts] if config.eval.max_prompts else assets.eval
-    sampling = _sampling(config, assets, config.eval.temperature, 1.0)
-    generations = rollout.generate([p.token_ids for p in prompts], sampling, n=1)
-    rewards = []
-    for prompt, generation in zip(prompts, generations, strict=False):
-        text = response_text(assets.tokenizer, generation.response_ids)
-        try:
-            rewards.append(assets.reward_fn(prompt.record.prompt, text, prompt.record.label, prompt.record.metadata))
-        except Exception:  # noqa: BLE001 - an eval sample whose reward raises scores 0
-            rewards.append(0.0)
-    return sum(rewards) / max(len(rewards), 1)
-
-
-def _sampling(config: RunConfig, assets: RunAssets, temperature: float, top_p: float) -> SamplingParams:
-    return SamplingParams(
-        temperature=temperature, top_p=top_p, max_new_tokens=config.rollout.max_new_tokens,
-        # Without its tokenizer the engine stops on token ids only (assets.stop_token_ids).
-        stop=config.rollout.stop if not config.rollout.engine.skip_tokenizer_init else [],
-        stop_token_ids=assets.stop_token_ids,
-    )
-
-
-def _check_reward_errors(config: RunConfig, scored, num_generations: int, step: int) -> None:
-    if scored.reward_errors > config.reward.max_error_fraction * num_generations:
-        raise RunFailed(
-            f"step {step}: {scored.reward_errors} of {num_generations} rewards raised "
-            f"(reward.max_error_fraction={config.reward.max_error_fraction}); first error:\n"
-            f"{scored.first_error}"
-        )
-
-
-def _fold_kl_into_rewards(config: RunConfig, trainer: TrainerGroup, samples: list) -> float:
-    """reward -= kl_coef * sum_t KL_t(policy || reference); returns the mean penalty."""
-    kls = trainer.compute_sequence_kl(to_train_sequences(samples))
-    for sample, kl in zip(samples, kls, strict=True):
-        sample.reward -= config.algorithm.kl_coef * kl
-    return config.algorithm.kl_coef * sum(kls) / max(len(kls), 1)
-
-
-@contextmanager
-def _timed(row: dict, phase: str):
-    """Adds the block's seconds to row["time_<phase>_s"]."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        row[f"time_{phase}_s"] = row.get(f"time_{phase}_s", 0.0) + time.perf_counter() - start
-
-
-def _save_checkpoint(store: CheckpointStore, parts: Components, state: CoordinatorState) -> None:
-    state.python_random_state = python_random_state()
-    store.save(state.next_step, parts.trainer.save_checkpoint, state)
-
-
-def _wait_while_paused(status: RunStatus) -> None:
-    if status.pause_requested and not status.stop_requested:
-        status.set_state("paused")
-        status.save_snapshot()
-        while status.pause_requested and not status.stop_requested:
-            time.sleep(0.2)
-
-
-def _train_loop(config: RunConfig, assets: RunAssets, parts: Components, log: MetricsLog,
-                store: CheckpointStore, state: CoordinatorState, status: RunStatus) -> None:
-    from tqdm import tqdm
-
-    group_size = config.rollout.n_samples_per_prompt
-    sampling = _sampling(config, assets, config.rollout.temperature, config.rollout.top_p)
-    sampler = PromptSampler(assets.train, config.data.prompts_per_step, config.seed)
-    sampler.restore(state.data_epoch, state.data_index)
-    # Only colocated trainers give their device memory to the engines between steps.
-    offload = config.trainer.offload_between_steps and config.placement.mode == "colocated"
-    total = config.trainer.total_steps
-    last_health, last_eval = time.monotonic(), None
-    bar = tqdm(range(state.next_step, total), initial=state.next_step, total=total, desc="GRPO",
-               disable=not config.logging.progress_bar, dynamic_ncols=True)
-    for step in bar:
-        _wait_while_paused(status)
-        if status.stop_requested:
-            break
-        row: dict = {"step": step, "data_epoch": sampler.epoch, "data_index": sampler.index}
-        step_start = time.perf_counter()
-
-        if assets.eval and (step % config.eval.interval == 0 or step == total - 1):
-            status.set_state("evaluating")
-            with _timed(row, "eval"):
-                row["eval_reward_mean"] = evaluate(config, assets, parts.rollout)
-
-        prompts: list[EncodedPrompt] = sampler.next_batch()
-        status.set_state("rollout")
-        with _timed(row, "generate"):
-            generations = parts.rollout.generate([p.token_ids for p in prompts], sampling, group_size)
-        scored = score_groups([p.record for p in prompts], generations, group_size,
-                              assets.tokenizer, assets.reward_fn)
-        _check_reward_errors(config, scored, len(generations), step)
-        rewards = [s.reward for s in scored.samples]  # task rewards, before any KL penalty
-
-        status.set_state("training")
-        if offload:
-            with _timed(row, "offload"):
-                row["offload_bytes"] = parts.trainer.wake_up()["bytes"]
-        if config.algorithm.kl_in_reward:
-            with _timed(row, "train"):
-                row["kl_reward_penalty"] = _fold_kl_into_rewards(config, parts.trainer, scored.samples)
-        assign_advantages(scored.samples, group_size, config.algorithm.normalize_adv_by_std)
-        with _timed(row, "train"):
-            train_metrics = parts.trainer.train_step(to_train_sequences(scored.samples))
-        status.set_state("syncing")
-        with _timed(row, "sync"):
-            push_weights(config, parts, state.weight_version + 1)
-        state.weight_version += 1
-        state.next_step, state.data_epoch, state.data_index = step + 1, sampler.epoch, sampler.index
-        interval = config.checkpoint.interval
-        due = interval and ((step + 1) % interval == 0 or step + 1 == total)
-        if due or status.take_checkpoint_request() or (interval and status.stop_requested):
-            status.set_state("checkpointing")
-            with _timed(row, "checkpoint"):
-                _save_checkpoint(store, parts, state)
-        if offload:
-            with _timed(row, "offload"):
-                parts.trainer.sleep()
-        row["time_step_s"] = time.perf_counter() - step_start
-
-        mean = sum(rewards) / max(len(rewards), 1)
-        tokens = sum(len(g.prompt_ids) + len(g.response_ids) for g in generations)
-        row.update(
-            reward_mean=mean,
-            reward_std=(sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1)) ** 0.5,
-            response_len_mean=sum(len(g.response_ids) for g in generations) / max(len(generations), 1),
-            weight_version=generations[0].weight_version if generations else None,
-            synced_weight_version=state.weight_version,
-            tokens_per_s=tokens / row["time_step_s"],
-            reward_errors=scored.reward_errors,
-            dropped_groups=scored.dropped_groups,
-            **train_metrics,
-        )
-        log.append(row)
-        status.record_step(row)
-        if time.monotonic() - last_health >= HEALTH_INTERVAL_S or step + 1 == total:
-            status.set_actors(collect_actor_health(parts.trainer, parts.rollout))
-            last_health = time.monotonic()
-        status.save_snapshot()
-        last_eval = row.get("eval_reward_mean", last_eval)
-        bar.set_postfix(reward=f"{mean:.2f}", eval=f"{last_eval:.2f}" if last_eval is not None else "-")
-
-
-def resume_point(config: RunConfig, store: CheckpointStore) -> Path | None:
-    if config.checkpoint.resume != "auto":
-        return None
-    return store.latest()
-
-
-def restore(parts: Components, config: RunConfig, checkpoint: Path | None) -> CoordinatorState:
-    """Load the trainer from `checkpoint` and bring the engines to the same weights and version."""
-    if checkpoint is None:
-        return CoordinatorState(next_step=0, weight_version=0, data_epoch=0, data_index=0)
-    state = CheckpointStore.load_state(checkpoint)
-    parts.trainer.load_checkpoint(str(checkpoint))
-    push_weights(config, parts, state.weight_version)
-    restore_python_random_state(state.python_random_state)
-    return state
-
-
 def _first_lines(text: str, count: int) -> str:
     lines = text.splitlines()
     return "\n".join(lines[:count] + (["..."] if len(lines) > count else []))
+
+
+@contextmanager
+def _failures_reported(status: RunStatus):
+    """Any error ends the run as `failed` in the status; a dead or raising actor becomes RunFailed."""
+    try:
+        yield
+    except RayError as error:
+        cause = getattr(error, "cause", None) or error  # the remote exception, without Ray's wrapping
+        message = f"{type(cause).__name__}: {_first_lines(str(cause), 40)}"
+        status.fail(message)
+        status.save_snapshot()
+        raise RunFailed(f"a trainer rank or rollout engine failed: {message}") from error
+    except BaseException as error:
+        status.fail(f"{type(error).__name__}: {error}")
+        status.save_snapshot()
+        raise
 
 
 def _exit_cleanly_on_sigterm() -> None:
@@ -316,49 +201,50 @@ def _exit_cleanly_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise)
 
 
+def _describe_data(assets: RunAssets) -> str:
+    dropped = []
+    if assets.skipped_rows:
+        dropped.append(f"{assets.skipped_rows} invalid rows skipped")
+    if assets.too_long_prompts:
+        dropped.append(f"{assets.too_long_prompts} prompts longer than the context window dropped")
+    return f"{len(assets.train)} train and {len(assets.eval)} eval prompts" + (f" ({', '.join(dropped)})" if dropped else "")
+
+
 def run(config: RunConfig) -> Path:
     """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
     assets = load_assets(config)  # every input check happens before any actor starts
     random.seed(config.seed)
     run_dir = Path(config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
     store = CheckpointStore(run_dir, config.checkpoint.keep_last)
-    checkpoint = resume_point(config, store)
+    checkpoint = store.latest() if config.checkpoint.resume == "auto" else None
     prepare_run_dir(config, run_dir, resuming=checkpoint is not None)
     print(f"rlsys: run directory {run_dir.resolve()}", flush=True)
+    print(f"rlsys: data: {_describe_data(assets)}", flush=True)
     if checkpoint is not None:
         print(f"rlsys: resuming from {checkpoint}", flush=True)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    status = new_status(config, run_dir)
-    # Logical CPUs for a local cluster: one per actor (plus the colocated pairs' second slot) and a spare.
-    actors = config.trainer.num_ranks + (
-        config.trainer.num_ranks if config.placement.mode == "colocated" else config.rollout.num_engines)
-    with status_server(config, status), \
-            ray_cluster(config.placement.ray_address, config.placement.num_cpus or actors + 1):
+    status = new_status(config, run_dir, assets)
+    topology = Topology.from_config(config, detect_backend().has_gpu)
+    with ExitStack() as stack:
+        stack.enter_context(status_server(config, status))
+        stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or topology.local_cpus()))
         _exit_cleanly_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
-        try:
-            parts = start_components(config, run_dir)
-            try:
-                state = restore(parts, config, checkpoint)
-                log.truncate_from(state.next_step)  # rows of steps that will run again
-                for row in log.rows:
-                    status.record_step(row)
-                status.set_actors(collect_actor_health(parts.trainer, parts.rollout))
-                if config.trainer.offload_between_steps and config.placement.mode == "colocated":
-                    parts.trainer.sleep()
-                _train_loop(config, assets, parts, log, store, state, status)
-            finally:
-                parts.shutdown()
-        except RayError as error:
-            # A trainer rank or engine died or raised: say which, keep the cause for the log.
-            cause = getattr(error, "cause", None) or error  # the remote exception, without Ray's wrapping
-            message = f"{type(cause).__name__}: {_first_lines(str(cause), 40)}"
-            status.fail(message)
-            status.save_snapshot()
-            raise RunFailed(f"a trainer rank or rollout engine failed: {message}") from error
-        except BaseException as error:
-            status.fail(f"{type(error).__name__}: {error}")
-            status.save_snapshot()
-            raise
+        stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
+        parts = start_components(config, topology, run_dir, stack)
+        state = restore(config, parts, checkpoint)
+        log.truncate_from(state.next_step)  # rows of steps that will run again
+        for row in log.rows:
+            status.record_step(row)
+        health = HealthMonitor(parts.trainer, parts.rollout)
+        health.refresh(status)
+        if parts.topology.trainers_sleep:
+            parts.trainer.sleep()
+        sampler = PromptSampler(assets.train, config.data.prompts_per_step, config.seed)
+        sampler.restore(state.data_epoch, state.data_index)
+        checkpointer = Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps,
+                                    parts.trainer.save_checkpoint)
+        train_loop(Run(config, assets, parts, state, status, log, sampler, Evaluator(config, assets, parts.rollout),
+                       checkpointer, health))
         status.set_state("stopped" if status.stop_requested else "finished")
         status.save_snapshot()
     print(f"rlsys: {status.state}; metrics in {(run_dir / 'metrics.jsonl').resolve()}", flush=True)

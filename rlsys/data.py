@@ -81,7 +81,8 @@ class PromptSplits:
 
 def load_splits(config: DataConfig, seed: int) -> PromptSplits:
     if config.synthetic is not None:
-        train, eval_ = generate_task(config.synthetic)
+        train, eval_ = ([PromptRecord(e.prompt, e.label, {"task": e.task}) for e in split]
+                        for split in generate_task(config.synthetic))
         return PromptSplits(train=train, eval=eval_)
     train, skipped = read_jsonl(config.train_path, config.skip_invalid_rows)
     if config.eval_path:

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.batching import TrainSequence
+from rlsys.actors.batching import TrainSequence
 from rlsys.algorithms.grpo import group_advantages
 from rlsys.data import PromptRecord
+from rlsys.errors import RunFailed
 from rlsys.rewards import RewardFn, score
-from rollout.engine import Generation
+from rlsys.rollout.engine import Generation
 
 
 @dataclass
@@ -26,9 +27,21 @@ class Sample:
 @dataclass
 class ScoredBatch:
     samples: list[Sample]  # only complete groups whose rewards all computed
+    num_generations: int = 0  # every generation scored, kept or not
     reward_errors: int = 0
     first_error: str | None = None
     dropped_groups: int = 0
+
+    def reward_metrics(self) -> dict:
+        """Task rewards of the samples kept, and what the reward function failed on."""
+        rewards = [s.reward for s in self.samples]
+        mean = sum(rewards) / max(len(rewards), 1)
+        return {
+            "reward_mean": mean,
+            "reward_std": (sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1)) ** 0.5,
+            "reward_errors": self.reward_errors,
+            "dropped_groups": self.dropped_groups,
+        }
 
 
 def response_text(tokenizer, response_ids: list[int]) -> str:
@@ -44,7 +57,7 @@ def score_groups(
     tokenizer, reward_fn: RewardFn,
 ) -> ScoredBatch:
     """Reward every sample; a group with any failing reward is dropped (and counted)."""
-    batch = ScoredBatch(samples=[])
+    batch = ScoredBatch(samples=[], num_generations=len(generations))
     for group_index, record in enumerate(records):
         group = generations[group_index * group_size:(group_index + 1) * group_size]
         samples, failed = [], False
@@ -64,6 +77,15 @@ def score_groups(
         else:
             batch.samples.extend(samples)
     return batch
+
+
+def check_reward_errors(scored: ScoredBatch, max_error_fraction: float, step: int) -> None:
+    """Stop the run when more than `max_error_fraction` of a step's reward calls failed."""
+    if scored.reward_errors > max_error_fraction * scored.num_generations:
+        raise RunFailed(
+            f"step {step}: {scored.reward_errors} of {scored.num_generations} rewards raised "
+            f"(reward.max_error_fraction={max_error_fraction}); first error:\n{scored.first_error}"
+        )
 
 
 def assign_advantages(samples: list[Sample], group_size: int, normalize_by_std: bool) -> None:

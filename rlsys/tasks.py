@@ -8,6 +8,7 @@ not memorised prompts. An untrained model answers right about once in `vocab siz
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from rlsys.config import SyntheticTaskConfig
 
@@ -19,15 +20,20 @@ _ANSWER_RULES = {
 }
 
 
-def _record(digits: list[int], task: str):
-    from rlsys.data import PromptRecord
-
+def _example(digits: list[int], task: str) -> TaskExample:
     prompt = " ".join(str(d) for d in digits) + ">"
-    return PromptRecord(prompt=prompt, label=str(_ANSWER_RULES[task](digits)), metadata={"task": task})
+    return TaskExample(prompt=prompt, label=str(_ANSWER_RULES[task](digits)), task=task)
 
 
-def generate_task(config: SyntheticTaskConfig):
-    """Return (train, eval) lists of PromptRecord with no prompt in both."""
+@dataclass(frozen=True)
+class TaskExample:
+    prompt: str
+    label: str
+    task: str
+
+
+def generate_task(config: SyntheticTaskConfig) -> tuple[list[TaskExample], list[TaskExample]]:
+    """(train, eval) examples with no prompt in both."""
     space = 10**config.num_digits
     wanted = config.num_train + config.num_eval
     if wanted > space:
@@ -37,7 +43,5 @@ def generate_task(config: SyntheticTaskConfig):
         )
     rng = random.Random(config.seed)
     codes = rng.sample(range(space), wanted)
-    records = [
-        _record([int(c) for c in str(code).zfill(config.num_digits)], config.task) for code in codes
-    ]
-    return records[config.num_eval:], records[: config.num_eval]
+    examples = [_example([int(c) for c in str(code).zfill(config.num_digits)], config.task) for code in codes]
+    return examples[config.num_eval:], examples[: config.num_eval]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from actors.batching import TrainSequence
+from rlsys.actors.batching import TrainSequence
 
 
 class WeightSyncMismatch(RuntimeError):
@@ -37,7 +37,7 @@ def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: floa
         diff = max(abs(a - b) for row_a, row_b in zip(got, expected, strict=True) for a, b in zip(row_a, row_b, strict=True))
         if diff > tolerance:
             raise WeightSyncMismatch(
-                f"engine {index} ({rollout.urls[index]}) disagrees with the trainer after syncing weight version "
+                f"engine {index} ({rollout.addresses[index].url}) disagrees with the trainer after syncing weight version "
                 f"{weight_version}: max |logprob diff| {diff:.3g} > {tolerance:.3g}"
             )
         worst = max(worst, diff)

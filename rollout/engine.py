@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout.server import ServerSpec, SGLangServer
-from weight_sync.backend import detect_backend
-from weight_sync.http import EngineHTTPError, get_json, post_json
+from rlsys.rollout.client import EngineAddress, EngineError
+from rlsys.rollout.server import ServerSpec, SGLangServer
+from rlsys.weight_sync.backend import detect_backend
 
 
 @dataclass
@@ -45,42 +45,37 @@ class Generation:
 class RolloutEngine:
     """Plain class, wrapped with `ray.remote` at the call site."""
 
-    def __init__(self, spec: ServerSpec, log_path: str, request_timeout_s: float = 600.0,
-                 force_cpu: bool = False):
-        self.server = SGLangServer(spec, detect_backend(force_cpu), Path(log_path))
-        self.request_timeout_s = request_timeout_s
+    def __init__(self, spec: ServerSpec, name: str, log_path: str):
+        self.server = SGLangServer(spec, detect_backend(), name, Path(log_path))
+        self.client = self.server.client
 
-    def start(self, timeout_s: float) -> str:
+    def start(self, timeout_s: float) -> EngineAddress:
         self.server.start(timeout_s)
-        return self.server.url
+        return self.server.address
 
-    def url(self) -> str:
-        return self.server.url
-
-    def _post(self, path: str, payload: dict):
+    def _call(self, request):
+        """Run a client call; a server that has exited is named as such."""
         if not self.server.is_alive():
-            raise RuntimeError(
-                f"SGLang server {self.server.url} is not running; last log lines:\n{self.server.log_tail()}"
-            )
+            raise EngineError(str(self.server.address), "(any)", "the server is not running",
+                              self.server.log_tail())
         try:
-            return post_json(f"{self.server.url}{path}", payload, timeout_s=self.request_timeout_s)
-        except EngineHTTPError as error:
-            state = "is running" if self.server.is_alive() else "has exited"
-            raise RuntimeError(
-                f"SGLang server {self.server.url} {state} and {path} failed: {error}; last log lines:\n"
-                f"{self.server.log_tail()}"
-            ) from error
+            return request()
+        except EngineError as error:
+            if not self.server.is_alive():
+                raise EngineError(error.engine, error.endpoint, f"{error.reason} (the server has exited)",
+                                  self.server.log_tail()) from error
+            raise
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Generation]:
         """`n` samples for every prompt, grouped prompt by prompt (len = n * len(prompts))."""
         if not prompts:
             return []
         batch = [list(p) for p in prompts for _ in range(n)]
-        answers = self._post("/generate", {
+        answers = self._call(lambda: self.client.generate({
             "input_ids": batch,
             "sampling_params": sampling.as_sglang(),
             "return_logprob": True,
-        })
+        }))
         return [self._to_generation(ids, answer) for ids, answer in zip(batch, answers, strict=False)]
 
     @staticmethod
@@ -99,19 +94,16 @@ class RolloutEngine:
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Engine log-probs of tokens 1..L-1 of each fixed sequence (prefill, nothing sampled)."""
-        answers = self._post("/generate", {
+        answers = self._call(lambda: self.client.generate({
             "input_ids": [list(s) for s in sequences],
             "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
             "return_logprob": True,
             "logprob_start_len": 0,
-        })
+        }))
         return [[float(lp) for lp, *_ in a["meta_info"]["input_token_logprobs"][1:]] for a in answers]
 
     def weight_version(self) -> int:
-        return int(get_json(f"{self.server.url}/model_info")["weight_version"])
-
-    def is_alive(self) -> bool:
-        return self.server.is_alive()
+        return int(self._call(self.client.model_info)["weight_version"])
 
     def health(self) -> dict:
         """Whether the server answers, and the memory of its process tree.
@@ -120,7 +112,7 @@ class RolloutEngine:
         alive = self.server.is_alive()
         if alive:
             try:
-                get_json(f"{self.server.url}/model_info", timeout_s=5.0)
+                self.client.model_info(timeout_s=5.0)
             except Exception:  # noqa: BLE001 - any failure to answer means unhealthy
                 alive = False
         return {"alive": alive, "memory_bytes": self.server.memory_bytes(), "url": self.server.url}

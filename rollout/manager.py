@@ -4,40 +4,46 @@ from __future__ import annotations
 
 import ray
 
-from rollout.engine import Generation, RolloutEngine, SamplingParams
-from rollout.server import ServerSpec
+from rlsys.rollout.client import EngineAddress
+from rlsys.rollout.engine import Generation, RolloutEngine, SamplingParams
+from rlsys.rollout.server import ServerSpec
+
+
+def deal_prompts(prompts: list, num_engines: int) -> list[list]:
+    """Prompt p goes to engine p % E, at slot p // E of that engine's block."""
+    return [prompts[i::num_engines] for i in range(num_engines)]
+
+
+def collect_in_prompt_order(answers: list[list], num_prompts: int, n: int) -> list:
+    """Undo `deal_prompts`: engine blocks of n answers per prompt back into the caller's order."""
+    ordered = []
+    for p in range(num_prompts):
+        engine, slot = p % len(answers), p // len(answers)
+        ordered.extend(answers[engine][slot * n:(slot + 1) * n])
+    return ordered
 
 
 class RolloutManager:
-    def __init__(self, spec: ServerSpec, num_engines: int, log_dir: str, actor_options: list[dict],
-                 startup_timeout_s: float, request_timeout_s: float, force_cpu: bool = False):
+    def __init__(self, spec: ServerSpec, num_engines: int, log_dir: str, actor_options: list[dict]):
         remote_cls = ray.remote(RolloutEngine)
         self.engines = [
-            remote_cls.options(**actor_options[index]).remote(
-                spec, f"{log_dir}/engine_{index}.log", request_timeout_s, force_cpu
-            )
+            remote_cls.options(**actor_options[index]).remote(spec, f"engine-{index}", f"{log_dir}/engine_{index}.log")
             for index in range(num_engines)
         ]
-        self.tp_size = spec.tp_size
         # Servers start in the background; call wait_ready() before using them.
-        self._starting = [e.start.remote(startup_timeout_s) for e in self.engines]
-        self.urls: list[str] = []
+        self._starting = [e.start.remote(spec.engine.startup_timeout_s) for e in self.engines]
+        self.addresses: list[EngineAddress] = []
 
-    def wait_ready(self) -> list[str]:
-        if not self.urls:
-            self.urls = ray.get(self._starting)
-        return self.urls
+    def wait_ready(self) -> list[EngineAddress]:
+        if not self.addresses:
+            self.addresses = ray.get(self._starting)
+        return self.addresses
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int) -> list[Generation]:
-        """n samples per prompt, grouped prompt by prompt; prompts are dealt to engines in blocks."""
-        blocks = [prompts[i::len(self.engines)] for i in range(len(self.engines))]
-        answers = ray.get([e.generate.remote(b, sampling, n) for e, b in zip(self.engines, blocks, strict=False)])
-        # Reassemble in the caller's prompt order: prompt p went to engine p % E at slot p // E.
-        ordered: list[Generation] = []
-        for p in range(len(prompts)):
-            engine, slot = p % len(self.engines), p // len(self.engines)
-            ordered.extend(answers[engine][slot * n:(slot + 1) * n])
-        return ordered
+        """n samples per prompt, grouped prompt by prompt in the caller's order."""
+        blocks = deal_prompts(prompts, len(self.engines))
+        answers = ray.get([e.generate.remote(b, sampling, n) for e, b in zip(self.engines, blocks, strict=True)])
+        return collect_in_prompt_order(answers, len(prompts), n)
 
     def score(self, sequences: list[list[int]], engine_index: int = 0) -> list[list[float]]:
         return ray.get(self.engines[engine_index].score.remote(sequences))

@@ -16,32 +16,23 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weight_sync import engine_loader
-from weight_sync.backend import Backend
-from weight_sync.http import EngineHTTPError, get_json
+from rlsys.config import EngineConfig, ModelConfig
+from rlsys.rollout.client import EngineAddress, EngineError, SGLangClient, read_log_tail
+from rlsys.weight_sync import engine_loader
+from rlsys.weight_sync.backend import Backend
 
 # Shared-memory files SGLang's processes create (load slots, segments, multiprocessing semaphores).
 _SGLANG_SHM_PREFIXES = ("/dev/shm/sglang_", "/dev/shm/sgl_shm", "/dev/shm/sem.mp-")
 CPU_COMPAT_SITE = Path(__file__).resolve().parent / "cpu_compat" / "site"
-# The root that holds `weight_sync`, whose engine-side loader SGLang imports by name.
-PACKAGE_ROOT = Path(engine_loader.__file__).resolve().parents[1]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerSpec:
-    """Everything needed to start one SGLang server."""
+    """One SGLang server: the run config's model and engine sections, nothing copied."""
 
-    model_path: str
-    dtype: str = "float32"
-    tp_size: int = 1
-    mem_fraction_static: float = 0.3
-    max_total_tokens: int = 16384
-    context_length: int = 512
-    skip_tokenizer_init: bool = False
-    random_seed: int = 0
-    # Intra-op threads of a colocated weight load (None: every core this node lets us use).
-    weight_load_threads: int | None = None
-    extra_args: list[str] = field(default_factory=list)
+    model: ModelConfig
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    seed: int = 0
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -76,23 +67,24 @@ def _wait_for_group_exit(group_id: int, grace_s: float) -> None:
 
 
 def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> list[str]:
+    engine = spec.engine
     command = [
         sys.executable, "-m", "sglang.launch_server",
-        "--model-path", spec.model_path,
+        "--model-path", spec.model.path,
         "--host", host,
         "--port", str(port),
-        "--dtype", spec.dtype,  # always explicit: `auto` gave an fp16 KV cache on fp32 weights
-        "--tp-size", str(spec.tp_size),
-        "--mem-fraction-static", str(spec.mem_fraction_static),
-        "--max-total-tokens", str(spec.max_total_tokens),
-        "--context-length", str(spec.context_length),
-        "--random-seed", str(spec.random_seed),
+        "--dtype", spec.model.dtype,  # always explicit: `auto` gave an fp16 KV cache on fp32 weights
+        "--tp-size", str(engine.tp_size),
+        "--mem-fraction-static", str(engine.mem_fraction_static),
+        "--max-total-tokens", str(engine.max_total_tokens),
+        "--context-length", str(engine.context_length),
+        "--random-seed", str(spec.seed),
         "--skip-server-warmup",
         "--weight-version", "0",
         # The colocated transport loads its buckets through our loader (weight_sync/engine_loader.py).
         "--custom-weight-loader", engine_loader.LOAD_FORMAT,
     ]
-    if spec.skip_tokenizer_init:
+    if engine.skip_tokenizer_init:
         command.append("--skip-tokenizer-init")
     if not backend.has_gpu:
         # Without --sleep-on-idle the idle CPU scheduler spins a core at 100%.
@@ -102,17 +94,16 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> l
             "--disable-cuda-graph",
             "--sleep-on-idle",
         ]
-    return command + list(spec.extra_args)
+    return command + list(engine.extra_args)
 
 
 def build_env(spec: ServerSpec, backend: Backend) -> dict[str, str]:
     env = dict(os.environ)
-    path = [str(PACKAGE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if not backend.has_gpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # --device cpu alone does not select the CPU path
-        path.insert(0, str(CPU_COMPAT_SITE))
-    env["PYTHONPATH"] = os.pathsep.join(path)
-    threads = spec.weight_load_threads or len(os.sched_getaffinity(0))
+        path = [str(CPU_COMPAT_SITE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(path)
+    threads = spec.engine.weight_load_threads or len(os.sched_getaffinity(0))
     env[engine_loader.LOAD_THREADS_ENV] = str(threads)
     return env
 
@@ -120,15 +111,20 @@ def build_env(spec: ServerSpec, backend: Backend) -> dict[str, str]:
 class SGLangServer:
     """One `sglang.launch_server` child process, its log file, and its URL."""
 
-    def __init__(self, spec: ServerSpec, backend: Backend, log_path: Path, host: str = "127.0.0.1"):
+    def __init__(self, spec: ServerSpec, backend: Backend, name: str, log_path: Path, host: str = "127.0.0.1"):
         self.spec = spec
         self.backend = backend
         self.host = host
         self.port = find_free_port(host)
-        self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
+        self.address = EngineAddress(name, f"http://{host}:{self.port}", str(self.log_path), spec.engine.tp_size)
+        self.client = SGLangClient(self.address, timeout_s=spec.engine.request_timeout_s)
         self._process: subprocess.Popen | None = None
         self._owned_shm: set[str] = set()
+
+    @property
+    def url(self) -> str:
+        return self.address.url
 
     def start(self, timeout_s: float) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,10 +148,10 @@ class SGLangServer:
                     f"last lines of {self.log_path}:\n{self.log_tail()}"
                 )
             try:
-                get_json(f"{self.url}/model_info", timeout_s=2.0)
+                self.client.model_info(timeout_s=2.0)
                 self._owned_shm = self._shared_memory_files()  # removed at stop, even after a crash
                 return
-            except (EngineHTTPError, OSError):
+            except EngineError:
                 time.sleep(0.5)
         self.stop()
         raise TimeoutError(
@@ -179,10 +175,7 @@ class SGLangServer:
             return None
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return read_log_tail(self.log_path, lines) or "(no log)"
 
     def _shared_memory_files(self) -> set[str]:
         """/dev/shm files mapped by the server's process tree (SGLang's own segments)."""

@@ -32,6 +32,21 @@ def ray_cluster():
     ray.shutdown()
 
 
+def trainer_spec(model_dir: Path, *, shard: bool = True, **fields):
+    """A TrainerSpec for `model_dir`; each keyword goes to the config section that has the field
+    (trainer: lr, packing, ...; algorithm: use_kl_loss, clip_eps_low, ...)."""
+    from rlsys.actors.trainer import TrainerSpec
+    from rlsys.config import AlgorithmConfig, ModelConfig, TrainerConfig
+
+    trainer = {k: v for k, v in fields.items() if k in TrainerConfig.model_fields}
+    algorithm = {k: v for k, v in fields.items() if k in AlgorithmConfig.model_fields}
+    unknown = fields.keys() - trainer.keys() - algorithm.keys()
+    if unknown:
+        raise TypeError(f"no trainer or algorithm field named {sorted(unknown)}")
+    return TrainerSpec(ModelConfig(path=str(model_dir)), TrainerConfig(**trainer), AlgorithmConfig(**algorithm),
+                       shard=shard)
+
+
 def train_command(config: str, model_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
     """`rlsys train` of a config in configs/ on the tiny model, quietly, on a free status port."""
     return [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs" / config),

@@ -8,10 +8,10 @@ import pytest
 from rlsys.config import DataConfig, SyntheticTaskConfig
 from rlsys.data import DatasetError, PromptSampler, load_splits, read_jsonl
 from rlsys.rewards import RewardFunctionError, exact_match, last_number_match, load_reward_function
+from rlsys.rollout.engine import Generation
 from rlsys.samples import response_text, score_groups
 from rlsys.tasks import generate_task
 from rlsys.tiny_model import load_tokenizer
-from rollout.engine import Generation
 
 
 def _write(path, lines):

@@ -16,13 +16,14 @@ Why the bounds are what they are:
 """
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from actors.batching import TrainSequence
-from actors.group import TrainerGroup
-from actors.trainer import TrainerSpec
+from rlsys.actors.batching import TrainSequence
+from rlsys.actors.group import TrainerGroup
+from tests.conftest import trainer_spec
 
 GRADIENT_RTOL = 1e-4  # of the gradient's scale (max |g| over the model); see the module docstring
 METRIC_ATOL = 1e-4  # token means of O(1) values, from states equal up to Adam's noise steps
@@ -42,12 +43,12 @@ def _sequences(seed: int, count: int, vocab: int) -> list[TrainSequence]:
 def trainers(ray_cluster, tiny_model_dir):
     # Several packed micro-batches per rank (a 24-token budget), two optimizer steps per batch (so
     # the second mini-batch is off-policy and clipping acts), KL to the reference and entropy on.
-    spec = TrainerSpec(
-        model_path=str(tiny_model_dir), lr=1e-3, max_tokens_per_microbatch=24, mini_batches_per_step=2,
-        use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, clip_eps_low=0.01, clip_eps_high=0.01, seed=0,
+    spec = trainer_spec(
+        tiny_model_dir, lr=1e-3, max_tokens_per_microbatch=24, mini_batches_per_step=2,
+        use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, clip_eps_low=0.01, clip_eps_high=0.01,
     )
     sharded = TrainerGroup(spec, num_ranks=2)
-    single = TrainerGroup(TrainerSpec(**{**spec.__dict__, "shard": False}), num_ranks=1)
+    single = TrainerGroup(replace(spec, shard=False), num_ranks=1)
     yield sharded, single, spec
     sharded.shutdown()
     single.shutdown()
@@ -76,11 +77,11 @@ def test_two_fsdp_ranks_train_step_by_step_like_one_process(trainers, tmp_path):
         params_a, params_b = sharded.full_state_dict(), single.full_state_dict()
         # Adam's promise: each optimizer step moves an element by at most ~lr, so two runs from
         # the same state differ by at most 2 lr per step, whatever the rounding.
-        adam_bound = 2 * spec.lr * spec.mini_batches_per_step
+        adam_bound = 2 * spec.trainer.lr * spec.trainer.mini_batches_per_step
         worst = max((params_a[k] - params_b[k]).abs().max().item() for k in params_a)
         assert worst <= adam_bound, f"step {step}: parameters differ by {worst} > {adam_bound}"
         moved = max((params_a[k] - before[k]).abs().max().item() for k in params_a)
-        assert moved > spec.lr / 2  # the step really changed the weights
+        assert moved > spec.trainer.lr / 2  # the step really changed the weights
     assert a["kl"] > 0 and a["clip_fraction"] > 0  # the policy moved, so both terms were exercised
 
 

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from actors.batching import TrainSequence
-from actors.group import TrainerGroup
-from actors.trainer import TrainerSpec
+from rlsys.actors.batching import TrainSequence
+from rlsys.actors.group import TrainerGroup
+from tests.conftest import trainer_spec
 
 
 def _batch(seed: int, count: int = 12) -> list[TrainSequence]:
@@ -24,8 +24,8 @@ def _identical(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _spec(model_dir, **overrides) -> TrainerSpec:
-    return TrainerSpec(model_path=str(model_dir), lr=1e-3, **overrides)
+def _spec(model_dir, **overrides):
+    return trainer_spec(model_dir, lr=1e-3, **overrides)
 
 
 @pytest.mark.slow
@@ -118,7 +118,7 @@ def test_kl_is_zero_at_start_and_positive_once_the_policy_moves(ray_cluster, tin
 
 @pytest.mark.slow
 def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny_model_dir, tmp_path):
-    spec = _spec(tiny_model_dir, lr_schedule="cosine", warmup_steps=2, total_optimizer_steps=8,
+    spec = _spec(tiny_model_dir, lr_schedule="cosine", warmup_steps=2, total_steps=4,
                  mini_batches_per_step=2)
     straight = TrainerGroup(spec, 2)
     first_half = TrainerGroup(spec, 2)
@@ -136,7 +136,7 @@ def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny
         for step in range(2, 4):
             last = resumed.train_step(_batch(step))
         assert _identical(straight.full_state_dict(), resumed.full_state_dict())
-        assert last["lr"] == straight_last["lr"] < spec.lr  # the cosine schedule was restored too
+        assert last["lr"] == straight_last["lr"] < spec.trainer.lr  # the cosine schedule was restored too
     finally:
         straight.shutdown()
         resumed.shutdown()

@@ -6,13 +6,16 @@ import socket
 
 import pytest
 
-from actors.batching import TrainSequence
-from actors.group import TrainerGroup
-from actors.trainer import TrainerSpec
+from rlsys.actors.batching import TrainSequence
+from rlsys.actors.group import TrainerGroup
+from rlsys.config import EngineConfig, ModelConfig
+from rlsys.rollout.client import EngineAddress
+from rlsys.rollout.engine import SamplingParams
+from rlsys.rollout.manager import RolloutManager
+from rlsys.rollout.server import ServerSpec
+from rlsys.topology import Topology
 from rlsys.verify import WeightSyncMismatch, verify_engine_weights
-from rollout.engine import SamplingParams
-from rollout.manager import RolloutManager
-from rollout.server import ServerSpec
+from tests.conftest import trainer_spec
 
 FIXED = [[5, 9, 14, 3, 7, 7, 20, 31], [40, 41, 42, 6, 6, 6], [12, 65, 13, 65, 14, 73, 15, 1]]
 
@@ -29,6 +32,10 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
 
 
+def _topology(mode: str, engines: list[EngineAddress], num_ranks: int = 2) -> Topology:
+    return Topology(mode, num_ranks, len(engines), 1, has_gpu=False, trainers_sleep=False).with_engines(engines)
+
+
 def _engines_match_trainer(rollout, trainer) -> list[float]:
     expected = trainer.compute_log_probs([TrainSequence(tokens, prompt_len=1) for tokens in FIXED])
     return [_max_diff(rollout.score(FIXED, engine_index=i), expected) for i in range(len(rollout.engines))]
@@ -36,11 +43,10 @@ def _engines_match_trainer(rollout, trainer) -> list[float]:
 
 @pytest.fixture(scope="module")
 def two_engines_two_ranks(ray_cluster, tiny_model_dir, tmp_path_factory):
-    spec = ServerSpec(model_path=str(tiny_model_dir), skip_tokenizer_init=True, context_length=64,
-                      max_total_tokens=4096)
-    rollout = RolloutManager(spec, 2, str(tmp_path_factory.mktemp("logs")), [{"num_cpus": 1}] * 2,
-                             startup_timeout_s=300, request_timeout_s=120)
-    trainer = TrainerGroup(TrainerSpec(model_path=str(tiny_model_dir), lr=1e-2), num_ranks=2)
+    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120)
+    spec = ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine)
+    rollout = RolloutManager(spec, 2, str(tmp_path_factory.mktemp("logs")), [{"num_cpus": 1}] * 2)
+    trainer = TrainerGroup(trainer_spec(tiny_model_dir, lr=1e-2), num_ranks=2)
     rollout.wait_ready()
     yield rollout, trainer
     rollout.shutdown()
@@ -58,7 +64,8 @@ def test_colocated_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
     with pytest.raises(WeightSyncMismatch, match="weight versions"):
         verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0)
 
-    trainer.sync_weights(rollout.urls, rollout.tp_size, 16 * 2**20, weight_version=1)  # rank i -> engine i
+    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)  # rank i -> engine i
+    trainer.sync_weights(16 * 2**20, weight_version=1)
     assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
     assert rollout.weight_versions() == [1, 1]
     assert verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0) < 1e-3
@@ -70,7 +77,8 @@ def test_colocated_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
 def test_bucket_smaller_than_largest_tensor_still_syncs(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
     trainer.train_step(_batch(1))
-    stats = trainer.sync_weights(rollout.urls, rollout.tp_size, 4096, weight_version=2)
+    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)
+    stats = trainer.sync_weights(4096, weight_version=2)
     assert stats[0]["buckets"] > 20  # every tensor (the largest is 64 KB) travelled on its own
     assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
     assert rollout.weight_versions() == [2, 2]
@@ -79,11 +87,11 @@ def test_bucket_smaller_than_largest_tensor_still_syncs(two_engines_two_ranks):
 @pytest.mark.slow
 def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
-    trainer.connect_broadcast(rollout.urls, rollout.tp_size, timeout_s=60)
+    trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=60)
     for version, bucket_bytes in [(3, 16 * 2**20), (4, 4096)]:
         trainer.train_step(_batch(version))
         assert min(_engines_match_trainer(rollout, trainer)) > 1e-2
-        stats = trainer.sync_weights_broadcast(bucket_bytes, weight_version=version)
+        stats = trainer.sync_weights(bucket_bytes, weight_version=version)
         assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # only rank 0 sends
         assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
         assert rollout.weight_versions() == [version, version]
@@ -94,7 +102,8 @@ def test_single_engine_sync_gathers_to_rank_zero_only(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
     trainer.train_step(_batch(5))
     before = _engines_match_trainer(rollout, trainer)
-    stats = trainer.sync_weights(rollout.urls[:1], rollout.tp_size, 4096, weight_version=5)
+    trainer.connect_engines(_topology("colocated", rollout.addresses[:1]), timeout_s=60)  # engine 1 unfed
+    stats = trainer.sync_weights(4096, weight_version=5)
     assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # rank 1 only sent its shards
     after = _engines_match_trainer(rollout, trainer)
     assert after[0] < 1e-3  # engine 0 got every tensor, bucket by bucket
@@ -106,10 +115,10 @@ def test_single_engine_sync_gathers_to_rank_zero_only(two_engines_two_ranks):
 def test_engine_that_never_joins_gives_a_timeout_naming_it(ray_cluster, tiny_model_dir):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens here any more
-    trainer = TrainerGroup(TrainerSpec(model_path=str(tiny_model_dir)), num_ranks=1)
+        dead = EngineAddress("engine-7", f"http://127.0.0.1:{sock.getsockname()[1]}")  # nothing listens here
+    trainer = TrainerGroup(trainer_spec(tiny_model_dir), num_ranks=1)
     try:
-        with pytest.raises(Exception, match=rf"engine {dead} did not join within 5s"):
-            trainer.connect_broadcast([dead], 1, timeout_s=5)
+        with pytest.raises(Exception, match=r"engine-7 did not join within 5s"):
+            trainer.connect_engines(_topology("disaggregated", [dead], num_ranks=1), timeout_s=5)
     finally:
         trainer.shutdown()

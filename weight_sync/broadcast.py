@@ -11,23 +11,39 @@ Order, chosen so that nothing can wait forever:
 
 from __future__ import annotations
 
+import socket
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import torch.distributed as dist
 
-from weight_sync.backend import Backend
-from weight_sync.buckets import WeightBucket
-from weight_sync.colocated import StagingBuffer
-from weight_sync.http import EngineHTTPError, post_json
+from rlsys.weight_sync.backend import Backend
+from rlsys.weight_sync.buckets import WeightBucket
+from rlsys.weight_sync.colocated import StagingBuffer
 
 
-@dataclass(frozen=True)
-class EngineEndpoint:
-    url: str
-    tp_size: int = 1
+class BroadcastEndpoints(Protocol):
+    """The engine endpoints this transport needs (`rlsys.rollout.client.SGLangClient` has them)."""
+
+    name: str
+    tp_size: int
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str, timeout_s: float | None = None) -> None: ...
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, flush_cache: bool, weight_version: str | None,
+                                        timeout_s: float | None = None) -> None: ...
+    def begin_weight_update(self) -> None: ...
+    def end_weight_update(self) -> None: ...
+    def destroy_weights_update_group(self, group_name: str) -> None: ...
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused a step of the broadcast sync; the message names it."""
 
 
 class WeightSyncTimeout(TimeoutError):
@@ -52,29 +68,30 @@ def new_custom_process_group(backend: str, master_address: str, master_port: int
 
 @dataclass
 class _Calls:
-    """HTTP calls running on threads while this process takes part in a collective."""
+    """Engine calls running on threads while this process takes part in a collective."""
 
     results: dict = field(default_factory=dict)
     threads: list = field(default_factory=list)
 
-    def start(self, key: str, url: str, payload: dict, timeout_s: float) -> None:
-        def call():
+    def start(self, engine: str, call: Callable[[], None]) -> None:
+        def run():
             try:
-                answer = post_json(url, payload, timeout_s=timeout_s)
-                if isinstance(answer, dict) and answer.get("success") is False:
-                    raise EngineHTTPError(f"{url}: {answer.get('message')}")
-                self.results[key] = None
+                call()
+                self.results[engine] = None
             except Exception as error:  # noqa: BLE001 - reported by wait()
-                self.results[key] = error
+                self.results[engine] = error
 
-        thread = threading.Thread(target=call, daemon=True)
+        thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        self.threads.append((key, thread))
+        self.threads.append((engine, thread))
 
     def wait(self, timeout_s: float) -> dict[str, Exception | None]:
         for _, thread in self.threads:
             thread.join(timeout=timeout_s)
-        return {key: self.results.get(key, TimeoutError("no answer")) for key, _ in self.threads}
+        return {engine: self.results.get(engine, TimeoutError("no answer")) for engine, _ in self.threads}
+
+    def failures(self, timeout_s: float) -> dict[str, Exception]:
+        return {engine: result for engine, result in self.wait(timeout_s).items() if result is not None}
 
 
 class BroadcastWeightSender:
@@ -82,7 +99,7 @@ class BroadcastWeightSender:
 
     alignment = 1  # SGLang's receiver lays tensors out back to back
 
-    def __init__(self, engines: list[EngineEndpoint], backend: Backend, master_address: str,
+    def __init__(self, engines: list[BroadcastEndpoints], backend: Backend, master_address: str,
                  timeout_s: float = 120.0):
         self.engines = engines
         self.backend = backend
@@ -96,18 +113,15 @@ class BroadcastWeightSender:
         return self._staging.get(nbytes, device)
 
     def connect(self) -> None:
-        import socket
-
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
         world_size = 1 + sum(e.tp_size for e in self.engines)
         calls, offset = _Calls(), 1
         for engine in self.engines:
-            calls.start(engine.url, f"{engine.url}/init_weights_update_group", {
-                "master_address": self.master_address, "master_port": port, "rank_offset": offset,
-                "world_size": world_size, "group_name": self.group_name, "backend": self.backend.dist_backend,
-            }, timeout_s=self.timeout_s + 30)
+            calls.start(engine.name, lambda engine=engine, offset=offset: engine.init_weights_update_group(
+                self.master_address, port, offset, world_size, self.group_name, self.backend.dist_backend,
+                timeout_s=self.timeout_s + 30))
             offset += engine.tp_size
         try:
             self.group = new_custom_process_group(
@@ -116,64 +130,58 @@ class BroadcastWeightSender:
             )
         except Exception as error:  # noqa: BLE001 - the store raises a generic error on timeout
             outcome = calls.wait(1.0)
-            refused = {url: str(result)[:200] for url, result in outcome.items() if isinstance(result, EngineHTTPError)}
-            waiting = [url for url, result in outcome.items() if result is not None and url not in refused]
+            refused = {name: str(result)[:200] for name, result in outcome.items()
+                       if result is not None and not isinstance(result, TimeoutError)}
+            waiting = [name for name, result in outcome.items() if result is not None and name not in refused]
             named = ", ".join(refused) if refused else ", ".join(waiting)
             raise WeightSyncTimeout(
-                f"weight-update group: engine {named} did not join within {self.timeout_s:.0f}s "
+                f"weight-update group: {named} did not join within {self.timeout_s:.0f}s "
                 f"(weight_sync.timeout_s); its init_weights_update_group call: {refused or 'no answer'}; "
                 f"store error: {error}"
             ) from error
-        failed = {url: result for url, result in calls.wait(self.timeout_s).items() if result is not None}
+        failed = calls.failures(self.timeout_s)
         if failed:
             raise WeightSyncTimeout(f"weight-update group: engine(s) failed to join: {failed}")
 
-    def _post_all(self, path: str, payload: dict) -> None:
+    def _on_every_engine(self, what: str, call: Callable[[BroadcastEndpoints], None]) -> None:
         calls = _Calls()
         for engine in self.engines:
-            calls.start(engine.url, f"{engine.url}{path}", payload, self.timeout_s)
-        failed = {url: result for url, result in calls.wait(self.timeout_s).items() if result is not None}
+            calls.start(engine.name, lambda engine=engine: call(engine))
+        failed = calls.failures(self.timeout_s)
         if failed:
-            raise EngineHTTPError(f"{path} failed on {failed}")
+            raise WeightSyncError(f"{what} failed on {failed}")
 
     def begin(self) -> None:
-        self._post_all("/begin_weight_update", {})
+        self._on_every_engine("/begin_weight_update", lambda engine: engine.begin_weight_update())
 
     def end(self) -> None:
-        self._post_all("/end_weight_update", {})
+        self._on_every_engine("/end_weight_update", lambda engine: engine.end_weight_update())
 
     def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None:
+        names = [m.name for m in bucket.metas]
+        dtypes = [str(m.dtype).removeprefix("torch.") for m in bucket.metas]
+        shapes = [list(m.shape) for m in bucket.metas]
         calls = _Calls()
-        payload = {
-            "names": [m.name for m in bucket.metas],
-            "dtypes": [str(m.dtype).removeprefix("torch.") for m in bucket.metas],
-            "shapes": [list(m.shape) for m in bucket.metas],
-            "group_name": self.group_name,
-            "load_format": "flattened_bucket",
-            "flush_cache": flush_cache,
-            "weight_version": weight_version,
-        }
         for engine in self.engines:
-            calls.start(engine.url, f"{engine.url}/update_weights_from_distributed", payload, self.timeout_s)
+            calls.start(engine.name, lambda engine=engine: engine.update_weights_from_distributed(
+                names, dtypes, shapes, self.group_name, flush_cache, weight_version, timeout_s=self.timeout_s))
         work = dist.broadcast(bucket.buffer, src=0, group=self.group, async_op=True)
         try:
             work.wait(timedelta(seconds=self.timeout_s))
         except Exception as error:  # noqa: BLE001 - gloo/nccl raise their own error types on timeout
             raise WeightSyncTimeout(f"broadcast of a weight bucket did not complete: {error}") from error
-        failed = {url: result for url, result in calls.wait(self.timeout_s).items() if result is not None}
+        failed = calls.failures(self.timeout_s)
         if failed:
-            raise EngineHTTPError(f"/update_weights_from_distributed failed on {failed}")
+            raise WeightSyncError(f"/update_weights_from_distributed failed on {failed}")
 
     def close(self) -> None:
         if self.group is None:
             return
         for engine in self.engines:
             try:
-                post_json(f"{engine.url}/destroy_weights_update_group", {"group_name": self.group_name},
-                          timeout_s=30)
-            except EngineHTTPError:
-                pass  # the engine may already be gone
+                engine.destroy_weights_update_group(self.group_name)
+            except Exception:  # noqa: BLE001 - the engine may already be gone
+                pass
         dist.destroy_process_group(self.group)
         self.group = None
         self._staging.release()
-

@@ -1,8 +1,8 @@
-"""Walk parameters in size-bounded buckets and flatten each bucket into one byte buffer.
+"""Walk parameters in size-bounded buckets and gather each bucket into one byte buffer.
 
 Only one bucket of full (gathered) tensors exists at a time, so the extra memory of a sync stays
-near one bucket. The flat layout is SGLang's `flattened_bucket` format: a uint8 buffer plus, per
-tensor, its name, shape, dtype and [start, end) byte range.
+near one bucket. The layout is SGLang's `flattened_bucket` format: a uint8 buffer plus, per
+tensor, its name, shape, dtype and [start, end) byte range; shards are gathered straight into it.
 """
 
 from __future__ import annotations
@@ -150,15 +150,3 @@ def gather_bucket(named_tensors: list[tuple[str, torch.Tensor]], buffer: torch.T
     for (_, tensor), (_, view) in zip(ordered, bucket.tensors(), strict=True):
         gather_into(tensor, view, dst)
     return bucket
-
-
-def flatten_bucket(named_full_tensors: list[tuple[str, torch.Tensor]], buffer: torch.Tensor,
-                   alignment: int = _ALIGN_BYTES) -> WeightBucket:
-    """Copy tensors back to back into (the start of) `buffer`, a reusable uint8 staging buffer."""
-    named_full_tensors, metas, total = bucket_layout(named_full_tensors, alignment)
-    if buffer.numel() < total:
-        raise ValueError(f"staging buffer of {buffer.numel()} bytes is smaller than the bucket ({total})")
-    buffer = buffer[:total]
-    for meta, (_, tensor) in zip(metas, named_full_tensors, strict=True):
-        buffer[meta.start:meta.end].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-    return WeightBucket(buffer=buffer, metas=metas)

@@ -2,17 +2,16 @@
 
 SGLang calls `load_bucket(model, named_tensors)` for `/update_weights_from_tensor` requests whose
 `load_format` is this function's import path (`LOAD_FORMAT`); the server is started with
-`--custom-weight-loader` naming it (`rollout.server.build_command`). The tensors are views into
+`--custom-weight-loader` naming it (`rlsys.rollout.server.build_command`). The tensors are views into
 the trainer's staging buffer, opened from one IPC handle (torch caches the opened storage by
 handle, so a bucket maps its buffer once, not once per tensor).
 
-Two things make it faster than SGLang's built-in `flattened_bucket` loader (measured on the 2-core
-CPU machine, 0.49 B params / 1.95 GB in 1 GB buckets: 4.6 GB/s -> 10.2 GB/s, bench/weight_sync.py):
+Two things make it faster than SGLang's built-in `flattened_bucket` loader:
 
 1. Host staging memory stays mapped between the buckets of a sync. The trainer reuses one staging
    buffer, so the engine keeps a reference to it; the next bucket finds the mapping (and its
    populated page tables) in torch's handle cache instead of mapping the file again and faulting
-   every page in. An empty request (`release_request`) ends the sync and drops the reference:
+   every page in. An empty bucket (sent by `ColocatedWeightSender.end`) ends the sync and drops the reference:
    torch's shared-memory files are refcounted across processes and removed when the last holder
    lets go, so an engine holding one between syncs would leave it behind if it were killed.
    Device (CUDA IPC) memory is not kept at all: that would pin GPU memory on the trainer's side.
@@ -28,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-LOAD_FORMAT = "weight_sync.engine_loader.load_bucket"
+LOAD_FORMAT = "rlsys.weight_sync.engine_loader.load_bucket"
 LOAD_THREADS_ENV = "RLSYS_WEIGHT_LOAD_THREADS"
 _KEPT_STORAGE_ATTR = "_rlsys_kept_staging_storage"
 

@@ -1,8 +1,8 @@
 """`sync_weights`: run on every trainer rank; gathers buckets and hands them to a transport.
 
-A transport is the colocated IPC client (`EngineWeightClient`, one per engine, on the rank that
-shares its node) or the broadcast sender (`BroadcastWeightSender`, on rank 0 only). Ranks
-without a transport still take part in every bucket's gather.
+A transport is the colocated IPC sender (`ColocatedWeightSender`, on the rank that shares the
+engine's node) or the broadcast sender (`BroadcastWeightSender`, on rank 0 only). Ranks without
+a transport still take part in every bucket's gather.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Protocol
 
 import torch
 
-from weight_sync.backend import Backend
-from weight_sync.buckets import WeightBucket, full_nbytes, gather_bucket, group_into_buckets
-from weight_sync.colocated import StagingBuffer
+from rlsys.weight_sync.backend import Backend
+from rlsys.weight_sync.buckets import WeightBucket, full_nbytes, gather_bucket, group_into_buckets
+from rlsys.weight_sync.colocated import StagingBuffer
 
 
 class WeightTransport(Protocol):
@@ -64,18 +64,18 @@ def sync_weights(
     alignment = transport.alignment if transport is not None else 1
     # One staging buffer, sized for the largest bucket (with alignment padding), reused by all.
     largest = max(sum(full_nbytes(t) + alignment for _, t in group) for group in groups)
+    device = next(iter(groups[0]))[1].device
     if transport is not None:
-        staging = transport
+        staging = transport.staging_buffer
     elif gather_dst is None:
-        staging = scratch or StagingBuffer(share_memory=False)
+        staging = (scratch or StagingBuffer(share_memory=False)).get
     else:
         staging = None  # this rank only sends its shards to `gather_dst`
-    device = next(iter(groups[0]))[1].device
     if transport is not None:
         transport.begin()
     for index, group in enumerate(groups):
         tick = time.perf_counter()
-        buffer = staging.staging_buffer(largest, device) if staging is not None else None
+        buffer = staging(largest, device) if staging is not None else None
         bucket = gather_bucket(group, buffer, alignment, gather_dst)
         stats.gather_s += time.perf_counter() - tick
         if transport is not None:

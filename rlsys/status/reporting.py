@@ -8,6 +8,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlsys.assets import RunAssets
 from rlsys.config import RunConfig
 from rlsys.status.state import ActorHealth, RunStatus
 
@@ -29,9 +30,27 @@ def collect_actor_health(trainer, rollout) -> list[ActorHealth]:
     return actors
 
 
-def new_status(config: RunConfig, run_dir: Path) -> RunStatus:
+class HealthMonitor:
+    """Refreshes the status's actor table at most every `interval_s` (a health round trip costs
+    the loop time), and always at the last step."""
+
+    def __init__(self, trainer, rollout, interval_s: float = 5.0):
+        self.trainer, self.rollout, self.interval_s = trainer, rollout, interval_s
+        self._last = float("-inf")
+
+    def due(self, last_step: bool = False) -> bool:
+        return last_step or time.monotonic() - self._last >= self.interval_s
+
+    def refresh(self, status: RunStatus) -> None:
+        status.set_actors(collect_actor_health(self.trainer, self.rollout))
+        self._last = time.monotonic()
+
+
+def new_status(config: RunConfig, run_dir: Path, assets: RunAssets) -> RunStatus:
+    dataset = {"train_prompts": len(assets.train), "eval_prompts": len(assets.eval),
+               "skipped_rows": assets.skipped_rows, "too_long_prompts": assets.too_long_prompts}
     return RunStatus(run_id=f"{run_dir.name}-{uuid.uuid4().hex[:6]}", total_steps=config.trainer.total_steps,
-                     run_dir=str(run_dir))
+                     run_dir=str(run_dir), dataset=dataset)
 
 
 @contextmanager

@@ -39,6 +39,7 @@ class StatusResponse(BaseModel):
     error: str | None
     paused: bool
     run_dir: str
+    dataset: dict[str, int] = {}
 
 
 class MetricsResponse(BaseModel):

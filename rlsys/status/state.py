@@ -16,7 +16,6 @@ from pathlib import Path
 
 PHASES = ("starting", "rollout", "training", "syncing", "evaluating", "checkpointing", "paused",
           "finished", "stopped", "failed")
-TIMELINE_PHASES = ("eval", "generate", "train", "sync", "checkpoint", "offload")
 
 
 @dataclass
@@ -43,6 +42,7 @@ class RunStatus:
     metrics: list[dict] = field(default_factory=list)
     actors: list[ActorHealth] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    dataset: dict = field(default_factory=dict)  # prompt counts, rows skipped, prompts too long
     # control requests, set by the server and consumed by the coordinator at step boundaries
     pause_requested: bool = False
     stop_requested: bool = False
@@ -118,6 +118,7 @@ class RunStatus:
                 "error": self.error,
                 "paused": self.pause_requested,
                 "run_dir": self.run_dir,
+                "dataset": dict(self.dataset),
             }
 
     def metrics_since(self, since: int) -> list[dict]:
@@ -153,6 +154,7 @@ class RunStatus:
             total_steps=snapshot.get("total_steps", len(rows)),
             run_dir=str(run_dir),
             started_at=snapshot.get("started_at", time.time()),
+            dataset=snapshot.get("dataset", {}),
         )
         for row in rows:
             status.record_step(row)

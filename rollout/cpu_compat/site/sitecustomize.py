@@ -1,6 +1,6 @@
 """rlsys CPU compatibility layer for the SGLang server, loaded only on machines without a GPU.
 
-`rollout.server` puts this directory first on the SGLang server's PYTHONPATH when no CUDA
+`rlsys.rollout.server` puts this directory first on the SGLang server's PYTHONPATH when no CUDA
 device is present; Python then imports this file at start-up in every server process. It does
 exactly two things, both needed to run the real SGLang server with `--device cpu`:
 

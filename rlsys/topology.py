@@ -1,0 +1,105 @@
+"""Who runs where and who feeds whom, decided once from the config; nothing else tests the mode.
+
+Colocated: bundle i holds trainer rank i and engine i (on a GPU node they share its GPU, half each);
+rank i hands its weights to engine i by IPC handle; ranks beyond the last engine only join the
+gathers; trainers sleep between train phases so the engines get the device. Disaggregated:
+trainers and engines own separate bundles (separate GPUs, possibly nodes), trainer rank 0
+broadcasts to every engine, and the trainers never sleep. Pure: computable without Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from rlsys.config import RunConfig
+from rlsys.rollout.client import EngineAddress
+
+CPUS_PER_ACTOR = 1
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where an actor goes: a placement-group bundle and the share of its GPUs it asks for."""
+
+    bundle: int
+    gpus: float
+
+
+@dataclass(frozen=True)
+class Topology:
+    mode: Literal["colocated", "disaggregated"]
+    num_ranks: int
+    num_engines: int
+    engine_tp_size: int
+    has_gpu: bool
+    trainers_sleep: bool  # offload to host between train phases, giving the device to the engines
+    engines: tuple[EngineAddress, ...] = ()  # known once the engines answer: `with_engines`
+
+    @classmethod
+    def from_config(cls, config: RunConfig, has_gpu: bool) -> Topology:
+        colocated = config.placement.mode == "colocated"
+        return cls(
+            mode=config.placement.mode, num_ranks=config.trainer.num_ranks,
+            num_engines=config.rollout.num_engines, engine_tp_size=config.rollout.engine.tp_size,
+            has_gpu=has_gpu, trainers_sleep=colocated and config.trainer.offload_between_steps,
+        )
+
+    def __post_init__(self):
+        if self.mode not in ("colocated", "disaggregated"):
+            raise ValueError(f"unknown placement mode {self.mode!r} (colocated or disaggregated)")
+        if self.mode == "colocated" and self.num_engines > self.num_ranks:
+            raise ValueError(f"colocated placement needs an engine per trainer rank at most "
+                             f"({self.num_engines} engines, {self.num_ranks} ranks)")
+
+    @property
+    def transport(self) -> Literal["ipc", "broadcast"]:
+        return "ipc" if self.mode == "colocated" else "broadcast"
+
+    # ---- placement ----------------------------------------------------------------------
+    def bundles(self) -> list[dict[str, float]]:
+        """Ray resources of each placement-group bundle, trainers' first."""
+        if self.mode == "colocated":
+            return [self._bundle(2 * CPUS_PER_ACTOR, 1) for _ in range(self.num_ranks)]
+        return ([self._bundle(CPUS_PER_ACTOR, 1) for _ in range(self.num_ranks)]
+                + [self._bundle(CPUS_PER_ACTOR, self.engine_tp_size) for _ in range(self.num_engines)])
+
+    def _bundle(self, cpus: int, gpus: int) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": gpus} if self.has_gpu else {})}
+
+    def trainer_slot(self, rank: int) -> Slot:
+        if not 0 <= rank < self.num_ranks:
+            raise IndexError(f"trainer rank {rank} outside 0..{self.num_ranks - 1}")
+        return Slot(rank, self._gpus(0.5 if self.mode == "colocated" else 1))
+
+    def engine_slot(self, index: int) -> Slot:
+        if not 0 <= index < self.num_engines:
+            raise IndexError(f"engine {index} outside 0..{self.num_engines - 1}")
+        if self.mode == "colocated":
+            return Slot(index, self._gpus(0.5))
+        return Slot(self.num_ranks + index, self._gpus(self.engine_tp_size))
+
+    def _gpus(self, gpus: float) -> float:
+        return gpus if self.has_gpu else 0
+
+    def local_cpus(self) -> int:
+        """Logical CPUs a local Ray cluster needs: one per actor slot, and a spare."""
+        return sum(bundle["CPU"] for bundle in self.bundles()) + 1
+
+    # ---- weight sync --------------------------------------------------------------------
+    def engine_fed_by(self, rank: int) -> int | None:
+        """The engine that trainer `rank` hands its weights to by IPC (colocated), if any."""
+        return rank if self.mode == "colocated" and rank < self.num_engines else None
+
+    @property
+    def gather_dst(self) -> int | None:
+        """The one rank that needs full tensors, when only one does (it broadcasts, or feeds the
+        only engine): the other ranks then send it their shards instead of all-gathering."""
+        if self.mode == "disaggregated" or self.num_engines == 1:
+            return 0
+        return None
+
+    def with_engines(self, engines: list[EngineAddress]) -> Topology:
+        if len(engines) != self.num_engines:
+            raise ValueError(f"{len(engines)} engine addresses for {self.num_engines} engines")
+        return replace(self, engines=tuple(engines))

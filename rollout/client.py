@@ -1,0 +1,134 @@
+"""`SGLangClient`: the one place that speaks HTTP to an SGLang server, a method per endpoint.
+
+Every failure is an `EngineError` naming the engine, the endpoint and the tail of the server's log
+(when this process can read it: colocated trainer ranks share the engine's node). Both the engine
+actor and the trainer ranks that post IPC payloads straight to their engine use it.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineAddress:
+    """Where an engine answers, and its log file (for error messages)."""
+
+    name: str  # "engine-0"
+    url: str
+    log_path: str = ""
+    tp_size: int = 1
+
+    def __str__(self) -> str:
+        return f"SGLang server {self.name} ({self.url})"
+
+
+class EngineError(RuntimeError):
+    """An SGLang endpoint answered with an error, reported failure, or could not be reached."""
+
+    def __init__(self, engine: str, endpoint: str, reason: str, log_tail: str = ""):
+        self.engine, self.endpoint, self.reason, self.log_tail = engine, endpoint, reason, log_tail
+        message = f"{engine}: {endpoint} failed: {reason}"
+        if log_tail:
+            message += f"\nlast lines of its log:\n{log_tail}"
+        super().__init__(message)
+
+    def __reduce__(self):  # crosses Ray's process boundary intact (the default needs __init__(message))
+        return type(self), (self.engine, self.endpoint, self.reason, self.log_tail)
+
+
+def read_log_tail(log_path: str | Path, lines: int = 30) -> str:
+    if not log_path:
+        return ""
+    try:
+        return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class SGLangClient:
+    def __init__(self, address: EngineAddress, timeout_s: float = 600.0):
+        self.address = address
+        self.timeout_s = timeout_s
+
+    @property
+    def name(self) -> str:
+        return self.address.name
+
+    @property
+    def url(self) -> str:
+        return self.address.url
+
+    @property
+    def tp_size(self) -> int:
+        return self.address.tp_size
+
+    def _call(self, endpoint: str, payload: dict | None = None, timeout_s: float | None = None):
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(
+            f"{self.address.url}{endpoint}", data=data, method="GET" if payload is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+                body = response.read()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:2000]
+            self._fail(endpoint, f"HTTP {error.code}: {detail}", error)
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+            self._fail(endpoint, f"could not be reached at {self.address.url}: {error}", error)
+        answer = json.loads(body) if body else None
+        if isinstance(answer, dict) and answer.get("success") is False:
+            self._fail(endpoint, f"the engine reported failure: {answer.get('message')}")
+        return answer
+
+    def _fail(self, endpoint: str, reason: str, cause: BaseException | None = None):
+        raise EngineError(str(self.address), endpoint, reason, read_log_tail(self.address.log_path)) from cause
+
+    # ---- serving ------------------------------------------------------------------------
+    def generate(self, payload: dict) -> list[dict]:
+        """`/generate` with a batch of `input_ids`; one answer per sequence."""
+        return self._call("/generate", payload)
+
+    def model_info(self, timeout_s: float | None = None) -> dict:
+        """Cheap liveness and the engine's weight version (`/health` takes a full second)."""
+        return self._call("/model_info", timeout_s=timeout_s)
+
+    # ---- weights ------------------------------------------------------------------------
+    def begin_weight_update(self) -> None:
+        self._call("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._call("/end_weight_update", {})
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str,
+                                   flush_cache: bool = False, weight_version: str | None = None) -> None:
+        """Colocated: one serialized payload per TP rank; answers once the engine has loaded it."""
+        self._call("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version,
+        })
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str, timeout_s: float | None = None) -> None:
+        """Disaggregated: blocks in the engine until the broadcast group has formed."""
+        self._call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        }, timeout_s=timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, flush_cache: bool, weight_version: str | None,
+                                        timeout_s: float | None = None) -> None:
+        """Disaggregated: the engine receives one flattened bucket by broadcast, then loads it."""
+        self._call("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "load_format": "flattened_bucket", "flush_cache": flush_cache, "weight_version": weight_version,
+        }, timeout_s=timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._call("/destroy_weights_update_group", {"group_name": group_name}, timeout_s=30)
