@@ -81,6 +81,7 @@ def _status(args: argparse.Namespace) -> int:
         ("weight version", status["weight_version"]),
         ("ETA", "-" if eta is None else f"{eta:.0f} s"),
         ("run dir", status["run_dir"]),
+        ("data", _describe_dataset(status.get("dataset") or {})),
     ]:
         table.add_row(key, str(value))
     for key, value in (status.get("last_metrics") or {}).items():
@@ -89,6 +90,13 @@ def _status(args: argparse.Namespace) -> int:
         table.add_row("error", status["error"])
     Console().print(table)
     return 0
+
+
+def _describe_dataset(dataset: dict) -> str:
+    if not dataset:
+        return "-"
+    return (f"{dataset['train_prompts']} train / {dataset['eval_prompts']} eval prompts; "
+            f"{dataset['skipped_rows']} rows skipped, {dataset['too_long_prompts']} prompts too long")
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

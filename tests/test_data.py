@@ -47,6 +47,26 @@ def test_invalid_rows_can_be_skipped_and_counted(tmp_path):
     assert [r.label for r in records] == ["1", "2"] and skipped == 1
 
 
+def test_assets_count_skipped_rows_and_prompts_too_long_for_the_context(tmp_path, tiny_model_dir):
+    from rlsys.assets import load_assets
+    from rlsys.config import RunConfig
+
+    path = _write(tmp_path / "d.jsonl", [
+        json.dumps({"prompt": "1 2>", "label": "2"}),
+        "{not json",
+        json.dumps({"prompt": "3 4>", "label": "4"}),
+        json.dumps({"prompt": "5 " * 40 + ">", "label": "5"}),  # ~80 tokens: no room in a 64-token context
+    ])
+    config = RunConfig.model_validate({
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_path": str(path), "skip_invalid_rows": True},
+        "rollout": {"max_new_tokens": 4, "engine": {"context_length": 64}},
+    })
+    assets = load_assets(config)
+    assert [p.record.label for p in assets.train] == ["2", "4"]
+    assert (assets.skipped_rows, assets.too_long_prompts) == (1, 1)
+
+
 def test_eval_split_is_never_in_train(tmp_path):
     rows = [json.dumps({"prompt": f"p{i % 30}", "label": str(i)}) for i in range(60)]
     path = _write(tmp_path / "d.jsonl", rows)

@@ -1,5 +1,6 @@
 """End to end: the CPU quickstart learns, logs what a user reads, and leaves nothing behind."""
 
+import json
 import subprocess
 
 import pytest
@@ -25,6 +26,9 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert str(run_dir) in result.stdout  # the run directory is printed
+    assert "rlsys: data: 800 train and 100 eval prompts" in result.stdout  # what was loaded, and dropped
+    dataset = json.loads((run_dir / "status.json").read_text())["dataset"]
+    assert dataset == {"train_prompts": 800, "eval_prompts": 100, "skipped_rows": 0, "too_long_prompts": 0}
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert (run_dir / "config.yaml").is_file()

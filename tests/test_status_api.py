@@ -1,6 +1,7 @@
 """The status API: every endpoint's schema, the Prometheus text, and the token on control calls."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,7 +24,8 @@ from rlsys.status.state import ActorHealth, RunStatus
 
 
 def _status(tmp_path, steps: int = 3) -> RunStatus:
-    status = RunStatus(run_id="test-run", total_steps=10, run_dir=str(tmp_path))
+    status = RunStatus(run_id="test-run", total_steps=10, run_dir=str(tmp_path),
+                       dataset={"train_prompts": 90, "eval_prompts": 10, "skipped_rows": 2, "too_long_prompts": 1})
     for step in range(steps):
         status.record_step({"step": step, "reward_mean": 0.1 * step, "kl": 0.0, "time_step_s": 0.5,
                             "synced_weight_version": step + 1, "eval_reward_mean": float("nan")})
@@ -39,6 +41,7 @@ def test_every_read_endpoint_matches_its_schema(tmp_path):
     assert (status.step, status.total_steps, status.weight_version, status.state) == (3, 10, 3, "training")
     assert status.eta_seconds == pytest.approx(7 * 0.5)
     assert status.last_metrics["eval_reward_mean"] is None  # NaN is not valid JSON
+    assert status.dataset["skipped_rows"] == 2 and status.dataset["too_long_prompts"] == 1
     metrics = MetricsResponse.model_validate(client.get("/api/v1/metrics", params={"since": 1}).json())
     assert [row["step"] for row in metrics.rows] == [1, 2]
     assert client.get("/api/v1/metrics", params={"since": -1}).status_code == 422
@@ -111,8 +114,9 @@ def test_serve_shows_a_finished_run_directory(tmp_path):
                 time.sleep(0.3)
         assert (served["state"], served["step"]) == ("finished", 4)
         cli = subprocess.run([sys.executable, "-m", "rlsys.cli", "status", f"http://127.0.0.1:{port}"],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert cli.returncode == 0 and "finished" in cli.stdout and "4 / 10" in cli.stdout
+        assert "2 rows skipped, 1 prompts too long" in cli.stdout
     finally:
         server.terminate()
         server.wait(timeout=10)

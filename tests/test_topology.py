@@ -1,0 +1,86 @@
+"""The run's layout, computed from the config without a Ray cluster: bundles, slots, who feeds
+whom; and how the rollout manager deals prompts to engines and puts the answers back in order."""
+
+import pytest
+
+from rlsys.config import RunConfig
+from rlsys.rollout.client import EngineAddress
+from rlsys.rollout.manager import collect_in_prompt_order, deal_prompts
+from rlsys.topology import Topology
+
+
+def _config(mode: str, ranks: int, engines: int, tp: int = 1, offload: bool = True) -> RunConfig:
+    return RunConfig.model_validate({
+        "model": {"path": "unused"}, "data": {"synthetic": {"task": "max_digit"}},
+        "placement": {"mode": mode}, "trainer": {"num_ranks": ranks, "offload_between_steps": offload},
+        "rollout": {"num_engines": engines, "engine": {"tp_size": tp}},
+    })
+
+
+def test_colocated_rank_and_engine_share_a_bundle_and_half_its_gpu():
+    topology = Topology.from_config(_config("colocated", ranks=2, engines=2), has_gpu=True)
+    assert topology.bundles() == [{"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 1}]
+    assert [topology.trainer_slot(r) for r in range(2)] == [topology.engine_slot(i) for i in range(2)]
+    assert topology.trainer_slot(1).bundle == 1 and topology.trainer_slot(1).gpus == 0.5
+    assert topology.transport == "ipc" and topology.trainers_sleep
+
+
+def test_disaggregated_engines_get_their_own_bundles_after_the_trainers():
+    topology = Topology.from_config(_config("disaggregated", ranks=2, engines=3, tp=2), has_gpu=True)
+    assert topology.bundles() == [{"CPU": 1, "GPU": 1}] * 2 + [{"CPU": 1, "GPU": 2}] * 3
+    assert [topology.engine_slot(i).bundle for i in range(3)] == [2, 3, 4]
+    assert topology.engine_slot(0).gpus == 2
+    assert topology.transport == "broadcast"
+    assert not topology.trainers_sleep  # trainers keep their own GPUs
+
+
+def test_cpu_runs_ask_for_no_gpus_and_count_their_cpus():
+    topology = Topology.from_config(_config("colocated", ranks=2, engines=1), has_gpu=False)
+    assert topology.bundles() == [{"CPU": 2}, {"CPU": 2}]
+    assert topology.trainer_slot(0).gpus == 0 and topology.engine_slot(0).gpus == 0
+    assert topology.local_cpus() == 5  # 2 bundles of 2 CPUs, and a spare
+    disaggregated = Topology.from_config(_config("disaggregated", ranks=2, engines=2), has_gpu=False)
+    assert disaggregated.local_cpus() == 5
+
+
+def test_rank_i_feeds_engine_i_and_the_other_ranks_only_gather():
+    topology = Topology.from_config(_config("colocated", ranks=4, engines=2), has_gpu=False)
+    assert [topology.engine_fed_by(r) for r in range(4)] == [0, 1, None, None]
+    assert topology.gather_dst is None  # two ranks need full tensors: all-gather
+    single = Topology.from_config(_config("colocated", ranks=2, engines=1), has_gpu=False)
+    assert single.gather_dst == 0  # only rank 0 needs them: shards go to it alone
+    broadcast = Topology.from_config(_config("disaggregated", ranks=2, engines=2), has_gpu=False)
+    assert [broadcast.engine_fed_by(r) for r in range(2)] == [None, None] and broadcast.gather_dst == 0
+
+
+def test_offload_off_keeps_colocated_trainers_awake():
+    assert not Topology.from_config(_config("colocated", 2, 1, offload=False), has_gpu=False).trainers_sleep
+
+
+def test_engine_addresses_are_attached_once_and_must_match_the_count():
+    topology = Topology.from_config(_config("colocated", ranks=2, engines=2), has_gpu=False)
+    engines = [EngineAddress(f"engine-{i}", f"http://127.0.0.1:{9000 + i}") for i in range(2)]
+    assert topology.with_engines(engines).engines == tuple(engines)
+    assert topology.engines == ()  # the original is unchanged
+    with pytest.raises(ValueError, match="1 engine addresses for 2 engines"):
+        topology.with_engines(engines[:1])
+
+
+def test_slots_outside_the_layout_are_refused():
+    topology = Topology.from_config(_config("disaggregated", ranks=2, engines=1), has_gpu=False)
+    with pytest.raises(IndexError):
+        topology.trainer_slot(2)
+    with pytest.raises(IndexError):
+        topology.engine_slot(1)
+    with pytest.raises(ValueError, match="engine per trainer rank"):
+        Topology("colocated", num_ranks=1, num_engines=2, engine_tp_size=1, has_gpu=False, trainers_sleep=True)
+
+
+@pytest.mark.parametrize("engines", [1, 2, 3])
+def test_answers_come_back_in_prompt_order_whatever_the_engine_count(engines):
+    prompts = [f"p{i}" for i in range(7)]
+    n = 3
+    blocks = deal_prompts(prompts, engines)
+    assert sorted(p for block in blocks for p in block) == sorted(prompts)
+    answers = [[f"{p}/{k}" for p in block for k in range(n)] for block in blocks]  # n samples per prompt
+    assert collect_in_prompt_order(answers, len(prompts), n) == [f"{p}/{k}" for p in prompts for k in range(n)]
