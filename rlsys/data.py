@@ -27,7 +27,13 @@ class DatasetError(ValueError):
     """A dataset file or row is malformed; the message names the file, line and reason."""
 
 
-def parse_row(raw: str, where: str) -> PromptRecord:
+def parse_row(raw: bytes | str, where: str) -> PromptRecord:
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise DatasetError(f"{where}: not valid UTF-8 (byte {error.object[error.start]:#04x} "
+                               f"at column {error.start + 1})") from None
     try:
         row = json.loads(raw)
     except json.JSONDecodeError as error:
@@ -57,7 +63,7 @@ def read_jsonl(path: str | Path, skip_invalid: bool = False) -> tuple[list[Promp
     if not path.is_file():
         raise DatasetError(f"dataset file {path} does not exist")
     records, skipped = [], 0
-    with path.open() as handle:
+    with path.open("rb") as handle:  # decoded line by line, so a bad byte names its line
         for line_number, raw in enumerate(handle, start=1):
             if not raw.strip():
                 continue

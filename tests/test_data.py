@@ -41,6 +41,15 @@ def test_each_kind_of_bad_row_is_explained(tmp_path, line, reason):
         read_jsonl(_write(tmp_path / "d.jsonl", [line]))
 
 
+def test_a_non_utf8_byte_names_its_line_and_can_be_skipped(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a", "label": "1"}\n{"prompt": "caf\xe9", "label": "2"}\n{"prompt": "b", "label": "3"}\n')
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)"):
+        read_jsonl(path)
+    records, skipped = read_jsonl(path, skip_invalid=True)
+    assert [r.label for r in records] == ["1", "3"] and skipped == 1
+
+
 def test_invalid_rows_can_be_skipped_and_counted(tmp_path):
     path = _write(tmp_path / "d.jsonl", ['{"prompt": "a", "label": 1}', "{bad", '{"prompt": "b", "label": "2"}'])
     records, skipped = read_jsonl(path, skip_invalid=True)
