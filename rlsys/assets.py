@@ -1,5 +1,5 @@
 """Everything a run needs that can be checked before any actor starts: model files, tokenizer,
-prompt splits (tokenised), the reward function and the stop tokens."""
+prompt splits (tokenised), the reward function (loaded once to check it) and the stop tokens."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 
 from rlsys.config import ConfigError, RunConfig
 from rlsys.data import PromptRecord, load_splits
-from rlsys.rewards import RewardFn, load_reward_function
+from rlsys.rewards import load_reward_function
 from rlsys.tiny_model import load_tokenizer
+
+_WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 
 
 @dataclass
@@ -23,7 +25,6 @@ class RunAssets:
     tokenizer: object
     train: list[EncodedPrompt]
     eval: list[EncodedPrompt]
-    reward_fn: RewardFn
     stop_token_ids: list[int]
     skipped_rows: int
     too_long_prompts: int
@@ -59,8 +60,14 @@ def load_assets(config: RunConfig) -> RunAssets:
             f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
             "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
         )
+    weights = [p.name for pattern in _WEIGHT_FILES for p in model_dir.glob(pattern)]
+    if not weights:
+        raise ConfigError(
+            f"invalid config: model.path {model_dir} holds no weight files ({', '.join(_WEIGHT_FILES)}); "
+            "point it at a complete Hugging Face checkpoint"
+        )
     tokenizer = load_tokenizer(model_dir)
-    reward_fn = load_reward_function(config.reward.function)
+    load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
     splits = load_splits(config.data, config.seed)
     budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
     if budget < 1:
@@ -80,7 +87,7 @@ def load_assets(config: RunConfig) -> RunAssets:
             f"no training prompt fits in {budget} tokens (context_length - max_new_tokens)"
         )
     return RunAssets(
-        tokenizer=tokenizer, train=train, eval=eval_, reward_fn=reward_fn,
+        tokenizer=tokenizer, train=train, eval=eval_,
         stop_token_ids=_stop_token_ids(config, tokenizer),
         skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval,
     )

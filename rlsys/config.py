@@ -53,8 +53,12 @@ class RewardConfig(_Section):
     )
     max_error_fraction: float = Field(
         0.5, ge=0.0, le=1.0,
-        description="Fail the run when more than this fraction of a step's rewards raise.",
+        description="Fail the run when more than this fraction of a step's rewards fail.",
     )
+    timeout_s: float = Field(
+        60.0, gt=0.0, description="A reward call running longer than this is stopped and counted as an error.",
+    )
+    num_workers: int = Field(1, ge=1, description="Processes that compute rewards (side by side).")
 
 
 class EngineConfig(_Section):
@@ -110,6 +114,12 @@ class TrainerConfig(_Section):
         True, description="Colocated: sleep (offload params, grads, optimizer) outside the train phase."
     )
     threads_per_rank: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _betas(self):
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise ValueError(f"betas must each be in [0, 1) (AdamW's moment decay rates), got {list(self.betas)}")
+        return self
 
 
 class AlgorithmConfig(_Section):

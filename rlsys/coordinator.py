@@ -29,6 +29,7 @@ from rlsys.errors import RunFailed
 from rlsys.evaluation import Evaluator, sampling_params
 from rlsys.lifecycle import Components, push_weights, restore, start_components
 from rlsys.metrics import MetricsLog
+from rlsys.reward_pool import RewardPool
 from rlsys.samples import ScoredBatch, assign_advantages, check_reward_errors, score_groups, to_train_sequences
 from rlsys.status.reporting import HealthMonitor, new_status, status_server
 from rlsys.status.state import RunStatus
@@ -52,6 +53,7 @@ class Run:
     evaluator: Evaluator
     checkpointer: Checkpointer
     health: HealthMonitor
+    rewards: RewardPool
 
     @contextmanager
     def phase(self, row: dict, state: str, timing: str):
@@ -90,13 +92,13 @@ def train_loop(run: Run) -> None:
         step_start = time.perf_counter()
         if run.evaluator.due(step):
             with run.phase(row, "evaluating", "eval"):
-                row["eval_reward_mean"] = run.evaluator.evaluate()
+                row.update(run.evaluator.evaluate())
 
         prompts = run.sampler.next_batch()
         with run.phase(row, "rollout", "generate"):
             generations = parts.rollout.generate([p.token_ids for p in prompts], sampling, group_size)
-        scored = score_groups([p.record for p in prompts], generations, group_size,
-                              run.assets.tokenizer, run.assets.reward_fn)
+        scored = score_groups([p.record for p in prompts], generations, group_size, run.assets.tokenizer,
+                              run.rewards.score)
         check_reward_errors(scored, config.reward.max_error_fraction, step)
         row.update(scored.reward_metrics())  # task rewards, before any KL penalty
 
@@ -230,6 +232,8 @@ def run(config: RunConfig) -> Path:
         stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or topology.local_cpus()))
         _exit_cleanly_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
+        rewards = RewardPool(config.reward.function, config.reward.num_workers, config.reward.timeout_s)
+        stack.callback(rewards.close)
         parts = start_components(config, topology, run_dir, stack)
         state = restore(config, parts, checkpoint)
         log.truncate_from(state.next_step)  # rows of steps that will run again
@@ -243,8 +247,8 @@ def run(config: RunConfig) -> Path:
         sampler.restore(state.data_epoch, state.data_index)
         checkpointer = Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps,
                                     parts.trainer.save_checkpoint)
-        train_loop(Run(config, assets, parts, state, status, log, sampler, Evaluator(config, assets, parts.rollout),
-                       checkpointer, health))
+        evaluator = Evaluator(config, assets, parts.rollout, rewards.score)
+        train_loop(Run(config, assets, parts, state, status, log, sampler, evaluator, checkpointer, health, rewards))
         status.set_state("stopped" if status.stop_requested else "finished")
         status.save_snapshot()
     print(f"rlsys: {status.state}; metrics in {(run_dir / 'metrics.jsonl').resolve()}", flush=True)

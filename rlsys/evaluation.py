@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from rlsys.assets import RunAssets
 from rlsys.config import RunConfig
+from rlsys.reward_pool import RewardCall
 from rlsys.rollout.engine import SamplingParams
 from rlsys.rollout.manager import RolloutManager
-from rlsys.samples import response_text
+from rlsys.samples import Scorer, response_text
 
 
 def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, top_p: float) -> SamplingParams:
@@ -19,26 +20,25 @@ def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, to
 
 
 class Evaluator:
-    def __init__(self, config: RunConfig, assets: RunAssets, rollout: RolloutManager):
+    def __init__(self, config: RunConfig, assets: RunAssets, rollout: RolloutManager, scorer: Scorer):
         self.interval = config.eval.interval
         self.last_step = config.trainer.total_steps - 1
         self.prompts = assets.eval[: config.eval.max_prompts] if config.eval.max_prompts else assets.eval
         self.sampling = sampling_params(config, assets, config.eval.temperature, 1.0)
-        self.assets = assets
+        self.tokenizer = assets.tokenizer
         self.rollout = rollout
+        self.scorer = scorer
 
     def due(self, step: int) -> bool:
         return bool(self.prompts) and (step % self.interval == 0 or step == self.last_step)
 
-    def evaluate(self) -> float:
-        """Mean reward of one greedy (eval.temperature) answer per eval prompt."""
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward of one greedy (eval.temperature) answer per eval prompt. A prompt whose
+        reward fails scores 0 and is counted in `eval_reward_errors`."""
         generations = self.rollout.generate([p.token_ids for p in self.prompts], self.sampling, n=1)
-        rewards = []
-        for prompt, generation in zip(self.prompts, generations, strict=True):
-            text = response_text(self.assets.tokenizer, generation.response_ids)
-            record = prompt.record
-            try:
-                rewards.append(self.assets.reward_fn(record.prompt, text, record.label, record.metadata))
-            except Exception:  # noqa: BLE001 - an eval sample whose reward raises scores 0
-                rewards.append(0.0)
-        return sum(rewards) / max(len(rewards), 1)
+        calls = [RewardCall(p.record.prompt, response_text(self.tokenizer, g.response_ids), p.record.label,
+                            p.record.metadata) for p, g in zip(self.prompts, generations, strict=True)]
+        outcomes = self.scorer(calls)
+        rewards = [o.value if o.error is None else 0.0 for o in outcomes]
+        return {"eval_reward_mean": sum(rewards) / max(len(rewards), 1),
+                "eval_reward_errors": sum(o.error is not None for o in outcomes)}

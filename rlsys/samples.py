@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +11,7 @@ from rlsys.actors.batching import TrainSequence
 from rlsys.algorithms.grpo import group_advantages
 from rlsys.data import PromptRecord
 from rlsys.errors import RunFailed
-from rlsys.rewards import RewardFn, score
+from rlsys.reward_pool import RewardCall, RewardOutcome
 from rlsys.rollout.engine import Generation
 
 
@@ -52,30 +52,27 @@ def response_text(tokenizer, response_ids: list[int]) -> str:
     return tokenizer.decode(response_ids, skip_special_tokens=False)
 
 
+Scorer = Callable[[list[RewardCall]], list[RewardOutcome]]  # e.g. RewardPool.score
+
+
 def score_groups(
-    records: list[PromptRecord], generations: list[Generation], group_size: int,
-    tokenizer, reward_fn: RewardFn,
+    records: list[PromptRecord], generations: list[Generation], group_size: int, tokenizer, scorer: Scorer,
 ) -> ScoredBatch:
     """Reward every sample; a group with any failing reward is dropped (and counted)."""
+    texts = [response_text(tokenizer, g.response_ids) for g in generations]
+    calls = [RewardCall(records[i // group_size].prompt, text, records[i // group_size].label,
+                        records[i // group_size].metadata) for i, text in enumerate(texts)]
+    outcomes = scorer(calls)
     batch = ScoredBatch(samples=[], num_generations=len(generations))
     for group_index, record in enumerate(records):
-        group = generations[group_index * group_size:(group_index + 1) * group_size]
-        samples, failed = [], False
-        for generation in group:
-            text = response_text(tokenizer, generation.response_ids)
-            sample = Sample(record=record, generation=generation, response_text=text)
-            try:
-                sample.reward = score(reward_fn, record.prompt, text, record.label, record.metadata)
-            except Exception:  # noqa: BLE001 - a user reward function may raise anything
-                failed = True
-                batch.reward_errors += 1
-                if batch.first_error is None:
-                    batch.first_error = traceback.format_exc(limit=3)
-            samples.append(sample)
+        group = range(group_index * group_size, (group_index + 1) * group_size)
+        failed = [outcomes[i].error for i in group if outcomes[i].error is not None]
+        batch.reward_errors += len(failed)
         if failed:
             batch.dropped_groups += 1
-        else:
-            batch.samples.extend(samples)
+            batch.first_error = batch.first_error or failed[0]
+            continue
+        batch.samples.extend(Sample(record, generations[i], texts[i], reward=outcomes[i].value) for i in group)
     return batch
 
 

@@ -69,3 +69,21 @@ def test_missing_model_directory_fails_before_actors(tmp_path):
     config = load_config(write_config(tmp_path / "c.yaml", tmp_path / "no-model"))
     with pytest.raises(ConfigError, match="model.path .* is not a local Hugging Face checkpoint"):
         load_assets(config)
+
+
+def test_model_directory_without_weight_files_fails_before_actors(tmp_path, tiny_model_dir):
+    import shutil
+
+    from rlsys.assets import load_assets
+
+    no_weights = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = load_config(write_config(tmp_path / "c.yaml", no_weights))
+    with pytest.raises(ConfigError, match=r"holds no weight files \(\*\.safetensors"):
+        load_assets(config)
+
+
+@pytest.mark.parametrize("betas", ["[2.0, 0.999]", "[0.9, 1.0]", "[-0.1, 0.9]"])
+def test_adam_betas_outside_zero_one_are_rejected(tmp_path, tiny_model_dir, betas):
+    with pytest.raises(ConfigError, match=r"trainer: betas must each be in \[0, 1\)"):
+        load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), [f"trainer.betas={betas}"])

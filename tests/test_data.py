@@ -7,6 +7,7 @@ import pytest
 
 from rlsys.config import DataConfig, SyntheticTaskConfig
 from rlsys.data import DatasetError, PromptSampler, load_splits, read_jsonl
+from rlsys.reward_pool import score_calls
 from rlsys.rewards import RewardFunctionError, exact_match, last_number_match, load_reward_function
 from rlsys.rollout.engine import Generation
 from rlsys.samples import response_text, score_groups
@@ -167,7 +168,7 @@ def test_raising_reward_drops_its_group_and_is_counted(tiny_model_dir):
 
     records = [PromptRecord("good", "7"), PromptRecord("bad", "7")]
     generations = [Generation([1], seven, [0.0], "stop", 0) for _ in range(4)]
-    batch = score_groups(records, generations, 2, tokenizer, flaky)
+    batch = score_groups(records, generations, 2, tokenizer, lambda calls: score_calls(flaky, calls, timeout_s=10))
     assert batch.reward_errors == 2 and batch.dropped_groups == 1
     assert [s.record.prompt for s in batch.samples] == ["good", "good"]
     assert "KeyError" in batch.first_error
