@@ -37,6 +37,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
     import time
 
     from rlsys.status.server import StatusServer
@@ -47,7 +48,10 @@ def _serve(args: argparse.Namespace) -> int:
     except FileNotFoundError as error:
         print(f"rlsys: error: {error}", file=sys.stderr)
         return 2
-    server = StatusServer(status, args.host, args.port, token=None)  # a finished run takes no control calls
+    # A finished run takes no control calls; beyond loopback its reads need the token.
+    token = os.environ.get("RLSYS_STATUS_TOKEN") or None
+    server = StatusServer(status, args.host, args.port, token=token,
+                          allow_unauthenticated_read=args.allow_unauthenticated_read)
     url = server.start()
     print(f"rlsys: serving {args.run_dir} ({status.state}, {status.step} steps) at {url}/", flush=True)
     try:
@@ -128,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("run_dir")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8470)
+    serve.add_argument("--allow-unauthenticated-read", action="store_true",
+                       help="serve beyond loopback without a token ($RLSYS_STATUS_TOKEN)")
     serve.set_defaults(handler=_serve)
 
     status = commands.add_parser("status", help="print a running (or served) run's status as a table")

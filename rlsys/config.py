@@ -180,7 +180,11 @@ class StatusConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address; keep loopback unless you set a token.")
     port: int = Field(8470, ge=0, le=65535, description="0 picks a free port.")
     token: str | None = Field(
-        None, description="Bearer token for control calls; falls back to $RLSYS_STATUS_TOKEN. None: control off."
+        None, description="Bearer token for control calls (and for reads when host is not loopback); falls back "
+        "to $RLSYS_STATUS_TOKEN. None: control off.",
+    )
+    allow_unauthenticated_read: bool = Field(
+        False, description="Serve status and metrics without a token on a non-loopback host (otherwise refused).",
     )
 
 

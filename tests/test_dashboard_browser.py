@@ -111,3 +111,41 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir):
         if run.poll() is None:
             run.terminate()
             run.wait(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                    reason="Debian's chromium is not installed (make test installs it)")
+def test_dashboard_renders_server_strings_as_text(tmp_path):
+    """A Ray error (or any string from the server) holding markup is shown, never interpreted."""
+    from rlsys.status.state import ActorHealth, RunStatus
+
+    status = RunStatus(run_id="markup", total_steps=3, run_dir=str(tmp_path))
+    status.record_step({"step": 0, "reward_mean": 0.5, "time_step_s": 1.0, "synced_weight_version": 1})
+    status.set_actors([ActorHealth("engine-0", "engine", False, None, None,
+                                   '<img id="injected" src="x" onerror="document.title=\'owned\'">')])
+    status.fail("<b id='bold-error'>RayActorError</b>")
+    status.save_snapshot()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(status.metrics_since(0)[0]) + "\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "rlsys.cli", "serve", str(tmp_path), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _get(f"http://127.0.0.1:{port}/api/v1/status")
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None
+                time.sleep(0.3)
+        dom = _chromium("--dump-dom", f"http://127.0.0.1:{port}/")
+        assert 'data-loaded="true"' in dom, dom[:2000]
+        assert "&lt;img id=\"injected\"" in dom and 'id="injected"' not in dom.replace("&lt;img id=\"injected\"", "")
+        assert "&lt;b id='bold-error'&gt;" in dom or "&lt;b id=\"bold-error\"&gt;" in dom
+        assert "<title>owned</title>" not in dom
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -126,3 +126,34 @@ def test_serve_rejects_a_directory_that_is_not_a_run(tmp_path):
     result = subprocess.run([sys.executable, "-m", "rlsys.cli", "serve", str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "is not a run directory" in result.stderr
+
+
+def test_binding_beyond_loopback_needs_a_token_or_an_explicit_opt_in(tmp_path):
+    from rlsys.config import ConfigError
+    from rlsys.status.server import StatusServer, read_token_for
+
+    with pytest.raises(ConfigError, match="status.host 0.0.0.0 would expose .* without a token"):
+        StatusServer(_status(tmp_path), "0.0.0.0", 0, token=None)
+    assert read_token_for("127.0.0.1", None, False) is None and read_token_for("localhost", "t", False) is None
+    assert read_token_for("0.0.0.0", "t", False) == "t"  # reads need the token too
+    assert read_token_for("10.1.2.3", None, True) is None  # published on purpose
+
+
+def test_reads_need_the_token_when_the_server_is_exposed(tmp_path):
+    client = TestClient(build_app(_status(tmp_path), token="s3cret", read_token="s3cret"))
+    for path in ("/api/v1/status", "/api/v1/metrics", "/api/v1/actors", "/metrics"):
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200, path
+    assert client.get("/healthz").status_code == 200  # liveness probes stay open
+
+
+def test_the_status_document_is_built_once_per_change(tmp_path, monkeypatch):
+    status = _status(tmp_path)
+    client = TestClient(build_app(status, token=None))
+    builds = []
+    summary = status.summary
+    monkeypatch.setattr(status, "summary", lambda: builds.append(1) or summary())
+    first = [client.get("/api/v1/status").json() for _ in range(20)]
+    assert len(builds) == 1 and all(doc == first[0] for doc in first)
+    status.record_step({"step": 3, "reward_mean": 0.4, "time_step_s": 0.5, "synced_weight_version": 4})
+    assert client.get("/api/v1/status").json()["step"] == 4 and len(builds) == 2

@@ -62,7 +62,8 @@ def status_server(config: RunConfig, status: RunStatus):
     from rlsys.status.server import StatusServer
 
     token = config.status.token or os.environ.get("RLSYS_STATUS_TOKEN") or None
-    server = StatusServer(status, config.status.host, config.status.port, token)
+    server = StatusServer(status, config.status.host, config.status.port, token,
+                          config.status.allow_unauthenticated_read)
     url = server.start()
     print(f"rlsys: status and dashboard at {url}/ (API: {url}/api/v1/status)", flush=True)
     try:

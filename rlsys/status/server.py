@@ -6,6 +6,7 @@ GET  /                the live dashboard (JS served from this package: works off
 """
 
 
+import ipaddress
 import math
 import secrets
 import socket
@@ -16,7 +17,7 @@ from typing import Annotated
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Query
-from fastapi.responses import HTMLResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
@@ -94,39 +95,71 @@ def prometheus_text(status: RunStatus) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_app(status: RunStatus, token: str | None) -> FastAPI:
+class _PerVersion:
+    """Response bodies built once per change of the status (polling costs a lookup, not a build)."""
+
+    def __init__(self, status: RunStatus):
+        self.status = status
+        self._bodies: dict[str, tuple[int, bytes]] = {}
+
+    def get(self, key: str, build) -> bytes:
+        version = self.status.version
+        cached = self._bodies.get(key)
+        if cached is None or cached[0] != version:
+            cached = (version, build())
+            self._bodies[key] = cached
+        return cached[1]
+
+
+def build_app(status: RunStatus, token: str | None, read_token: str | None = None) -> FastAPI:
+    """`token` guards the control calls; `read_token`, when set, the reads too (not /healthz)."""
     app = FastAPI(title="rlsys status", version="1", description="Live state and control of one rlsys run.")
     bearer = HTTPBearer(auto_error=False)
+    cache = _PerVersion(status)
+
+    def _check(credentials: HTTPAuthorizationCredentials | None, expected: str | None, what: str) -> None:
+        if expected is None or credentials is None or not secrets.compare_digest(credentials.credentials, expected):
+            raise HTTPException(status_code=401, detail=f"{what} need 'Authorization: Bearer <status.token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
 
     def require_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
-        if token is None or credentials is None or not secrets.compare_digest(credentials.credentials, token):
-            raise HTTPException(
-                status_code=401, detail="control calls need 'Authorization: Bearer <status.token>'",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        _check(credentials, token, "control calls")
 
-    @app.get("/api/v1/status", response_model=StatusResponse)
-    def get_status() -> StatusResponse:
+    def require_read(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        if read_token is not None:
+            _check(credentials, read_token, "reads of a status server bound beyond loopback")
+
+    reads = [Depends(require_read)]
+
+    def _status_body() -> bytes:
         summary = status.summary()
         if summary["last_metrics"]:
             summary["last_metrics"] = _finite(summary["last_metrics"])
-        return StatusResponse(**summary)
+        return StatusResponse(**summary).model_dump_json().encode()
 
-    @app.get("/api/v1/metrics", response_model=MetricsResponse)
-    def get_metrics(since: int = Query(0, ge=0, description="First step to return.")) -> MetricsResponse:
-        return MetricsResponse(since=since, rows=[_finite(r) for r in status.metrics_since(since)])
+    @app.get("/api/v1/status", response_model=StatusResponse, dependencies=reads)
+    async def get_status() -> Response:
+        return Response(cache.get("status", _status_body), media_type="application/json")
 
-    @app.get("/api/v1/actors", response_model=ActorsResponse)
-    def get_actors() -> ActorsResponse:
-        return ActorsResponse(actors=[ActorResponse(**a.__dict__) for a in status.actor_list()])
+    @app.get("/api/v1/metrics", response_model=MetricsResponse, dependencies=reads)
+    async def get_metrics(since: int = Query(0, ge=0, description="First step to return.")) -> Response:
+        body = cache.get(f"metrics?since={since}", lambda: MetricsResponse(
+            since=since, rows=[_finite(r) for r in status.metrics_since(since)]).model_dump_json().encode())
+        return Response(body, media_type="application/json")
+
+    @app.get("/api/v1/actors", response_model=ActorsResponse, dependencies=reads)
+    async def get_actors() -> Response:
+        body = cache.get("actors", lambda: ActorsResponse(
+            actors=[ActorResponse(**a.__dict__) for a in status.actor_list()]).model_dump_json().encode())
+        return Response(body, media_type="application/json")
 
     @app.get("/healthz", response_model=HealthResponse)
-    def healthz() -> HealthResponse:
+    async def healthz() -> HealthResponse:
         return HealthResponse(ok=status.state != "failed", state=status.state)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    def prometheus() -> str:
-        return prometheus_text(status)
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=reads)
+    async def prometheus() -> Response:
+        return PlainTextResponse(cache.get("prometheus", lambda: prometheus_text(status).encode()))
 
     def control(what: str):
         def handler() -> ControlResponse:
@@ -150,6 +183,34 @@ def build_app(status: RunStatus, token: str | None) -> FastAPI:
     return app
 
 
+MAX_CONCURRENT_REQUESTS = 16  # beyond this uvicorn answers 503 at once
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve beyond this machine
+
+
+def read_token_for(host: str, token: str | None, allow_unauthenticated_read: bool) -> str | None:
+    """The token reads need: none on loopback; beyond it the control token, unless the user
+    explicitly allows open reads. Without either, binding beyond loopback is refused."""
+    from rlsys.config import ConfigError
+
+    if is_loopback(host) or allow_unauthenticated_read:
+        return None
+    if token is None:
+        raise ConfigError(
+            f"status.host {host} would expose the run's status (paths, config, errors) beyond this machine "
+            "without a token; set status.token (or $RLSYS_STATUS_TOKEN), or status.allow_unauthenticated_read: "
+            "true to publish it on purpose"
+        )
+    return token
+
+
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is fine
@@ -163,13 +224,16 @@ def port_is_free(host: str, port: int) -> bool:
 class StatusServer:
     """uvicorn serving `build_app` on a background thread."""
 
-    def __init__(self, status: RunStatus, host: str, port: int, token: str | None):
-        if port and not port_is_free(host, port):
-            from rlsys.config import ConfigError
+    def __init__(self, status: RunStatus, host: str, port: int, token: str | None,
+                 allow_unauthenticated_read: bool = False):
+        from rlsys.config import ConfigError
 
+        read_token = read_token_for(host, token, allow_unauthenticated_read)
+        if port and not port_is_free(host, port):
             raise ConfigError(f"status.port {port} on {host} is in use; pick another, or status.port=0 for a free one")
-        config = uvicorn.Config(build_app(status, token), host=host, port=port, log_level="warning",
-                                access_log=False, lifespan="off")
+        # A bounded number of requests at once: polling must not take the training's CPU.
+        config = uvicorn.Config(build_app(status, token, read_token), host=host, port=port, log_level="warning",
+                                access_log=False, lifespan="off", limit_concurrency=MAX_CONCURRENT_REQUESTS)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="rlsys-status", daemon=True)
         self.host = host

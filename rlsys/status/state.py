@@ -47,6 +47,7 @@ class RunStatus:
     pause_requested: bool = False
     stop_requested: bool = False
     checkpoint_requested: bool = False
+    version: int = 0  # bumped by every change, so readers can cache what they built from it
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     # ---- writes (coordinator) -----------------------------------------------------------
@@ -54,12 +55,14 @@ class RunStatus:
         if state not in PHASES:
             raise ValueError(f"unknown run state {state!r}")
         with self._lock:
+            self.version += 1
             self.state = state
             if state in ("finished", "stopped", "failed"):
                 self.finished_at = time.time()
 
     def record_step(self, row: dict) -> None:
         with self._lock:
+            self.version += 1
             self.metrics.append(dict(row))
             self.step = row["step"] + 1
             self.weight_version = row.get("synced_weight_version", self.weight_version)
@@ -68,16 +71,19 @@ class RunStatus:
 
     def set_actors(self, actors: list[ActorHealth]) -> None:
         with self._lock:
+            self.version += 1
             self.actors = list(actors)
 
     def fail(self, error: str) -> None:
         with self._lock:
+            self.version += 1
             self.error = error
             self.set_state("failed")
 
     # ---- control (server) ---------------------------------------------------------------
     def request(self, what: str) -> None:
         with self._lock:
+            self.version += 1
             if what == "pause":
                 self.pause_requested = True
             elif what == "resume":

@@ -13,6 +13,15 @@ const CHARTS = [
   { id: "chart-mismatch", series: [["logprob_mismatch", "mismatch", "#6d4c41"]] },
 ];
 
+// Beyond loopback the API wants the run's token: open the dashboard as .../#token=TOKEN (a fragment
+// never leaves the browser).
+const TOKEN = new URLSearchParams(location.hash.slice(1)).get("token");
+const HEADERS = TOKEN ? { Authorization: `Bearer ${TOKEN}` } : {};
+const getJSON = url => fetch(url, { headers: HEADERS }).then(r => {
+  if (!r.ok) throw new Error(`${url}: HTTP ${r.status}`);
+  return r.json();
+});
+
 const rows = [];
 const plots = {};
 
@@ -85,13 +94,24 @@ function redrawTimeline() {
   box.dataset.steps = String(recent.length);
 }
 
+function cell(text, className) {
+  const td = document.createElement("td");
+  td.textContent = text;  // server strings (Ray errors, paths) are text, never markup
+  if (className) td.className = className;
+  return td;
+}
+
 function redrawActors(actors) {
   const body = document.querySelector("#actors tbody");
   const now = Date.now() / 1000;
-  body.innerHTML = actors.map(a => `<tr data-kind="${a.kind}"><td>${a.name}</td><td>${a.kind}</td>` +
-    `<td class="${a.alive ? "alive" : "dead"}">${a.alive ? "yes" : "no"}</td>` +
-    `<td>${a.last_heartbeat ? fmtSeconds(now - a.last_heartbeat) + " ago" : "–"}</td>` +
-    `<td>${a.memory_bytes ? (a.memory_bytes / 2 ** 20).toFixed(0) + " MiB" : "–"}</td><td>${a.detail || ""}</td></tr>`).join("");
+  body.replaceChildren(...actors.map(a => {
+    const tr = document.createElement("tr");
+    tr.dataset.kind = a.kind;
+    tr.append(cell(a.name), cell(a.kind), cell(a.alive ? "yes" : "no", a.alive ? "alive" : "dead"),
+              cell(a.last_heartbeat ? fmtSeconds(now - a.last_heartbeat) + " ago" : "–"),
+              cell(a.memory_bytes ? (a.memory_bytes / 2 ** 20).toFixed(0) + " MiB" : "–"), cell(a.detail || ""));
+    return tr;
+  }));
 }
 
 function redrawStatus(s) {
@@ -114,9 +134,9 @@ async function poll() {
   try {
     const next = rows.length ? rows[rows.length - 1].step + 1 : 0;
     const [status, metrics, actors] = await Promise.all([
-      fetch("/api/v1/status").then(r => r.json()),
-      fetch(`/api/v1/metrics?since=${next}`).then(r => r.json()),
-      fetch("/api/v1/actors").then(r => r.json()),
+      getJSON("/api/v1/status"),
+      getJSON(`/api/v1/metrics?since=${next}`),
+      getJSON("/api/v1/actors"),
     ]);
     rows.push(...metrics.rows);
     redrawStatus(status);
