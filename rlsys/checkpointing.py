@@ -101,7 +101,8 @@ def restore_python_random_state(state: list | None) -> None:
 
 class Checkpointer:
     """When to checkpoint, and taking one: every `checkpoint.interval` steps and at the last
-    step, when the status API asks, and before a requested stop (if checkpoints are on)."""
+    step, when the status API asks, and before a requested stop (API or SIGTERM), so a stopped
+    run can always be resumed."""
 
     def __init__(self, store: CheckpointStore, interval: int, total_steps: int,
                  save_trainer: Callable[[str], None]):
@@ -112,7 +113,7 @@ class Checkpointer:
 
     def due(self, finished_steps: int, requested: bool, stopping: bool) -> bool:
         on_schedule = self.interval and (finished_steps % self.interval == 0 or finished_steps == self.total_steps)
-        return bool(on_schedule or requested or (self.interval and stopping))
+        return bool(on_schedule or requested or stopping)
 
     def save(self, state: CoordinatorState) -> Path:
         state.python_random_state = python_random_state()

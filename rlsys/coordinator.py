@@ -29,8 +29,11 @@ from rlsys.errors import RunFailed
 from rlsys.evaluation import Evaluator, sampling_params
 from rlsys.lifecycle import Components, push_weights, restore, start_components
 from rlsys.metrics import MetricsLog
+from rlsys.reaper import start_reaper
 from rlsys.reward_pool import RewardPool
+from rlsys.run_lock import RunDirLock
 from rlsys.samples import ScoredBatch, assign_advantages, check_reward_errors, score_groups, to_train_sequences
+from rlsys.shm_sweep import sweep_shared_memory
 from rlsys.status.reporting import HealthMonitor, new_status, status_server
 from rlsys.status.state import RunStatus
 from rlsys.topology import Topology
@@ -194,13 +197,17 @@ def _failures_reported(status: RunStatus):
         raise
 
 
-def _exit_cleanly_on_sigterm() -> None:
-    # A killed job (ray job stop, timeout, kill) still stops its engines and trainers.
-    def _raise(signum, frame):
-        raise SystemExit(128 + signum)
+def _stop_on_sigterm(status: RunStatus) -> None:
+    """SIGTERM stops the run as POST /api/v1/stop does: after the current step, with a checkpoint.
+    A second SIGTERM stops at once (engines and trainers are still shut down)."""
+    def _stop(signum, frame):
+        if status.stop_requested:
+            raise SystemExit(128 + signum)
+        print("rlsys: SIGTERM: stopping after this step, with a checkpoint (again to stop at once)", flush=True)
+        status.request("stop")
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise)
+        signal.signal(signal.SIGTERM, _stop)
 
 
 def _describe_data(assets: RunAssets) -> str:
@@ -219,7 +226,13 @@ def run(config: RunConfig) -> Path:
     run_dir = Path(config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
     store = CheckpointStore(run_dir, config.checkpoint.keep_last)
     checkpoint = store.latest() if config.checkpoint.resume == "auto" else None
-    prepare_run_dir(config, run_dir, resuming=checkpoint is not None)
+    lock = RunDirLock(run_dir)
+    lock.acquire()  # before anything is written there
+    try:
+        prepare_run_dir(config, run_dir, resuming=checkpoint is not None)
+    except BaseException:
+        lock.release()
+        raise
     print(f"rlsys: run directory {run_dir.resolve()}", flush=True)
     print(f"rlsys: data: {_describe_data(assets)}", flush=True)
     if checkpoint is not None:
@@ -228,9 +241,12 @@ def run(config: RunConfig) -> Path:
     status = new_status(config, run_dir, assets)
     topology = Topology.from_config(config, detect_backend().has_gpu)
     with ExitStack() as stack:
+        stack.callback(lock.release)
+        sweep_shared_memory()  # what runs killed without warning left on this machine
+        stack.callback(start_reaper(run_dir).terminate)  # cleans up if this process is killed
         stack.enter_context(status_server(config, status))
         stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or topology.local_cpus()))
-        _exit_cleanly_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
+        _stop_on_sigterm(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
         rewards = RewardPool(config.reward.function, config.reward.num_workers, config.reward.timeout_s)
         stack.callback(rewards.close)

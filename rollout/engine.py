@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rlsys.rollout.client import EngineAddress, EngineError
 from rlsys.rollout.server import ServerSpec, SGLangServer
+from rlsys.shm_sweep import sweep_shared_memory
 from rlsys.weight_sync.backend import detect_backend
 
 
@@ -50,6 +51,7 @@ class RolloutEngine:
         self.client = self.server.client
 
     def start(self, timeout_s: float) -> EngineAddress:
+        sweep_shared_memory()  # what engines killed without warning left on this node
         self.server.start(timeout_s)
         return self.server.address
 

@@ -76,3 +76,67 @@ def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_pat
     evals = [r for r in rows if "eval_reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 2] and all(r["eval_reward_errors"] > 0 for r in evals)
     assert time.monotonic() - start < 300  # no call was allowed its 60 s
+
+
+def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float = 600) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
+        time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_killed_driver_leaves_no_process_or_shared_memory_and_its_status_says_failed(tmp_path, tiny_model_dir):
+    leftovers = Leftovers()
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000"),
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_steps(run, run_dir, 2)
+        run.kill()  # the driver alone dies, without warning
+        run.wait()
+        killed_at = time.monotonic()
+        while (leftovers.processes() or leftovers.shm_files()) and time.monotonic() - killed_at < 30:
+            time.sleep(0.5)
+        assert leftovers.processes() == [] and leftovers.shm_files() == []
+        status = json.loads((run_dir / "status.json").read_text())
+        assert status["state"] == "failed" and "died without finishing" in status["error"]
+        # the stale lock does not block the next start on this directory
+        resumed = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=1",
+                                               "--resume"), cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert "is in use by pid" not in resumed.stderr
+    finally:
+        if run.poll() is None:
+            run.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, tiny_model_dir):
+    leftovers = Leftovers()
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000"),
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(run, run_dir, 3)
+    # a second run on the same directory is refused while the first lives
+    second = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "--resume"),
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2 and f"is in use by pid {run.pid}" in second.stderr
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "stopped"
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints[-1] == f"step_{len(steps):08d}"  # the last finished step is saved
+    assert not (run_dir / "rlsys.lock").exists()
+    assert leftovers.processes() == [] and leftovers.shm_files() == []
+
+    resumed = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir,
+                                           f"trainer.total_steps={len(steps) + 2}", "--resume"),
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(len(steps) + 2))  # no step missing or repeated
+    assert [r["weight_version"] for r in rows] == list(range(len(steps) + 2))

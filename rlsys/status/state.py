@@ -164,10 +164,13 @@ class RunStatus:
         )
         for row in rows:
             status.record_step(row)
+        from rlsys.run_lock import owner_is_alive
+
         status.state = snapshot.get("state", "finished")
-        if status.state not in ("finished", "stopped", "failed"):
-            status.state = "stopped"  # its coordinator is gone
         status.finished_at = snapshot.get("finished_at")
         status.error = snapshot.get("error")
+        if status.state not in ("finished", "stopped", "failed") and not owner_is_alive(run_dir):
+            status.state = "failed"  # its coordinator is gone without saying so
+            status.error = status.error or "the run's process is gone without finishing (killed?)"
         status.actors = [ActorHealth(**{**a, "alive": False}) for a in snapshot.get("actors", [])]
         return status
