@@ -16,6 +16,7 @@ class TrainerGroup:
                  env_vars: dict[str, str] | None = None, worker_cls: type = TrainerWorker):
         self.spec = spec
         self.num_ranks = num_ranks
+        self.asleep = False
         options = actor_options or [{"num_cpus": 1}] * num_ranks
         runtime_env = {"env_vars": env_vars or {}}
         remote_cls = ray.remote(worker_cls)
@@ -62,10 +63,14 @@ class TrainerGroup:
 
     def sleep(self) -> dict:
         """Offload every rank; returns summed bytes and the slowest rank's seconds."""
-        return _combine(ray.get([w.sleep.remote() for w in self.workers]))
+        report = _combine(ray.get([w.sleep.remote() for w in self.workers]))
+        self.asleep = True
+        return report
 
     def wake_up(self) -> dict:
-        return _combine(ray.get([w.wake_up.remote() for w in self.workers]))
+        report = _combine(ray.get([w.wake_up.remote() for w in self.workers]))
+        self.asleep = False
+        return report
 
     def save_checkpoint(self, directory: str) -> None:
         ray.get([w.save_checkpoint.remote(directory) for w in self.workers])

@@ -104,12 +104,11 @@ class Checkpointer:
     step, when the status API asks, and before a requested stop (API or SIGTERM), so a stopped
     run can always be resumed."""
 
-    def __init__(self, store: CheckpointStore, interval: int, total_steps: int,
-                 save_trainer: Callable[[str], None]):
+    def __init__(self, store: CheckpointStore, interval: int, total_steps: int, parts):
         self.store = store
         self.interval = interval
         self.total_steps = total_steps
-        self.save_trainer = save_trainer
+        self.parts = parts  # the trainer group may be replaced (auto-resume): looked up at save time
 
     def due(self, finished_steps: int, requested: bool, stopping: bool) -> bool:
         on_schedule = self.interval and (finished_steps % self.interval == 0 or finished_steps == self.total_steps)
@@ -117,4 +116,4 @@ class Checkpointer:
 
     def save(self, state: CoordinatorState) -> Path:
         state.python_random_state = python_random_state()
-        return self.store.save(state.next_step, self.save_trainer, state)
+        return self.store.save(state.next_step, self.parts.trainer.save_checkpoint, state)

@@ -69,6 +69,13 @@ class EngineConfig(_Section):
     skip_tokenizer_init: bool = Field(False, description="Engine works on token ids only.")
     startup_timeout_s: float = Field(300.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    health_timeout_s: float = Field(
+        60.0, gt=0, description="An engine that does not answer for this long is stopped and restarted.",
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="Engine restarts allowed over the run (a dead engine is restarted, brought to the "
+        "current weights, and its unfinished requests re-issued); beyond this the run fails.",
+    )
     weight_load_threads: int | None = Field(
         None, ge=1,
         description="CPU threads the engine copies a colocated weight sync with (default: every core of "
@@ -147,6 +154,10 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(2, ge=1)
     resume: Literal["never", "auto"] = Field(
         "never", description="auto: continue from the latest complete checkpoint in run_dir, if any."
+    )
+    max_auto_resumes: int = Field(
+        0, ge=0, description="When a trainer rank dies, restart the trainers from the latest checkpoint this many "
+        "times over the run (0: the run fails).",
     )
 
 

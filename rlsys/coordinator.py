@@ -8,6 +8,7 @@ line is a call into a component; start-up, restore and shutdown live in rlsys/li
 
 from __future__ import annotations
 
+import itertools
 import random
 import signal
 import threading
@@ -27,7 +28,14 @@ from rlsys.config import RunConfig, dump_config
 from rlsys.data import PromptSampler
 from rlsys.errors import RunFailed
 from rlsys.evaluation import Evaluator, sampling_params
-from rlsys.lifecycle import Components, push_weights, restore, start_components
+from rlsys.lifecycle import (
+    Components,
+    bring_engines_up_to_date,
+    restart_trainers,
+    restore,
+    start_components,
+    sync_engines,
+)
 from rlsys.metrics import MetricsLog
 from rlsys.reaper import start_reaper
 from rlsys.reward_pool import RewardPool
@@ -57,6 +65,7 @@ class Run:
     checkpointer: Checkpointer
     health: HealthMonitor
     rewards: RewardPool
+    trainer_restarts: int = 0  # automatic resumes after a trainer rank died
 
     @contextmanager
     def phase(self, row: dict, state: str, timing: str):
@@ -67,6 +76,16 @@ class Run:
             yield
         finally:
             row[f"time_{timing}_s"] = row.get(f"time_{timing}_s", 0.0) + time.perf_counter() - start
+
+    def continue_from(self, checkpoint: Path | None) -> None:
+        """Trainer, engines, data position and metrics as `checkpoint` left them (fresh if None)."""
+        self.state = restore(self.config, self.parts, checkpoint)
+        self.log.truncate_from(self.state.next_step)  # rows of steps that will run again
+        self.status.replace_steps(self.log.rows)
+        self.sampler.restore(self.state.data_epoch, self.state.data_index)
+        self.health.refresh(self.status)
+        if self.parts.topology.trainers_sleep:
+            self.parts.trainer.sleep()
 
     def steps(self) -> Iterator[int]:
         """The steps still to run, with a progress bar; waits while paused, ends on a stop request."""
@@ -111,7 +130,7 @@ def train_loop(run: Run) -> None:
         with run.phase(row, "training", "train"):
             row.update(_train(config, parts, scored))
         with run.phase(row, "syncing", "sync"):
-            push_weights(config, parts, state.weight_version + 1)
+            sync_engines(config, parts, state.weight_version + 1)
         state.finish_step(step, run.sampler.epoch, run.sampler.index)
         if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
             with run.phase(row, "checkpointing", "checkpoint"):
@@ -121,8 +140,28 @@ def train_loop(run: Run) -> None:
                 parts.trainer.sleep()
 
         row["time_step_s"] = time.perf_counter() - step_start
-        row.update(_rollout_metrics(generations, row["time_step_s"]), synced_weight_version=state.weight_version)
+        row.update(_rollout_metrics(generations, row["time_step_s"]), synced_weight_version=state.weight_version,
+                   engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
         _record(run, row, last_step=step + 1 == config.trainer.total_steps)
+
+
+def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
+    """`train_loop`; when a trainer rank dies, the trainer group restarts from the latest
+    checkpoint (at most checkpoint.max_auto_resumes times) and the loop goes on from there."""
+    for resumes in itertools.count():
+        try:
+            return train_loop(run)
+        except RayError as error:
+            checkpoint = store.latest()
+            if resumes >= run.config.checkpoint.max_auto_resumes or checkpoint is None \
+                    or all(rank["alive"] for rank in run.parts.trainer.health(timeout_s=10)):
+                raise
+            cause = getattr(error, "cause", None) or error
+            print(f"rlsys: a trainer rank died ({type(cause).__name__}); restarting the trainers from {checkpoint} "
+                  f"({resumes + 1} of {run.config.checkpoint.max_auto_resumes})", flush=True)
+            restart_trainers(run.config, run.parts)
+            run.continue_from(checkpoint)
+            run.trainer_restarts = resumes + 1
 
 
 def _train(config: RunConfig, parts: Components, scored: ScoredBatch) -> dict:
@@ -251,20 +290,14 @@ def run(config: RunConfig) -> Path:
         rewards = RewardPool(config.reward.function, config.reward.num_workers, config.reward.timeout_s)
         stack.callback(rewards.close)
         parts = start_components(config, topology, run_dir, stack)
-        state = restore(config, parts, checkpoint)
-        log.truncate_from(state.next_step)  # rows of steps that will run again
-        for row in log.rows:
-            status.record_step(row)
-        health = HealthMonitor(parts.trainer, parts.rollout)
-        health.refresh(status)
-        if parts.topology.trainers_sleep:
-            parts.trainer.sleep()
-        sampler = PromptSampler(assets.train, config.data.prompts_per_step, config.seed)
-        sampler.restore(state.data_epoch, state.data_index)
-        checkpointer = Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps,
-                                    parts.trainer.save_checkpoint)
-        evaluator = Evaluator(config, assets, parts.rollout, rewards.score)
-        train_loop(Run(config, assets, parts, state, status, log, sampler, evaluator, checkpointer, health, rewards))
+        run = Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
+                  PromptSampler(assets.train, config.data.prompts_per_step, config.seed),
+                  Evaluator(config, assets, parts.rollout, rewards.score),
+                  Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts),
+                  HealthMonitor(parts), rewards)
+        parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.state.weight_version)
+        run.continue_from(checkpoint)
+        _train_resuming_dead_trainers(run, store)
         status.set_state("stopped" if status.stop_requested else "finished")
         status.save_snapshot()
     print(f"rlsys: {status.state}; metrics in {(run_dir / 'metrics.jsonl').resolve()}", flush=True)

@@ -8,6 +8,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from ray.exceptions import RayError
+
 from rlsys.actors.group import TrainerGroup
 from rlsys.actors.placement import Placement, create_placement
 from rlsys.actors.trainer import TrainerSpec
@@ -48,6 +50,40 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     parts.topology = topology.with_engines(parts.rollout.wait_ready())
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
     return parts
+
+
+def restart_trainers(config: RunConfig, parts: Components) -> None:
+    """A fresh trainer group in the same placement slots (a rank died); load a checkpoint next."""
+    parts.trainer.shutdown()
+    parts.trainer = TrainerGroup(TrainerSpec.from_config(config), parts.topology.num_ranks,
+                                 parts.placement.trainer_options(), env_vars=ACTOR_ENV)
+    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
+
+
+def bring_engines_up_to_date(config: RunConfig, parts: Components, weight_version: int) -> None:
+    """After an engine restart: reconnect the trainer ranks to the engines' new addresses and
+    push the trainer's weights with `weight_version` (waking a sleeping trainer for it)."""
+    parts.topology = parts.topology.with_engines(parts.rollout.addresses)
+    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
+    asleep = parts.trainer.asleep
+    if asleep:
+        parts.trainer.wake_up()
+    push_weights(config, parts, weight_version)
+    if asleep:
+        parts.trainer.sleep()
+
+
+def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> None:
+    """`push_weights`, restarting any engine that died meanwhile and pushing again."""
+    try:
+        push_weights(config, parts, weight_version)
+    except RayError as error:
+        dead = parts.rollout.dead_engines()
+        if not dead:
+            raise
+        for index in dead:
+            parts.rollout.restart(index, f"it died during a weight sync: {getattr(error, 'cause', None) or error}")
+        push_weights(config, parts, weight_version)
 
 
 def push_weights(config: RunConfig, parts: Components, weight_version: int) -> None:

@@ -41,6 +41,10 @@ class EngineError(RuntimeError):
         return type(self), (self.engine, self.endpoint, self.reason, self.log_tail)
 
 
+class EngineDied(EngineError):
+    """The engine's SGLang server has exited (or was stopped for not answering)."""
+
+
 def read_log_tail(log_path: str | Path, lines: int = 30) -> str:
     if not log_path:
         return ""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlsys.rollout.client import EngineAddress, EngineError
+from rlsys.rollout.client import EngineAddress, EngineDied, EngineError
 from rlsys.rollout.server import ServerSpec, SGLangServer
 from rlsys.shm_sweep import sweep_shared_memory
 from rlsys.weight_sync.backend import detect_backend
@@ -49,23 +51,41 @@ class RolloutEngine:
     def __init__(self, spec: ServerSpec, name: str, log_path: str):
         self.server = SGLangServer(spec, detect_backend(), name, Path(log_path))
         self.client = self.server.client
+        self.health_timeout_s = spec.engine.health_timeout_s
+        self._watching = threading.Event()
 
     def start(self, timeout_s: float) -> EngineAddress:
         sweep_shared_memory()  # what engines killed without warning left on this node
         self.server.start(timeout_s)
+        self._watching.set()
+        threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
         return self.server.address
 
+    def _watch(self) -> None:
+        """Stop a server that stays alive but does not answer for `health_timeout_s` (stopped,
+        deadlocked): its requests then fail at once as EngineDied instead of hanging the run."""
+        silent_since = None
+        while self._watching.is_set() and self.server.is_alive():
+            try:
+                self.client.model_info(timeout_s=min(5.0, self.health_timeout_s))
+                silent_since = None
+            except EngineError:
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since >= self.health_timeout_s:
+                    self.server.kill(f"no answer for {self.health_timeout_s:.0f}s (rollout.engine.health_timeout_s)")
+                    return
+            time.sleep(min(2.0, self.health_timeout_s / 4))
+
     def _call(self, request):
-        """Run a client call; a server that has exited is named as such."""
+        """Run a client call; a server that has exited raises EngineDied."""
         if not self.server.is_alive():
-            raise EngineError(str(self.server.address), "(any)", "the server is not running",
-                              self.server.log_tail())
+            raise EngineDied(str(self.server.address), "(any)", "the server is not running", self.server.log_tail())
         try:
             return request()
         except EngineError as error:
             if not self.server.is_alive():
-                raise EngineError(error.engine, error.endpoint, f"{error.reason} (the server has exited)",
-                                  self.server.log_tail()) from error
+                raise EngineDied(error.engine, error.endpoint, f"{error.reason} (the server has exited)",
+                                 self.server.log_tail()) from error
             raise
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Generation]:
@@ -120,4 +140,5 @@ class RolloutEngine:
         return {"alive": alive, "memory_bytes": self.server.memory_bytes(), "url": self.server.url}
 
     def shutdown(self) -> None:
+        self._watching.clear()
         self.server.stop()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import ray
+from collections.abc import Callable
 
-from rlsys.rollout.client import EngineAddress
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from rlsys.rollout.client import EngineAddress, EngineDied
 from rlsys.rollout.engine import Generation, RolloutEngine, SamplingParams
 from rlsys.rollout.server import ServerSpec
 
@@ -23,16 +26,38 @@ def collect_in_prompt_order(answers: list[list], num_prompts: int, n: int) -> li
     return ordered
 
 
+class EngineRestartLimit(RuntimeError):
+    """An engine died after rollout.engine.max_restarts restarts were used up."""
+
+
+def is_engine_death(error: BaseException) -> bool:
+    """A dead engine actor, or an engine whose SGLang server has exited."""
+    if isinstance(error, RayActorError):
+        return True
+    cause = getattr(error, "cause", None) if isinstance(error, RayTaskError) else error
+    return isinstance(cause, EngineDied)
+
+
 class RolloutManager:
+    """The engines behind one call. A dead engine is restarted in its placement slot (at most
+    `max_restarts` times over the run); `on_restart(index)`, set by the coordinator, brings it to
+    the current weights and version before its unfinished requests are issued again."""
+
     def __init__(self, spec: ServerSpec, num_engines: int, log_dir: str, actor_options: list[dict]):
-        remote_cls = ray.remote(RolloutEngine)
-        self.engines = [
-            remote_cls.options(**actor_options[index]).remote(spec, f"engine-{index}", f"{log_dir}/engine_{index}.log")
-            for index in range(num_engines)
-        ]
+        self.spec = spec
+        self.log_dir = log_dir
+        self.actor_options = actor_options
+        self.max_restarts = spec.engine.max_restarts
+        self.restarts = 0
+        self.on_restart: Callable[[int], None] | None = None
+        self.engines = [self._launch(index) for index in range(num_engines)]
         # Servers start in the background; call wait_ready() before using them.
         self._starting = [e.start.remote(spec.engine.startup_timeout_s) for e in self.engines]
         self.addresses: list[EngineAddress] = []
+
+    def _launch(self, index: int):
+        return ray.remote(RolloutEngine).options(**self.actor_options[index]).remote(
+            self.spec, f"engine-{index}", f"{self.log_dir}/engine_{index}.log")
 
     def wait_ready(self) -> list[EngineAddress]:
         if not self.addresses:
@@ -40,10 +65,50 @@ class RolloutManager:
         return self.addresses
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int) -> list[Generation]:
-        """n samples per prompt, grouped prompt by prompt in the caller's order."""
+        """n samples per prompt, grouped prompt by prompt in the caller's order. The block of an
+        engine that dies is issued again once the engine has been restarted."""
         blocks = deal_prompts(prompts, len(self.engines))
-        answers = ray.get([e.generate.remote(b, sampling, n) for e, b in zip(self.engines, blocks, strict=True)])
-        return collect_in_prompt_order(answers, len(prompts), n)
+        answers: dict[int, list[Generation]] = {}
+        pending = dict(enumerate(blocks))
+        while pending:
+            calls = {i: self.engines[i].generate.remote(block, sampling, n) for i, block in pending.items()}
+            failed = {}
+            for index, call in calls.items():
+                try:
+                    answers[index] = ray.get(call)
+                except (RayActorError, RayTaskError) as error:
+                    failed[index] = error
+            # Only once every engine is idle: a restart re-syncs weights into all of them.
+            for index, error in failed.items():
+                self.recover(index, error)
+            pending = {index: blocks[index] for index in failed}
+        return collect_in_prompt_order([answers[i] for i in range(len(blocks))], len(prompts), n)
+
+    def recover(self, index: int, error: BaseException) -> None:
+        """Restart engine `index` after `error` if that is what it was; otherwise re-raise."""
+        if not is_engine_death(error):
+            raise error
+        self.restart(index, f"{getattr(error, 'cause', None) or error}")
+
+    def restart(self, index: int, reason: str) -> None:
+        """A fresh engine in the dead one's slot, then `on_restart(index)`."""
+        if self.restarts >= self.max_restarts:
+            raise EngineRestartLimit(
+                f"engine-{index} died and its {self.max_restarts} restarts (rollout.engine.max_restarts) are used "
+                f"up: {reason}"
+            )
+        print(f"rlsys: engine-{index} died; restarting it ({self.restarts + 1} of {self.max_restarts}): "
+              f"{reason.splitlines()[0] if reason else ''}", flush=True)
+        self.restarts += 1
+        self._stop(self.engines[index])
+        self.engines[index] = self._launch(index)
+        self.addresses[index] = ray.get(self.engines[index].start.remote(self.spec.engine.startup_timeout_s))
+        if self.on_restart is not None:
+            self.on_restart(index)
+
+    def dead_engines(self) -> list[int]:
+        """Engines whose actor or server is gone (one quick round of health checks)."""
+        return [report["index"] for report in self.health() if not report["alive"]]
 
     def score(self, sequences: list[list[int]], engine_index: int = 0) -> list[list[float]]:
         return ray.get(self.engines[engine_index].score.remote(sequences))
@@ -62,11 +127,15 @@ class RolloutManager:
     def weight_versions(self) -> list[int]:
         return ray.get([e.weight_version.remote() for e in self.engines])
 
+    @staticmethod
+    def _stop(engine) -> None:
+        try:
+            ray.get(engine.shutdown.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - kill the actor even if its server is already gone
+            pass
+        ray.kill(engine)
+
     def shutdown(self) -> None:
         for engine in self.engines:
-            try:
-                ray.get(engine.shutdown.remote(), timeout=60)
-            except Exception:  # noqa: BLE001 - kill the actor even if its server is already gone
-                pass
-            ray.kill(engine)
+            self._stop(engine)
         self.engines = []

@@ -194,6 +194,19 @@ class SGLangServer:
                 continue
         return files
 
+    def kill(self, reason: str) -> None:
+        """Stop the server at once (it does not answer); the reason goes to its log."""
+        try:
+            with open(self.log_path, "a") as log:
+                log.write(f"\nrlsys: stopping this server: {reason}\n")
+        except OSError:
+            pass
+        if self._process is not None and self._process.poll() is None:
+            # The server alone (SIGKILL ends a stopped process too): its scheduler and detokenizer
+            # die with it, and its resource tracker survives to unlink their semaphores; `stop`
+            # then waits for the group and removes the rest.
+            self._process.kill()
+
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop the server and every process it started (they share its session).
 

@@ -34,15 +34,15 @@ class HealthMonitor:
     """Refreshes the status's actor table at most every `interval_s` (a health round trip costs
     the loop time), and always at the last step."""
 
-    def __init__(self, trainer, rollout, interval_s: float = 5.0):
-        self.trainer, self.rollout, self.interval_s = trainer, rollout, interval_s
+    def __init__(self, parts, interval_s: float = 5.0):
+        self.parts, self.interval_s = parts, interval_s
         self._last = float("-inf")
 
     def due(self, last_step: bool = False) -> bool:
         return last_step or time.monotonic() - self._last >= self.interval_s
 
     def refresh(self, status: RunStatus) -> None:
-        status.set_actors(collect_actor_health(self.trainer, self.rollout))
+        status.set_actors(collect_actor_health(self.parts.trainer, self.parts.rollout))
         self._last = time.monotonic()
 
 

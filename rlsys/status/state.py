@@ -69,6 +69,14 @@ class RunStatus:
             if row.get("time_step_s") is not None:
                 self.step_seconds.append(row["time_step_s"])
 
+    def replace_steps(self, rows: list[dict]) -> None:
+        """The finished steps are exactly `rows` (after a resume drops the steps that run again)."""
+        with self._lock:
+            self.version += 1
+            self.metrics, self.step_seconds, self.step = [], [], 0
+            for row in rows:
+                self.record_step(row)
+
     def set_actors(self, actors: list[ActorHealth]) -> None:
         with self._lock:
             self.version += 1

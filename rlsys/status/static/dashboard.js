@@ -81,7 +81,10 @@ function redrawTimeline() {
   const longest = Math.max(...recent.map(r => r.time_step_s || 0), 1e-9);
   const box = document.getElementById("timeline");
   box.innerHTML = "";
+  let restartsBefore = rows.length > recent.length ? rows[rows.length - recent.length - 1].engine_restarts || 0 : 0;
   for (const r of recent) {
+    const restarted = (r.engine_restarts || 0) > restartsBefore;
+    restartsBefore = r.engine_restarts || restartsBefore;
     const segments = Object.entries(PHASE_COLORS).filter(([p]) => r[`time_${p}_s`] > 0).map(([p, color]) => {
       const seconds = r[`time_${p}_s`];
       const width = Math.max((seconds / longest) * 600, 1);
@@ -89,7 +92,8 @@ function redrawTimeline() {
     }).join("");
     box.insertAdjacentHTML("beforeend",
       `<div class="tl-row" data-step="${r.step}"><span class="tl-step">${r.step}</span><div class="tl-bar">${segments}</div>` +
-      `<span style="margin-left:6px">${(r.time_step_s || 0).toFixed(2)} s</span></div>`);
+      `<span style="margin-left:6px">${(r.time_step_s || 0).toFixed(2)} s</span>` +
+      (restarted ? `<span class="tl-event" data-event="engine-restart">engine restarted</span>` : "") + `</div>`);
   }
   box.dataset.steps = String(recent.length);
 }
