@@ -54,7 +54,9 @@ def sync_weights(
     buffer: the transport's, or `scratch` on ranks that only take part in an all-gather.
     `gather_dst`: the one rank that holds a transport, when only one does (broadcast, or a single
     colocated engine): shards then go only there and the other ranks need no buffer.
-    The engines flush their cache and take the new weight version once, with the last bucket."""
+    The engines flush their cache and take the new weight version once, with the last bucket.
+    An engine that fails mid-sync does not stop this rank's gathers: the other ranks are in them,
+    and leaving would hang them; the first failure is raised once every bucket has been gathered."""
     if transport is not None and gather_dst is not None and gather_dst != _rank():
         raise ValueError(f"this rank ({_rank()}) holds a transport but the gathers go to rank {gather_dst}")
     backend.prepare_ipc()
@@ -71,25 +73,37 @@ def sync_weights(
         staging = (scratch or StagingBuffer(share_memory=False)).get
     else:
         staging = None  # this rank only sends its shards to `gather_dst`
-    if transport is not None:
-        transport.begin()
+    failure = _attempt(transport.begin) if transport is not None else None  # deferred: see the docstring
     for index, group in enumerate(groups):
         tick = time.perf_counter()
         buffer = staging(largest, device) if staging is not None else None
         bucket = gather_bucket(group, buffer, alignment, gather_dst)
         stats.gather_s += time.perf_counter() - tick
-        if transport is not None:
+        if transport is not None and failure is None:
             tick = time.perf_counter()
             is_last = index == len(groups) - 1
-            transport.send_bucket(bucket, flush_cache=is_last, weight_version=weight_version if is_last else None)
+            failure = _attempt(transport.send_bucket, bucket, flush_cache=is_last,
+                               weight_version=weight_version if is_last else None)
             stats.bytes += bucket.buffer.numel()
             stats.handover_and_load_s += time.perf_counter() - tick
         del bucket  # loaded by the engine: the staging buffer may be reused
         stats.buckets += 1
     if transport is not None:
-        transport.end()
+        # Also after a failure: the engines that can still hear must not keep the session open.
+        ended = _attempt(transport.end)
+        failure = failure or ended
+    if failure is not None:
+        raise failure
     stats.total_s = time.perf_counter() - start
     return stats
+
+
+def _attempt(call, *args, **kwargs) -> Exception | None:
+    try:
+        call(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - raised by sync_weights after the collectives
+        return error
+    return None
 
 
 def _rank() -> int:
