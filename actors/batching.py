@@ -57,8 +57,8 @@ class MicroBatch:
 
 
 def _check(seq: TrainSequence) -> None:
-    if seq.prompt_len < 1:
-        raise ValueError("a training sequence needs at least one prompt token")
+    if not 1 <= seq.prompt_len <= len(seq.token_ids):
+        raise ValueError(f"a training sequence needs 1..{len(seq.token_ids)} prompt tokens (got {seq.prompt_len})")
     if seq.engine_logprobs and len(seq.engine_logprobs) != seq.response_len:
         raise ValueError(f"{len(seq.engine_logprobs)} engine log-probs for {seq.response_len} response tokens")
 

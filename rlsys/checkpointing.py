@@ -58,6 +58,9 @@ class CheckpointStore:
         found = [p for p in self.root.iterdir() if _FINAL.match(p.name) and (p / STATE_FILE).is_file()]
         return sorted(found, key=lambda p: int(_FINAL.match(p.name).group(1)))
 
+    def has(self, step: int) -> bool:
+        return (self.path_for(step) / STATE_FILE).is_file()
+
     def latest(self) -> Path | None:
         complete = self.complete_checkpoints()
         return complete[-1] if complete else None

@@ -39,6 +39,7 @@ from rlsys.lifecycle import (
 from rlsys.metrics import MetricsLog
 from rlsys.reaper import start_reaper
 from rlsys.reward_pool import RewardPool
+from rlsys.rollout.manager import EngineRestartLimit
 from rlsys.run_lock import RunDirLock
 from rlsys.samples import ScoredBatch, assign_advantages, check_reward_errors, score_groups, to_train_sequences
 from rlsys.shm_sweep import sweep_shared_memory
@@ -143,6 +144,18 @@ def train_loop(run: Run) -> None:
         row.update(_rollout_metrics(generations, row["time_step_s"]), synced_weight_version=state.weight_version,
                    engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
         _record(run, row, last_step=step + 1 == config.trainer.total_steps)
+    if run.status.stop_requested:
+        _checkpoint_before_stopping(run)
+
+
+def _checkpoint_before_stopping(run: Run) -> None:
+    """A stop that came after the last step's checkpoint decision still leaves that step saved."""
+    if run.state.next_step == 0 or run.checkpointer.store.has(run.state.next_step):
+        return
+    run.status.set_state("checkpointing")
+    if run.parts.trainer.asleep:
+        run.parts.trainer.wake_up()  # a sleeping trainer's storages are empty
+    run.checkpointer.save(run.state)
 
 
 def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
@@ -224,7 +237,7 @@ def _failures_reported(status: RunStatus):
     """Any error ends the run as `failed` in the status; a dead or raising actor becomes RunFailed."""
     try:
         yield
-    except RayError as error:
+    except (RayError, EngineRestartLimit) as error:
         cause = getattr(error, "cause", None) or error  # the remote exception, without Ray's wrapping
         message = f"{type(cause).__name__}: {_first_lines(str(cause), 40)}"
         status.fail(message)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from rlsys.config import SyntheticTaskConfig
+from rlsys.config import ConfigError, SyntheticTaskConfig
 
 _ANSWER_RULES = {
     "max_digit": lambda digits: max(digits),
@@ -37,8 +37,8 @@ def generate_task(config: SyntheticTaskConfig) -> tuple[list[TaskExample], list[
     space = 10**config.num_digits
     wanted = config.num_train + config.num_eval
     if wanted > space:
-        raise ValueError(
-            f"data.synthetic asks for {wanted} distinct prompts but {config.num_digits} digits give "
+        raise ConfigError(
+            f"invalid config: data.synthetic asks for {wanted} distinct prompts but {config.num_digits} digits give "
             f"only {space}; lower num_train/num_eval or raise num_digits"
         )
     rng = random.Random(config.seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,50 @@ def train_command(config: str, model_dir: Path, run_dir: Path, *overrides: str) 
     return [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs" / config),
             f"model.path={model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false",
             "status.port=0", *overrides]
+
+
+@contextmanager
+def served_run_dir(run_dir: Path):
+    """`rlsys serve RUN_DIR` on a free port, answering; yields its URL."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "rlsys.cli", "serve", str(run_dir), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/healthz", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "rlsys serve did not answer"
+                time.sleep(0.3)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@contextmanager
+def started_run(config: str, model_dir: Path, run_dir: Path, *overrides: str):
+    """`rlsys train` running in the background (stdout/stderr piped); killed if still running at the end."""
+    import subprocess
+
+    run = subprocess.Popen(train_command(config, model_dir, run_dir, *overrides), cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield run
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
 
 
 class Leftovers:

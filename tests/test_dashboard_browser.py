@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, served_run_dir
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = REPO / "test-artifacts"
@@ -127,25 +127,9 @@ def test_dashboard_renders_server_strings_as_text(tmp_path):
     status.fail("<b id='bold-error'>RayActorError</b>")
     status.save_snapshot()
     (tmp_path / "metrics.jsonl").write_text(json.dumps(status.metrics_since(0)[0]) + "\n")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "rlsys.cli", "serve", str(tmp_path), "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _get(f"http://127.0.0.1:{port}/api/v1/status")
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None
-                time.sleep(0.3)
-        dom = _chromium("--dump-dom", f"http://127.0.0.1:{port}/")
+    with served_run_dir(tmp_path) as url:
+        dom = _chromium("--dump-dom", f"{url}/")
         assert 'data-loaded="true"' in dom, dom[:2000]
         assert "&lt;img id=\"injected\"" in dom and 'id="injected"' not in dom.replace("&lt;img id=\"injected\"", "")
         assert "&lt;b id='bold-error'&gt;" in dom or "&lt;b id=\"bold-error\"&gt;" in dom
         assert "<title>owned</title>" not in dom
-    finally:
-        server.terminate()
-        server.wait(timeout=10)

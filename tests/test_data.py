@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from rlsys.config import DataConfig, SyntheticTaskConfig
+from rlsys.config import ConfigError, DataConfig, SyntheticTaskConfig
 from rlsys.data import DatasetError, PromptSampler, load_splits, read_jsonl
 from rlsys.reward_pool import score_calls
 from rlsys.rewards import RewardFunctionError, exact_match, last_number_match, load_reward_function
@@ -95,7 +95,7 @@ def test_synthetic_task_is_disjoint_and_correct():
 
 
 def test_synthetic_task_too_large_for_its_digit_space_is_rejected():
-    with pytest.raises(ValueError, match="distinct prompts"):
+    with pytest.raises(ConfigError, match="distinct prompts"):  # a clear error, exit code 2
         generate_task(SyntheticTaskConfig(num_digits=1, num_train=10, num_eval=5))
 
 

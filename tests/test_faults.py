@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rlsys.run_lock import owner_is_alive
-from tests.conftest import REPO, Leftovers, train_command
+from tests.conftest import REPO, Leftovers, started_run, train_command
 
 
 @pytest.mark.slow
@@ -19,33 +19,19 @@ def test_engine_killed_with_no_restarts_left_fails_the_run_with_a_clear_message(
                                                                                  engines):
     leftovers = Leftovers()
     run_dir = tmp_path / "run"
-    run = subprocess.Popen(
-        train_command(config, tiny_model_dir, run_dir, "trainer.total_steps=2000", "rollout.engine.max_restarts=0"),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 600
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
-            time.sleep(0.3)
-        servers = [p for p in leftovers.new_pids("sglang.launch_server")
-                   if str(tiny_model_dir) in " ".join(p.info["cmdline"] or [])]
+    with started_run(config, tiny_model_dir, run_dir, "trainer.total_steps=2000", "rollout.engine.max_restarts=0") as run:
+        _wait_for_steps(run, run_dir, 3)
+        servers = _engine_servers(leftovers, tiny_model_dir)
         assert len(servers) == engines
         os.kill(servers[-1].pid, signal.SIGKILL)  # an engine's server dies without warning
-
         _, stderr = run.communicate(timeout=300)
-        assert run.returncode == 1
-        assert "rlsys: run failed: a trainer rank or rollout engine failed" in stderr
-        assert "SGLang server" in stderr and "restarts (rollout.engine.max_restarts) are used up" in stderr
-        assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
-        time.sleep(2)
-        assert leftovers.processes() == []
-        assert leftovers.shm_files() == []
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+    assert run.returncode == 1
+    assert "rlsys: run failed: a trainer rank or rollout engine failed" in stderr
+    assert "SGLang server" in stderr and "restarts (rollout.engine.max_restarts) are used up" in stderr
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+    time.sleep(2)
+    assert leftovers.processes() == []
+    assert leftovers.shm_files() == []
 
 
 BAD_REWARDS = '''
@@ -92,37 +78,31 @@ def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float
 def test_killed_driver_leaves_no_process_or_shared_memory_and_its_status_says_failed(tmp_path, tiny_model_dir):
     leftovers = Leftovers()
     run_dir = tmp_path / "run"
-    run = subprocess.Popen(train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000"),
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000") as run:
         _wait_for_steps(run, run_dir, 2)
         run.kill()  # the driver alone dies, without warning
         run.wait()
-        killed_at = time.monotonic()
-        while (leftovers.processes() or leftovers.shm_files()) and time.monotonic() - killed_at < 30:
-            time.sleep(0.5)
-        assert leftovers.processes() == [] and leftovers.shm_files() == []
-        status = json.loads((run_dir / "status.json").read_text())
-        assert status["state"] == "failed" and "died without finishing" in status["error"]
-        assert not owner_is_alive(run_dir)  # the stale lock will not block the next start
-    finally:
-        if run.poll() is None:
-            run.kill()
+    killed_at = time.monotonic()
+    while (leftovers.processes() or leftovers.shm_files()) and time.monotonic() - killed_at < 30:
+        time.sleep(0.5)
+    assert leftovers.processes() == [] and leftovers.shm_files() == []
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "died without finishing" in status["error"]
+    assert not owner_is_alive(run_dir)  # the stale lock will not block the next start
 
 
 @pytest.mark.slow
 def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, tiny_model_dir):
     leftovers = Leftovers()
     run_dir = tmp_path / "run"
-    run = subprocess.Popen(train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000"),
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(run, run_dir, 3)
-    # a second run on the same directory is refused while the first lives
-    second = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "--resume"),
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 2 and f"is in use by pid {run.pid}" in second.stderr
-    run.send_signal(signal.SIGTERM)
-    _, stderr = run.communicate(timeout=300)
+    with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000") as run:
+        _wait_for_steps(run, run_dir, 3)
+        # a second run on the same directory is refused while the first lives
+        second = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "--resume"),
+                                cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2 and f"is in use by pid {run.pid}" in second.stderr
+        run.send_signal(signal.SIGTERM)
+        _, stderr = run.communicate(timeout=300)
     assert run.returncode == 0, stderr[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "stopped"
@@ -154,12 +134,8 @@ def _engine_servers(leftovers: Leftovers, model_dir) -> list:
 def test_dead_or_silent_engine_is_restarted_and_the_run_goes_on(tmp_path, tiny_model_dir, config, fault, total):
     leftovers = Leftovers()
     run_dir = tmp_path / "run"
-    run = subprocess.Popen(
-        train_command(config, tiny_model_dir, run_dir, f"trainer.total_steps={total}", "eval.interval=20",
-                      "rollout.engine.health_timeout_s=5"),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
+    with started_run(config, tiny_model_dir, run_dir, f"trainer.total_steps={total}", "eval.interval=20",
+                     "rollout.engine.health_timeout_s=5") as run:
         _wait_for_steps(run, run_dir, 3)
         victim = _engine_servers(leftovers, tiny_model_dir)[-1]
         os.kill(victim.pid, getattr(signal, fault))
@@ -176,22 +152,15 @@ def test_dead_or_silent_engine_is_restarted_and_the_run_goes_on(tmp_path, tiny_m
             assert evals[-1] >= 0.9, evals
         time.sleep(2)
         assert leftovers.processes() == [] and leftovers.shm_files() == []
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+
 
 @pytest.mark.slow
 def test_killed_trainer_rank_restarts_the_trainers_from_the_latest_checkpoint(tmp_path, tiny_model_dir):
     leftovers = Leftovers()
     run_dir = tmp_path / "run"
     total = 12
-    run = subprocess.Popen(
-        train_command("quickstart.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={total}",
-                      "checkpoint.interval=3", "checkpoint.max_auto_resumes=1", "eval.interval=100"),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
+    with started_run("quickstart.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={total}",
+                     "checkpoint.interval=3", "checkpoint.max_auto_resumes=1", "eval.interval=100") as run:
         _wait_for_steps(run, run_dir, 5)  # a checkpoint at step 3 exists, and steps past it
         ranks = leftovers.new_pids("ray::TrainerWorker")
         assert ranks, "no trainer rank process found"
@@ -205,7 +174,3 @@ def test_killed_trainer_rank_restarts_the_trainers_from_the_latest_checkpoint(tm
         assert rows[-1]["trainer_restarts"] == 1
         time.sleep(2)
         assert leftovers.processes() == [] and leftovers.shm_files() == []
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from rlsys.status.server import (
     build_app,
 )
 from rlsys.status.state import ActorHealth, RunStatus
+from tests.conftest import served_run_dir
 
 
 def _status(tmp_path, steps: int = 3) -> RunStatus:
@@ -97,29 +97,14 @@ def test_serve_shows_a_finished_run_directory(tmp_path):
     status.set_state("finished")
     status.save_snapshot()
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in status.metrics_since(0)))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "rlsys.cli", "serve", str(tmp_path), "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/status", timeout=2) as answer:
-                    served = json.loads(answer.read())
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, server.stderr.read() if server.poll() else ""
-                time.sleep(0.3)
+    with served_run_dir(tmp_path) as url:
+        with urllib.request.urlopen(f"{url}/api/v1/status", timeout=10) as answer:
+            served = json.loads(answer.read())
         assert (served["state"], served["step"]) == ("finished", 4)
-        cli = subprocess.run([sys.executable, "-m", "rlsys.cli", "status", f"http://127.0.0.1:{port}"],
+        cli = subprocess.run([sys.executable, "-m", "rlsys.cli", "status", url],
                              capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert cli.returncode == 0 and "finished" in cli.stdout and "4 / 10" in cli.stdout
         assert "2 rows skipped, 1 prompts too long" in cli.stdout
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 def test_serve_rejects_a_directory_that_is_not_a_run(tmp_path):

@@ -1,0 +1,182 @@
+"""Weight-sync buckets on plain (non-DTensor) CPU tensors: size-bounded grouping, the byte layout
+(widest dtype first, aligned views) and gathering into one staging buffer without a copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlsys.weight_sync.buckets import TensorMeta, bucket_layout, gather_bucket, group_into_buckets
+
+
+def _f32(numel: int) -> torch.Tensor:
+    return torch.arange(numel, dtype=torch.float32)
+
+
+def _names(groups) -> list[list[str]]:
+    return [[name for name, _ in group] for group in groups]
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes, for bit-for-bit comparison (NaN payloads and -0.0 included)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+# ---------------------------------------------------------------- group_into_buckets
+
+
+def test_groups_are_consecutive_and_stay_within_the_bucket_size():
+    # 16 + 8 + 4 = 28 bytes fit exactly; 40 bytes is over budget and goes alone; 8 starts a new group
+    tensors = [("a", _f32(4)), ("b", _f32(2)), ("c", _f32(1)), ("d", _f32(10)), ("e", _f32(2))]
+    groups = list(group_into_buckets(tensors, bucket_bytes=28))
+    assert _names(groups) == [["a", "b", "c"], ["d"], ["e"]]
+
+
+def test_groups_hold_the_original_tensors():
+    tensors = [("a", _f32(4)), ("b", _f32(2))]
+    groups = list(group_into_buckets(tensors, bucket_bytes=1024))
+    assert len(groups) == 1
+    assert all(got is want for (_, got), (_, want) in zip(groups[0], tensors, strict=True))
+
+
+def test_a_tensor_larger_than_the_bucket_goes_alone_even_first():
+    tensors = [("big", _f32(100)), ("x", _f32(1)), ("y", _f32(1)), ("big2", _f32(50)), ("z", _f32(1))]
+    assert _names(group_into_buckets(tensors, bucket_bytes=8)) == [["big"], ["x", "y"], ["big2"], ["z"]]
+
+
+def test_group_sizes_count_each_dtypes_element_size():
+    tensors = [("h", torch.zeros(4, dtype=torch.float16)), ("b", torch.zeros(4, dtype=torch.int8)),
+               ("d", torch.zeros(1, dtype=torch.float64)), ("bf", torch.zeros(2, dtype=torch.bfloat16))]
+    # 8 + 4 = 12 fit; 12 + 8 > 16; 8 + 4 = 12 fit
+    assert _names(group_into_buckets(tensors, bucket_bytes=16)) == [["h", "b"], ["d", "bf"]]
+
+
+def test_no_tensors_give_no_groups():
+    assert list(group_into_buckets([], bucket_bytes=16)) == []
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, -1])
+def test_a_non_positive_bucket_size_is_rejected(bucket_bytes):
+    with pytest.raises(ValueError, match="bucket size must be positive"):
+        list(group_into_buckets([("a", _f32(1))], bucket_bytes))
+
+
+# ---------------------------------------------------------------- bucket_layout
+
+
+def _mixed() -> list[tuple[str, torch.Tensor]]:
+    return [
+        ("h", torch.tensor([1.5, -0.0, float("nan")], dtype=torch.float16)),  # 6 bytes
+        ("b", torch.tensor([1, -2, 3, -4, 5], dtype=torch.int8)),  # 5 bytes
+        ("f", torch.tensor([[1.0, float("inf"), -0.0], [float("nan"), 2.5, -3.0]], dtype=torch.float32)),  # 24
+        ("d", torch.tensor([3.141592653589793], dtype=torch.float64)),  # 8 bytes
+        ("g", torch.tensor([0.5, -7.0], dtype=torch.bfloat16)),  # 4 bytes
+    ]
+
+
+def test_layout_puts_the_widest_dtype_first_keeping_input_order_among_equals():
+    ordered, metas, _ = bucket_layout(_mixed())
+    assert [name for name, _ in ordered] == ["d", "f", "h", "g", "b"]
+    assert [m.name for m in metas] == ["d", "f", "h", "g", "b"]
+    by_name = dict(_mixed())
+    for meta in metas:
+        assert meta.shape == by_name[meta.name].shape and meta.dtype == by_name[meta.name].dtype
+
+
+def test_layout_with_alignment_16_starts_every_tensor_on_a_16_byte_boundary():
+    _, metas, total = bucket_layout(_mixed(), alignment=16)
+    assert [(m.name, m.start, m.end) for m in metas] == [
+        ("d", 0, 8), ("f", 16, 40), ("h", 48, 54), ("g", 64, 68), ("b", 80, 85)]
+    assert total == 85
+
+
+def test_layout_with_alignment_1_has_no_padding_and_views_stay_aligned():
+    _, metas, total = bucket_layout(_mixed(), alignment=1)
+    assert [(m.name, m.start, m.end) for m in metas] == [
+        ("d", 0, 8), ("f", 8, 32), ("h", 32, 38), ("g", 38, 42), ("b", 42, 47)]
+    assert total == 47
+    for meta in metas:
+        assert meta.start % meta.dtype.itemsize == 0, meta
+
+
+def test_layout_alignment_1_keeps_views_aligned_with_odd_element_counts():
+    tensors = [("b", torch.zeros(3, dtype=torch.int8)), ("h", torch.zeros(3, dtype=torch.float16)),
+               ("f", torch.zeros(3, dtype=torch.float32)), ("d", torch.zeros(3, dtype=torch.float64))]
+    _, metas, total = bucket_layout(tensors, alignment=1)
+    assert [(m.name, m.start, m.end) for m in metas] == [("d", 0, 24), ("f", 24, 36), ("h", 36, 42), ("b", 42, 45)]
+    assert total == 45
+    assert all(m.start % m.dtype.itemsize == 0 for m in metas)
+
+
+def test_layout_total_is_the_end_of_the_last_tensor():
+    _, metas, total = bucket_layout([("a", _f32(3))], alignment=16)
+    assert metas == [TensorMeta("a", torch.Size([3]), torch.float32, 0, 12)]
+    assert total == 12  # no trailing padding
+
+
+def test_layout_of_nothing_is_empty():
+    assert bucket_layout([]) == ([], [], 0)
+
+
+# ---------------------------------------------------------------- gather_bucket
+
+
+def test_gathered_views_equal_the_inputs_bit_for_bit():
+    tensors = _mixed()
+    buffer = torch.zeros(100, dtype=torch.uint8)
+    bucket = gather_bucket(tensors, buffer)
+    views = dict(bucket.tensors())
+    assert list(views) == ["d", "f", "h", "g", "b"]
+    for name, tensor in tensors:
+        view = views[name]
+        assert view.dtype == tensor.dtype and view.shape == tensor.shape, name
+        assert torch.equal(_bytes(view), _bytes(tensor)), name
+
+
+def test_gathered_views_share_the_buffers_storage():
+    buffer = torch.zeros(100, dtype=torch.uint8)
+    bucket = gather_bucket(_mixed(), buffer)
+    assert bucket.buffer.numel() == 85
+    assert bucket.buffer.data_ptr() == buffer.data_ptr()
+    storage = buffer.untyped_storage().data_ptr()
+    metas = {m.name: m for m in bucket.metas}
+    for name, view in bucket.tensors():
+        assert view.untyped_storage().data_ptr() == storage, name
+        assert view.data_ptr() == buffer.data_ptr() + metas[name].start, name
+    # a write through the buffer shows in the view: no copy was made
+    buffer[80] = 42  # first byte of "b" (int8)
+    assert dict(bucket.tensors())["b"][0].item() == 42
+
+
+def test_gathering_leaves_the_inputs_unchanged_and_copies_non_contiguous_ones():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    transposed = base.t()  # non-contiguous view
+    tensors = [("t", transposed), ("s", torch.tensor(7.0))]  # a 0-dim scalar too
+    before = transposed.clone()
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    bucket = gather_bucket(tensors, buffer, alignment=16)
+    views = dict(bucket.tensors())
+    assert views["t"].shape == (4, 3) and torch.equal(views["t"], before)
+    assert views["s"].shape == () and views["s"].item() == 7.0
+    assert torch.equal(transposed, before)
+    views["t"].fill_(0)  # the views do not alias the inputs
+    assert torch.equal(transposed, before)
+
+
+def test_gathering_with_alignment_1_packs_the_buffer_tightly():
+    buffer = torch.zeros(47, dtype=torch.uint8)  # exactly the bucket's size
+    bucket = gather_bucket(_mixed(), buffer, alignment=1)
+    assert bucket.buffer.numel() == 47
+    views = dict(bucket.tensors())
+    for name, tensor in _mixed():
+        assert torch.equal(_bytes(views[name]), _bytes(tensor)), name
+
+
+def test_a_buffer_smaller_than_the_bucket_is_rejected():
+    with pytest.raises(ValueError, match=r"84 bytes is smaller than the bucket \(85\)"):
+        gather_bucket(_mixed(), torch.zeros(84, dtype=torch.uint8))
+
+
+def test_an_all_gather_without_a_buffer_is_rejected():
+    with pytest.raises(ValueError, match="needs an output buffer"):
+        gather_bucket(_mixed(), None, dst=None)
