@@ -295,6 +295,7 @@ def run(config: RunConfig) -> Path:
     with ExitStack() as stack:
         stack.callback(lock.release)
         sweep_shared_memory()  # what runs killed without warning left on this machine
+        stack.callback(sweep_shared_memory)  # and, at the end, what a killed engine left of this run
         stack.callback(start_reaper(run_dir).terminate)  # cleans up if this process is killed
         stack.enter_context(status_server(config, status))
         stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or topology.local_cpus()))
