@@ -6,6 +6,7 @@ GET  /                the live dashboard (JS served from this package: works off
 """
 
 
+import asyncio
 import ipaddress
 import math
 import secrets
@@ -125,9 +126,10 @@ def build_app(status: RunStatus, token: str | None, read_token: str | None = Non
     def require_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
         _check(credentials, token, "control calls")
 
-    def require_read(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+    async def require_read(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
         if read_token is not None:
             _check(credentials, read_token, "reads of a status server bound beyond loopback")
+        await asyncio.sleep(READ_PACING_S)
 
     reads = [Depends(require_read)]
 
@@ -183,7 +185,11 @@ def build_app(status: RunStatus, token: str | None, read_token: str | None = Non
     return app
 
 
-MAX_CONCURRENT_REQUESTS = 16  # beyond this uvicorn answers 503 at once
+MAX_CONCURRENT_REQUESTS = 256  # open requests at most (memory); beyond this uvicorn answers 503
+# Every read waits this long before it is answered, without using CPU: a client polling in a tight
+# loop then gets at most 1 / READ_PACING_S answers per connection per second and cannot take the
+# trainers' cores (the dashboard polls every 2 s).
+READ_PACING_S = 0.1
 
 
 def is_loopback(host: str) -> bool:
@@ -231,7 +237,6 @@ class StatusServer:
         read_token = read_token_for(host, token, allow_unauthenticated_read)
         if port and not port_is_free(host, port):
             raise ConfigError(f"status.port {port} on {host} is in use; pick another, or status.port=0 for a free one")
-        # A bounded number of requests at once: polling must not take the training's CPU.
         config = uvicorn.Config(build_app(status, token, read_token), host=host, port=port, log_level="warning",
                                 access_log=False, lifespan="off", limit_concurrency=MAX_CONCURRENT_REQUESTS)
         self._server = uvicorn.Server(config)
