@@ -109,4 +109,7 @@ class TrainerGroup:
 
 
 def _combine(reports: list[dict]) -> dict:
-    return {"bytes": sum(r["bytes"] for r in reports), "seconds": max(r["seconds"] for r in reports)}
+    """Bytes moved by all ranks, the slowest rank's seconds, and the most any rank holds after."""
+    held = [r["held_bytes"] for r in reports if r.get("held_bytes") is not None]
+    return {"bytes": sum(r["bytes"] for r in reports), "seconds": max(r["seconds"] for r in reports),
+            "held_bytes": max(held) if held else None}

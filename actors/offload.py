@@ -41,8 +41,7 @@ def trainer_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 class OffloadReport:
     bytes: int
     seconds: float
-    device_memory_before: int | None = None
-    device_memory_after: int | None = None
+    held_bytes: int | None = None  # what the rank holds on its device afterwards (set by the trainer)
 
 
 @dataclass
@@ -57,7 +56,7 @@ class StateOffloader:
     def sleep(self, tensors: list[torch.Tensor]) -> OffloadReport:
         if self.asleep:
             raise RuntimeError("sleep() called twice without wake_up()")
-        start, before = time.perf_counter(), _device_memory()
+        start = time.perf_counter()
         seen, moved = set(), 0
         for tensor in tensors:
             storage = tensor.untyped_storage()
@@ -71,10 +70,10 @@ class StateOffloader:
             self._backups.append((storage, backup))
             moved += backup.numel()
         _return_freed_host_memory()
-        return OffloadReport(moved, time.perf_counter() - start, before, _device_memory())
+        return OffloadReport(moved, time.perf_counter() - start)
 
     def wake_up(self) -> OffloadReport:
-        start, before = time.perf_counter(), _device_memory()
+        start = time.perf_counter()
         moved = 0
         for storage, backup in self._backups:
             storage.resize_(backup.numel())
@@ -82,7 +81,7 @@ class StateOffloader:
             moved += backup.numel()
         self._backups = []  # drop the host copies: nothing is kept across cycles
         _return_freed_host_memory()
-        return OffloadReport(moved, time.perf_counter() - start, before, _device_memory())
+        return OffloadReport(moved, time.perf_counter() - start)
 
 
 def _return_freed_host_memory() -> None:
@@ -93,9 +92,3 @@ def _return_freed_host_memory() -> None:
     except (OSError, AttributeError):
         pass
 
-
-def _device_memory() -> int | None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
-    return None

@@ -25,7 +25,7 @@ from rlsys.algorithms.grpo import clipped_policy_loss, kl_estimate, masked_sum, 
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from rlsys.rollout.client import SGLangClient
 from rlsys.topology import Topology
-from rlsys.weight_sync.backend import detect_backend
+from rlsys.weight_sync.backend import make_backend
 from rlsys.weight_sync.broadcast import BroadcastWeightSender
 from rlsys.weight_sync.colocated import ColocatedWeightSender, StagingBuffer
 from rlsys.weight_sync.sync import sync_weights
@@ -41,10 +41,12 @@ class TrainerSpec:
     temperature: float = 1.0  # the rollout's: trainer log-probs are of the distribution it sampled
     seed: int = 0
     shard: bool = True  # False only for a single unsharded reference process (tests)
+    has_gpu: bool = False  # decided by the driver from the cluster's resources (weight_sync/backend.py)
 
     @classmethod
-    def from_config(cls, config: RunConfig) -> TrainerSpec:
-        return cls(config.model, config.trainer, config.algorithm, config.rollout.temperature, config.seed)
+    def from_config(cls, config: RunConfig, has_gpu: bool) -> TrainerSpec:
+        return cls(config.model, config.trainer, config.algorithm, config.rollout.temperature, config.seed,
+                   has_gpu=has_gpu)
 
     @property
     def needs_reference(self) -> bool:
@@ -92,7 +94,7 @@ class TrainerWorker:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
-        self.backend = detect_backend()
+        self.backend = make_backend(spec.has_gpu, spec.model.dtype)
         torch.set_num_threads(spec.trainer.threads_per_rank)
         torch.manual_seed(spec.seed)
         self.device = self.backend.device()
@@ -315,11 +317,18 @@ class TrainerWorker:
 
     # ---- offload ------------------------------------------------------------------------
     def sleep(self) -> dict:
-        """Move parameters, gradients and optimizer state off the device."""
-        return self.offloader.sleep(trainer_state_tensors(self.model, self.optimizer)).__dict__
+        """Move parameters, gradients and optimizer state off the device, then return the freed
+        blocks to the device (the caching allocator keeps them otherwise, and the colocated engine
+        could not use them)."""
+        report = self.offloader.sleep(trainer_state_tensors(self.model, self.optimizer))
+        self.backend.empty_device_cache()
+        report.held_bytes = self.backend.held_memory_bytes()
+        return report.__dict__
 
     def wake_up(self) -> dict:
-        return self.offloader.wake_up().__dict__
+        report = self.offloader.wake_up()
+        report.held_bytes = self.backend.held_memory_bytes()
+        return report.__dict__
 
     def host_memory_bytes(self) -> int:
         import psutil

@@ -178,6 +178,10 @@ class PlacementConfig(_Section):
     mode: Literal["colocated", "disaggregated"] = "colocated"
     ray_address: str | None = Field(None, description="Ray cluster address; a local cluster when unset.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs for a local Ray cluster.")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="auto: GPUs when the Ray cluster has any (decided from the cluster's resources, not the "
+        "driver's); cuda: fail unless the cluster has the GPUs the placement needs; cpu: never use GPUs.",
+    )
 
 
 class EvalConfig(_Section):
@@ -225,6 +229,14 @@ class RunConfig(_Section):
             raise ValueError(
                 f"colocated placement puts engine i beside trainer rank i, so rollout.num_engines "
                 f"({self.rollout.num_engines}) must be <= trainer.num_ranks ({self.trainer.num_ranks})"
+            )
+        if self.placement.mode == "colocated" and self.rollout.engine.tp_size > 1:
+            # Each trainer rank hands its weights to the engine on its own GPU by IPC handle; an
+            # engine spread over several GPUs would need one handle per GPU, from the trainer rank
+            # on each of them, which colocated placement does not lay out.
+            raise ValueError(
+                f"colocated placement runs each engine on its trainer rank's GPU, so rollout.engine.tp_size must be 1 "
+                f"(got {self.rollout.engine.tp_size}); use placement.mode=disaggregated for tensor-parallel engines"
             )
         return self
 

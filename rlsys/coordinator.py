@@ -46,7 +46,7 @@ from rlsys.shm_sweep import sweep_shared_memory
 from rlsys.status.reporting import HealthMonitor, new_status, status_server
 from rlsys.status.state import RunStatus
 from rlsys.topology import Topology
-from rlsys.weight_sync.backend import detect_backend
+from rlsys.weight_sync.backend import BackendError, cluster_gpus, decide_has_gpu
 
 __all__ = ["RunFailed", "run"]
 
@@ -85,8 +85,7 @@ class Run:
         self.status.replace_steps(self.log.rows)
         self.sampler.restore(self.state.data_epoch, self.state.data_index)
         self.health.refresh(self.status)
-        if self.parts.topology.trainers_sleep:
-            self.parts.trainer.sleep()
+        self.parts.handoff.to_engines({})  # a sleeping trainer leaves the device to the engines
 
     def steps(self) -> Iterator[int]:
         """The steps still to run, with a progress bar; waits while paused, ends on a stop request."""
@@ -125,9 +124,9 @@ def train_loop(run: Run) -> None:
         check_reward_errors(scored, config.reward.max_error_fraction, step)
         row.update(scored.reward_metrics())  # task rewards, before any KL penalty
 
-        if parts.topology.trainers_sleep:
+        if parts.handoff.enabled:
             with run.phase(row, "training", "offload"):
-                row["offload_bytes"] = parts.trainer.wake_up()["bytes"]
+                parts.handoff.to_trainer(row)  # engines release their memory, the trainer wakes
         with run.phase(row, "training", "train"):
             row.update(_train(config, parts, scored))
         with run.phase(row, "syncing", "sync"):
@@ -136,9 +135,9 @@ def train_loop(run: Run) -> None:
         if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
             with run.phase(row, "checkpointing", "checkpoint"):
                 run.checkpointer.save(state)
-        if parts.topology.trainers_sleep:
+        if parts.handoff.enabled:
             with run.phase(row, "training", "offload"):
-                parts.trainer.sleep()
+                parts.handoff.to_engines(row)  # the trainer sleeps, the engines take their memory back
 
         row["time_step_s"] = time.perf_counter() - step_start
         row.update(_rollout_metrics(generations, row["time_step_s"]), synced_weight_version=state.weight_version,
@@ -154,7 +153,7 @@ def _checkpoint_before_stopping(run: Run) -> None:
         return
     run.status.set_state("checkpointing")
     if run.parts.trainer.asleep:
-        run.parts.trainer.wake_up()  # a sleeping trainer's storages are empty
+        run.parts.handoff.to_trainer({})  # a sleeping trainer's storages are empty
     run.checkpointer.save(run.state)
 
 
@@ -262,6 +261,17 @@ def _stop_on_sigterm(status: RunStatus) -> None:
         signal.signal(signal.SIGTERM, _stop)
 
 
+def _run_uses_gpus(config: RunConfig, layout: Topology) -> bool:
+    """From the Ray cluster's resources: the driver may sit on a GPU-less head node."""
+    try:
+        has_gpu = decide_has_gpu(config.placement.device, cluster_gpus(), layout.gpus_needed())
+    except BackendError as error:
+        raise RunFailed(str(error)) from None
+    print(f"rlsys: {'GPUs' if has_gpu else 'CPUs only'} (placement.device={config.placement.device}, "
+          f"{cluster_gpus():g} GPUs in the Ray cluster)", flush=True)
+    return has_gpu
+
+
 def _describe_data(assets: RunAssets) -> str:
     dropped = []
     if assets.skipped_rows:
@@ -291,16 +301,17 @@ def run(config: RunConfig) -> Path:
         print(f"rlsys: resuming from {checkpoint}", flush=True)
     log = MetricsLog(run_dir / "metrics.jsonl")
     status = new_status(config, run_dir, assets)
-    topology = Topology.from_config(config, detect_backend().has_gpu)
+    layout = Topology.from_config(config, has_gpu=False)  # CPU counts do not depend on the GPUs
     with ExitStack() as stack:
         stack.callback(lock.release)
         sweep_shared_memory()  # what runs killed without warning left on this machine
         stack.callback(sweep_shared_memory)  # and, at the end, what a killed engine left of this run
         stack.callback(start_reaper(run_dir).terminate)  # cleans up if this process is killed
         stack.enter_context(status_server(config, status))
-        stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or topology.local_cpus()))
+        stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or layout.local_cpus()))
         _stop_on_sigterm(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
+        topology = Topology.from_config(config, _run_uses_gpus(config, layout))
         rewards = RewardPool(config.reward.function, config.reward.num_workers, config.reward.timeout_s)
         stack.callback(rewards.close)
         parts = start_components(config, topology, run_dir, stack)

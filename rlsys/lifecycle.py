@@ -16,6 +16,7 @@ from rlsys.actors.trainer import TrainerSpec
 from rlsys.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
 from rlsys.cluster import ACTOR_ENV
 from rlsys.config import RunConfig
+from rlsys.handoff import ALL_REGIONS, DeviceHandoff
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.server import ServerSpec
 from rlsys.topology import Topology
@@ -28,6 +29,7 @@ class Components:
     placement: Placement
     rollout: RolloutManager | None = None
     trainer: TrainerGroup | None = None
+    handoff: DeviceHandoff | None = None
 
     def shutdown(self) -> None:
         """Stop whatever has started: engines, then trainer ranks, then the placement group."""
@@ -39,24 +41,34 @@ class Components:
 
 
 def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack: ExitStack) -> Components:
-    """Engines start in the background while the trainer ranks build their models; then each
-    rank is connected to the engine(s) it feeds. `stack` stops them, whatever happens."""
+    """Engines start in the background while the trainer ranks build their models (on GPUs,
+    colocated, the engines first: `Topology.engines_start_first`); then each rank is connected to
+    the engine(s) it feeds. `stack` stops them, whatever happens."""
     parts = Components(topology, create_placement(topology))
     stack.callback(parts.shutdown)
-    parts.rollout = RolloutManager(ServerSpec(config.model, config.rollout.engine, config.seed),
-                                   topology.num_engines, str(run_dir / "logs"), parts.placement.engine_options())
-    parts.trainer = TrainerGroup(TrainerSpec.from_config(config), topology.num_ranks,
-                                 parts.placement.trainer_options(), env_vars=ACTOR_ENV)
+    server = ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
+                        memory_saver=topology.trainers_sleep)
+    parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
+                                   parts.placement.engine_options())
+    if topology.engines_start_first:
+        parts.rollout.wait_ready()
+    parts.trainer = _trainer_group(config, parts)
     parts.topology = topology.with_engines(parts.rollout.wait_ready())
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
+    parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
+                                  run_dir / "logs" / "device_handoff.jsonl")
     return parts
+
+
+def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:
+    return TrainerGroup(TrainerSpec.from_config(config, parts.topology.has_gpu), parts.topology.num_ranks,
+                        parts.placement.trainer_options(), env_vars=ACTOR_ENV)
 
 
 def restart_trainers(config: RunConfig, parts: Components) -> None:
     """A fresh trainer group in the same placement slots (a rank died); load a checkpoint next."""
     parts.trainer.shutdown()
-    parts.trainer = TrainerGroup(TrainerSpec.from_config(config), parts.topology.num_ranks,
-                                 parts.placement.trainer_options(), env_vars=ACTOR_ENV)
+    parts.trainer = parts.handoff.trainer = _trainer_group(config, parts)
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
 
 
@@ -67,10 +79,10 @@ def bring_engines_up_to_date(config: RunConfig, parts: Components, weight_versio
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
     asleep = parts.trainer.asleep
     if asleep:
-        parts.trainer.wake_up()
+        parts.handoff.to_trainer({})
     push_weights(config, parts, weight_version)
     if asleep:
-        parts.trainer.sleep()
+        parts.handoff.to_engines({})
 
 
 def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> None:
@@ -89,8 +101,12 @@ def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> N
 def push_weights(config: RunConfig, parts: Components, weight_version: int) -> None:
     """Trainer -> engines over the topology's transport; then, with weight_sync.verify, check
     that every engine computes what the trainer computes."""
+    parts.handoff.weights_to_engines()
     parts.trainer.sync_weights(int(config.weight_sync.bucket_size_mb * 2**20), weight_version)
     if config.weight_sync.verify:
+        # The probes need the engines' KV cache: back beside the awake trainer (a debugging aid,
+        # it costs the memory that the hand-off otherwise saves).
+        parts.rollout.resume_memory(list(ALL_REGIONS))
         tolerance = config.weight_sync.verify_tolerance or (1e-3 if config.model.dtype == "float32" else 5e-2)
         verify_engine_weights(parts.trainer, parts.rollout, weight_version, tolerance, config.seed)
 

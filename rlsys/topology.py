@@ -51,6 +51,15 @@ class Topology:
         if self.mode == "colocated" and self.num_engines > self.num_ranks:
             raise ValueError(f"colocated placement needs an engine per trainer rank at most "
                              f"({self.num_engines} engines, {self.num_ranks} ranks)")
+        if self.mode == "colocated" and self.engine_tp_size != 1:
+            raise ValueError("colocated placement shares one GPU per trainer rank and engine: engine tp_size must be 1")
+
+    @property
+    def engines_start_first(self) -> bool:
+        """Colocated on GPUs: an engine sizes its KV cache from the GPU memory free when it starts,
+        so the trainer ranks build their models only once the engines are up. On CPU (no device
+        to share) both start side by side."""
+        return self.mode == "colocated" and self.has_gpu
 
     @property
     def transport(self) -> Literal["ipc", "broadcast"]:
@@ -63,6 +72,13 @@ class Topology:
             return [self._bundle(2 * CPUS_PER_ACTOR, 1) for _ in range(self.num_ranks)]
         return ([self._bundle(CPUS_PER_ACTOR, 1) for _ in range(self.num_ranks)]
                 + [self._bundle(CPUS_PER_ACTOR, self.engine_tp_size) for _ in range(self.num_engines)])
+
+    def gpus_needed(self) -> int:
+        """GPUs the placement takes when the run uses GPUs: one per colocated trainer/engine pair;
+        disaggregated, one per trainer rank plus tp_size per engine."""
+        if self.mode == "colocated":
+            return self.num_ranks
+        return self.num_ranks + self.num_engines * self.engine_tp_size
 
     def _bundle(self, cpus: int, gpus: int) -> dict[str, float]:
         return {"CPU": cpus, **({"GPU": gpus} if self.has_gpu else {})}

@@ -102,6 +102,16 @@ class SGLangClient:
         """Cheap liveness and the engine's weight version (`/health` takes a full second)."""
         return self._call("/model_info", timeout_s=timeout_s)
 
+    # ---- device memory (colocated hand-off) ---------------------------------------------
+    def release_memory_occupation(self, tags: list[str]) -> None:
+        """Give the tagged memory ("weights", "kv_cache", "cuda_graph") back to the device; with
+        --enable-memory-saver (GPU) it is really freed, elsewhere the call only pauses the region."""
+        self._call("/release_memory_occupation", {"tags": list(tags)})
+
+    def resume_memory_occupation(self, tags: list[str]) -> None:
+        """Take released regions back (SGLang refuses a tag that was not released)."""
+        self._call("/resume_memory_occupation", {"tags": list(tags)})
+
     # ---- weights ------------------------------------------------------------------------
     def begin_weight_update(self) -> None:
         self._call("/begin_weight_update", {})

@@ -10,7 +10,7 @@ from pathlib import Path
 from rlsys.rollout.client import EngineAddress, EngineDied, EngineError
 from rlsys.rollout.server import ServerSpec, SGLangServer
 from rlsys.shm_sweep import sweep_shared_memory
-from rlsys.weight_sync.backend import detect_backend
+from rlsys.weight_sync.backend import make_backend
 
 
 @dataclass
@@ -49,10 +49,11 @@ class RolloutEngine:
     """Plain class, wrapped with `ray.remote` at the call site."""
 
     def __init__(self, spec: ServerSpec, name: str, log_path: str):
-        self.server = SGLangServer(spec, detect_backend(), name, Path(log_path))
+        self.server = SGLangServer(spec, make_backend(spec.has_gpu, spec.model.dtype), name, Path(log_path))
         self.client = self.server.client
         self.health_timeout_s = spec.engine.health_timeout_s
         self._watching = threading.Event()
+        self._released: list[str] = []  # memory regions given back to the device, in release order
 
     def start(self, timeout_s: float) -> EngineAddress:
         sweep_shared_memory()  # what engines killed without warning left on this node
@@ -123,6 +124,29 @@ class RolloutEngine:
             "logprob_start_len": 0,
         }))
         return [[float(lp) for lp, *_ in a["meta_info"]["input_token_logprobs"][1:]] for a in answers]
+
+    # ---- device memory --------------------------------------------------------------------
+    def release_memory(self, tags: list[str]) -> dict:
+        """Give the tagged regions back to the device (colocated: before the trainer wakes)."""
+        tags = [tag for tag in tags if tag not in self._released]
+        if tags:
+            self._call(lambda: self.client.release_memory_occupation(tags))
+            self._released += tags
+        return self.memory()
+
+    def resume_memory(self, tags: list[str]) -> dict:
+        """Take back those of `tags` that are released (resuming any other one is an error in SGLang)."""
+        tags = [tag for tag in tags if tag in self._released]
+        if tags:
+            self._call(lambda: self.client.resume_memory_occupation(tags))
+            self._released = [tag for tag in self._released if tag not in tags]
+        return self.memory()
+
+    def memory(self) -> dict:
+        """What the engine holds: device bytes (GPU, NVML; None on CPU), host RSS of its process
+        tree, and which regions are released."""
+        return {"device_bytes": self.server.device_memory_bytes(), "host_bytes": self.server.memory_bytes(),
+                "released": list(self._released)}
 
     def weight_version(self) -> int:
         return int(self._call(self.client.model_info)["weight_version"])

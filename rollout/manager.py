@@ -124,6 +124,18 @@ class RolloutManager:
             reports.append({"index": index, **report})
         return reports
 
+    def memory(self) -> list[dict]:
+        """Per engine: device bytes (None on CPU), host RSS of its processes, released regions."""
+        return ray.get([e.memory.remote() for e in self.engines])
+
+    def release_memory(self, tags: list[str]) -> list[dict]:
+        """Every engine gives the tagged regions back to the device; their memory reports."""
+        return ray.get([e.release_memory.remote(list(tags)) for e in self.engines])
+
+    def resume_memory(self, tags: list[str]) -> list[dict]:
+        """Every engine takes back those of the tagged regions it had released."""
+        return ray.get([e.resume_memory.remote(list(tags)) for e in self.engines])
+
     def weight_versions(self) -> list[int]:
         return ray.get([e.weight_version.remote() for e in self.engines])
 

@@ -33,6 +33,8 @@ class ServerSpec:
     model: ModelConfig
     engine: EngineConfig = field(default_factory=EngineConfig)
     seed: int = 0
+    has_gpu: bool = False  # decided by the driver from the cluster's resources (weight_sync/backend.py)
+    memory_saver: bool = False  # gives its memory back between rollouts (colocated, sleeping trainers)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -86,6 +88,11 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> l
     ]
     if engine.skip_tokenizer_init:
         command.append("--skip-tokenizer-init")
+    if spec.memory_saver and backend.has_gpu:
+        # torch_memory_saver (CUDA only) makes /release_memory_occupation really return the
+        # weights' and KV cache's memory to the GPU while the colocated trainer trains. On CPU the
+        # same endpoints answer without it (they pause the regions, freeing nothing).
+        command.append("--enable-memory-saver")
     if not backend.has_gpu:
         # Without --sleep-on-idle the idle CPU scheduler spins a core at 100%.
         command += [
@@ -172,6 +179,30 @@ class SGLangServer:
             root = psutil.Process(self._process.pid)
             return sum(p.memory_info().rss for p in [root] + root.children(recursive=True))
         except psutil.Error:
+            return None
+
+    def device_memory_bytes(self) -> int | None:
+        """GPU memory the server's process tree holds (NVML), or None without a GPU."""
+        if not self.backend.has_gpu or not self.is_alive():
+            return None
+        import psutil
+        import pynvml
+
+        try:
+            root = psutil.Process(self._process.pid)
+            pids = {p.pid for p in [root] + root.children(recursive=True)}
+            pynvml.nvmlInit()
+            try:
+                used = 0
+                for index in range(pynvml.nvmlDeviceGetCount()):
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                    for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                        if process.pid in pids and process.usedGpuMemory:
+                            used += process.usedGpuMemory
+                return used
+            finally:
+                pynvml.nvmlShutdown()
+        except (psutil.Error, pynvml.NVMLError):
             return None
 
     def log_tail(self, lines: int = 30) -> str:

@@ -41,6 +41,31 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
     # the engine's weights advance one version per step and match the trainer (fp32)
     assert [r["weight_version"] for r in rows] == list(range(len(rows)))
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3
+    if config == "quickstart.yaml":
+        _check_device_handoff(run_dir, rows)
+    else:
+        assert not (run_dir / "logs" / "device_handoff.jsonl").exists()  # trainers keep their devices
 
     assert leftovers.processes() == []
     assert leftovers.shm_files() == []
+
+
+HANDOFF_STEP = ["engines_release", "trainer_wake", "engines_resume_weights", "trainer_sleep", "engines_resume_all"]
+
+
+def _check_device_handoff(run_dir, rows):
+    """Colocated: every step, the engines release their memory before the trainer wakes, take their
+    weights back before the sync, and their KV cache only after the trainer sleeps; each side's
+    bytes are in the metrics."""
+    events = [json.loads(line) for line in (run_dir / "logs" / "device_handoff.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events[:1]] == ["trainer_sleep"]  # after the first weight push
+    for step in range(len(rows)):
+        this_step = [e for e in events if e["step"] == step]
+        assert [e["event"] for e in this_step] == HANDOFF_STEP, step
+        released = {e["event"]: [sorted(engine["released"]) for engine in e.get("engines", [])] for e in this_step}
+        assert released["engines_release"] == [["cuda_graph", "kv_cache", "weights"]]
+        assert released["engines_resume_weights"] == [["cuda_graph", "kv_cache"]]  # weights back for the sync
+        assert released["engines_resume_all"] == [[]]
+    for key in ("memory_engine_serving_bytes", "memory_engine_released_bytes", "memory_trainer_awake_bytes",
+                "memory_trainer_asleep_bytes", "offload_bytes"):
+        assert all(row[key] > 0 for row in rows), key

@@ -122,3 +122,101 @@ def test_engine_that_never_joins_gives_a_timeout_naming_it(ray_cluster, tiny_mod
             trainer.connect_engines(_topology("disaggregated", [dead], num_ranks=1), timeout_s=5)
     finally:
         trainer.shutdown()
+
+
+def _server_processes(url: str) -> list:
+    """The SGLang server listening at `url` and every process it started."""
+    import psutil
+
+    port = url.rsplit(":", 1)[1]
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "sglang.launch_server" in cmdline and port in cmdline:
+            return [process] + process.children(recursive=True)
+    raise AssertionError(f"no SGLang server listens at {url}")
+
+
+@pytest.mark.slow
+def test_broadcast_to_a_stopped_engine_fails_within_the_timeout_naming_it(two_engines_two_ranks):
+    """A frozen engine must not hang the sync until a backend watchdog: the sync fails within
+    weight_sync.timeout_s (plus the engine calls' own answer time) and names the engine.
+    Last in this module: it leaves engine-1 outside any weight-update group."""
+    import time
+
+    rollout, trainer = two_engines_two_ranks
+    trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=5)
+    frozen = _server_processes(rollout.addresses[1].url)
+    for process in frozen:
+        process.suspend()
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception, match="engine-1") as failure:
+            trainer.sync_weights(16 * 2**20, weight_version=6)
+    finally:
+        for process in frozen:
+            process.resume()
+    elapsed = time.monotonic() - start
+    print(f"sync failed after {elapsed:.1f}s: {str(failure.value)[-600:]}")
+    assert elapsed < 5 * 3 + 10, "the sync outlived its timeout"
+
+
+_SILENT_PEER = """
+import sys, time
+from datetime import timedelta
+from rlsys.weight_sync.broadcast import new_custom_process_group
+group = new_custom_process_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], timedelta(seconds=60))
+time.sleep(60)  # joined, and never takes part in a collective: a frozen engine
+"""
+
+
+@pytest.fixture
+def group_with_silent_peer():
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from rlsys.weight_sync.broadcast import new_custom_process_group
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    name = f"silent-{port}"
+    peer = subprocess.Popen([sys.executable, "-c", _SILENT_PEER, str(port), name])
+    try:
+        yield new_custom_process_group("gloo", "127.0.0.1", port, 0, 2, name, timedelta(seconds=60))
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+@pytest.mark.parametrize("engine_call_fails", [False, True])
+def test_a_broadcast_nobody_receives_fails_on_the_host_within_the_timeout(group_with_silent_peer, engine_call_fails):
+    """The host-side watch of a collective (NCCL's work.wait never times out on the host): a
+    silent peer gives a timeout naming the engine still unanswered; a failed engine call ends the
+    wait at once, naming it. Both abort the group."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from rlsys.weight_sync.broadcast import WeightSyncError, WeightSyncTimeout, _Calls, wait_for_collective
+
+    calls, answered = _Calls(), threading.Event()
+
+    def engine_call():
+        if engine_call_fails:
+            raise RuntimeError("engine-3 refused the bucket")
+        answered.wait(30)  # an engine waiting in the broadcast
+
+    calls.start("engine-3", engine_call)
+    aborted = []
+    buffer = torch.zeros(64 * 2**20, dtype=torch.uint8)  # more than the sockets buffer: the send blocks
+    work = dist.broadcast(buffer, src=0, group=group_with_silent_peer, async_op=True)
+    start = time.monotonic()
+    expected = (WeightSyncError, "engine-3.*refused") if engine_call_fails else (WeightSyncTimeout, r"within 2s.*engine-3")
+    with pytest.raises(expected[0], match=expected[1]):
+        wait_for_collective(work, calls, 2.0, "broadcast of a weight bucket", lambda: aborted.append(True))
+    answered.set()
+    assert aborted == [True]
+    assert time.monotonic() - start < (1.0 if engine_call_fails else 3.0)

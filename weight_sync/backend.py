@@ -6,11 +6,22 @@
 | NCCL process groups      | gloo                                        |
 | CUDA IPC handles         | shared-memory handles (file_system strategy)|
 | flash-attn varlen        | SDPA                                        |
+
+Whether the run uses GPUs is decided once, by the driver, from the Ray cluster's resources (the
+driver itself often sits on a GPU-less head node); the actors then build their `Backend` from that
+decision and check that their own process really sees a GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+DeviceChoice = Literal["auto", "cuda", "cpu"]
+
+
+class BackendError(RuntimeError):
+    """The requested hardware is not there (a GPU config on a GPU-less cluster, too few GPUs)."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +32,8 @@ class Backend:
     attn_implementation: str  # "flash_attention_2" | "sdpa"
 
     def device(self, local_rank: int = 0):
+        """The process's device. Ray sets CUDA_VISIBLE_DEVICES to the GPU an actor was given, so
+        an actor's GPU is always its cuda:0."""
         import torch
 
         if self.has_gpu:
@@ -39,10 +52,91 @@ class Backend:
         if not self.has_gpu:
             mp.set_sharing_strategy("file_system")
 
+    def empty_device_cache(self) -> None:
+        """Return the caching allocator's free blocks to the device (after a sleep, so that the
+        engine sharing the GPU can use them). Nothing to return on CPU."""
+        if self.has_gpu:
+            import torch
 
-def detect_backend(force_cpu: bool = False) -> Backend:
+            torch.cuda.empty_cache()
+
+
+    def held_memory_bytes(self) -> int:
+        """Memory this process holds on its device: the caching allocator's reservation on GPU
+        (what another process on the GPU cannot use), the resident set on CPU (host is the device)."""
+        if self.has_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+            return int(torch.cuda.memory_reserved())
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+
+
+def choose_attention(has_gpu: bool, compute_dtype: str, flash_attn_available: bool) -> str:
+    """flash-attn only where it runs: a GPU, a 16-bit compute dtype, the package importable.
+
+    | GPU | compute dtype     | flash-attn installed | attention          |
+    |-----|-------------------|----------------------|--------------------|
+    | no  | any               | any                  | sdpa               |
+    | yes | float32           | any                  | sdpa (FA2 rejects) |
+    | yes | bfloat16, float16 | no                   | sdpa               |
+    | yes | bfloat16, float16 | yes                  | flash_attention_2  |
+    """
+    if has_gpu and compute_dtype in ("bfloat16", "float16") and flash_attn_available:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def flash_attn_available() -> bool:
+    from transformers.utils import is_flash_attn_2_available
+
+    return bool(is_flash_attn_2_available())
+
+
+def make_backend(has_gpu: bool, compute_dtype: str = "float32") -> Backend:
+    """The backend of an actor of a run that `decide_has_gpu` judged; fails clearly when the run
+    uses GPUs but this process was given none (e.g. an actor scheduled without `num_gpus`)."""
+    if has_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BackendError("this run uses GPUs but this process sees none (CUDA_VISIBLE_DEVICES="
+                               f"{__import__('os').environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        return Backend(True, "cuda", "nccl", choose_attention(True, compute_dtype, flash_attn_available()))
+    return Backend(False, "cpu", "gloo", "sdpa")
+
+
+def detect_backend(force_cpu: bool = False, compute_dtype: str = "float32") -> Backend:
+    """This process's own backend (tests, benches, single-process tools)."""
     import torch
 
-    if not force_cpu and torch.cuda.is_available():
-        return Backend(True, "cuda", "nccl", "flash_attention_2")
-    return Backend(False, "cpu", "gloo", "sdpa")
+    return make_backend(not force_cpu and torch.cuda.is_available(), compute_dtype)
+
+
+def decide_has_gpu(device: DeviceChoice, cluster_gpus: float, gpus_needed: float) -> bool:
+    """Whether the run uses GPUs, from the cluster's resources (never the driver's own devices).
+
+    auto: GPUs when the cluster has any; cuda: GPUs, or a clear error; cpu: never. With GPUs, the
+    cluster must hold the placement's GPUs, or its placement group would wait for ever.
+    """
+    if device == "cpu":
+        return False
+    if cluster_gpus <= 0:
+        if device == "cuda":
+            raise BackendError("placement.device is cuda but the Ray cluster has no GPUs "
+                               "(ray.cluster_resources() lists none); start GPU workers or set placement.device=cpu")
+        return False
+    if cluster_gpus < gpus_needed:
+        raise BackendError(f"the placement needs {gpus_needed:g} GPUs but the Ray cluster has {cluster_gpus:g}; "
+                           "lower trainer.num_ranks / rollout.num_engines / rollout.engine.tp_size, add GPUs, "
+                           "or set placement.device=cpu")
+    return True
+
+
+def cluster_gpus() -> float:
+    """GPUs in the Ray cluster this process is connected to (after `ray.init`)."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0))

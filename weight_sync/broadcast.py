@@ -6,13 +6,18 @@ Order, chosen so that nothing can wait forever:
   until the group forms), then rank 0 joins as rank 0; a member that never arrives ends in a
   TimeoutError that names it;
 - per bucket: `/update_weights_from_distributed` goes out first (the engine allocates the bucket
-  and waits in the broadcast), then rank 0 broadcasts; the broadcast itself has a timeout.
+  and waits in the broadcast), then rank 0 broadcasts. This process watches the broadcast itself
+  (`Work.is_completed`, polled) rather than trusting `work.wait(timeout)`, which on NCCL only
+  orders the device stream and never times out on the host: an engine whose call fails, or a
+  broadcast still running after `weight_sync.timeout_s`, aborts the group and raises naming the
+  engines, on NCCL as on gloo.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,6 +98,33 @@ class _Calls:
     def failures(self, timeout_s: float) -> dict[str, Exception]:
         return {engine: result for engine, result in self.wait(timeout_s).items() if result is not None}
 
+    def failed_so_far(self) -> dict[str, Exception]:
+        """Calls that have already answered with an error (without waiting for the others)."""
+        return {engine: result for engine, result in list(self.results.items()) if result is not None}
+
+    def unanswered(self) -> list[str]:
+        return [engine for engine, thread in self.threads if thread.is_alive()]
+
+
+def wait_for_collective(work, calls: _Calls, timeout_s: float, what: str, abort: Callable[[], None],
+                        poll_s: float = 0.002) -> None:
+    """Block until `work` completes on the host, or fail fast: an engine call that fails, or
+    `timeout_s` passing, aborts the group (`abort`) and raises naming the engines."""
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        failed = calls.failed_so_far()
+        if failed:
+            abort()
+            raise WeightSyncError(f"{what}: the engine side failed on {sorted(failed)}: "
+                                  f"{ {name: str(error)[:300] for name, error in failed.items()} }")
+        if time.monotonic() > deadline:
+            abort()
+            raise WeightSyncTimeout(f"{what} did not complete within {timeout_s:.0f}s (weight_sync.timeout_s); "
+                                    f"no answer from {calls.unanswered() or 'any engine'}")
+        time.sleep(poll_s)
+    if not work.is_success():
+        raise WeightSyncError(f"{what} failed: {work.exception()}")
+
 
 class BroadcastWeightSender:
     """Trainer rank 0's side of the weight-update group."""
@@ -158,6 +190,9 @@ class BroadcastWeightSender:
         self._on_every_engine("/end_weight_update", lambda engine: engine.end_weight_update())
 
     def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None:
+        if self.group is None:
+            raise WeightSyncError("the weight-update group was torn down after an earlier failure; "
+                                  "connect the engines again before the next sync")
         names = [m.name for m in bucket.metas]
         dtypes = [str(m.dtype).removeprefix("torch.") for m in bucket.metas]
         shapes = [list(m.shape) for m in bucket.metas]
@@ -167,12 +202,27 @@ class BroadcastWeightSender:
                 names, dtypes, shapes, self.group_name, flush_cache, weight_version, timeout_s=self.timeout_s))
         work = dist.broadcast(bucket.buffer, src=0, group=self.group, async_op=True)
         try:
-            work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as error:  # noqa: BLE001 - gloo/nccl raise their own error types on timeout
-            raise WeightSyncTimeout(f"broadcast of a weight bucket did not complete: {error}") from error
+            wait_for_collective(work, calls, self.timeout_s, "broadcast of a weight bucket", self._abort)
+        except RuntimeError as error:  # the backend's own error (e.g. a peer's connection closed)
+            if isinstance(error, (WeightSyncError, WeightSyncTimeout)):
+                raise
+            failed = calls.failures(1.0)
+            raise WeightSyncError(f"broadcast of a weight bucket failed ({error}); engines: {failed}") from error
         failed = calls.failures(self.timeout_s)
         if failed:
             raise WeightSyncError(f"/update_weights_from_distributed failed on {failed}")
+
+    def _abort(self) -> None:
+        """Tear the group down without waiting for its members (NCCL aborts its communicators;
+        gloo's pending calls end by its own group timeout)."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - not every backend implements abort
+            pass
+        self._staging.release()
 
     def close(self) -> None:
         if self.group is None:

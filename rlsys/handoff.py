@@ -1,0 +1,83 @@
+"""Colocated trainer and engines take turns on each GPU; this module owns the order of turns.
+
+    generate (engines hold weights + KV cache; trainer asleep, holding ~nothing)
+    -> engines release weights, KV cache, CUDA graphs  -> trainer wakes and trains
+    -> engines take their weights back                  -> weight sync into them
+    -> (checkpoint) -> trainer sleeps, empties its cache -> engines take their KV cache back
+
+The KV cache, the largest region, returns only after the trainer has left the device, so the
+peak of a step is max(trainer + engine weights + one bucket, engine weights + KV cache), not their
+sum (the order verl and slime use). With sleeping trainers off, or disaggregated, every call is a
+no-op. Each turn is written to logs/device_handoff.jsonl with the bytes each side holds
+afterwards (device memory on GPU; process RSS on CPU, where release frees nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlsys.actors.group import TrainerGroup
+from rlsys.rollout.manager import RolloutManager
+
+WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags
+ALL_REGIONS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
+
+
+def _engines_held(reports: list[dict]) -> int | None:
+    """The most any engine holds (per GPU is what can run out): device bytes, else host RSS."""
+    held = [r["device_bytes"] if r.get("device_bytes") is not None else r.get("host_bytes") for r in reports]
+    held = [h for h in held if h is not None]
+    return max(held) if held else None
+
+
+@dataclass
+class DeviceHandoff:
+    trainer: TrainerGroup
+    rollout: RolloutManager
+    enabled: bool  # topology.trainers_sleep
+    log_path: Path | None = None
+    step: int = -1
+    events: list[str] = field(default_factory=list)  # this process's record, newest last
+
+    def to_trainer(self, row: dict) -> None:
+        """Engines release everything, then the trainer wakes (before a train phase)."""
+        if not self.enabled:
+            return
+        row["memory_engine_serving_bytes"] = _engines_held(self.rollout.memory())
+        released = self.rollout.release_memory(list(ALL_REGIONS))
+        row["memory_engine_released_bytes"] = _engines_held(released)
+        self._record("engines_release", row, engines=released)
+        report = self.trainer.wake_up()
+        row["offload_bytes"] = report["bytes"]
+        row["memory_trainer_awake_bytes"] = report["held_bytes"]
+        self._record("trainer_wake", row, trainer=report)
+
+    def weights_to_engines(self, row: dict | None = None) -> None:
+        """Engines take their weight memory back so that a sync can write into it."""
+        if self.enabled:
+            self._record("engines_resume_weights", row, engines=self.rollout.resume_memory([WEIGHTS]))
+
+    def to_engines(self, row: dict) -> None:
+        """Trainer sleeps and empties its cache, then the engines take everything back."""
+        if not self.enabled:
+            return
+        report = self.trainer.sleep()
+        row["memory_trainer_asleep_bytes"] = report["held_bytes"]
+        self._record("trainer_sleep", row, trainer=report)
+        self._record("engines_resume_all", row, engines=self.rollout.resume_memory(list(ALL_REGIONS)))
+
+    def _record(self, event: str, row: dict | None, engines: list[dict] | None = None,
+                trainer: dict | None = None) -> None:
+        self.events.append(event)
+        if self.log_path is None:
+            return
+        entry = {"time": time.time(), "step": (row or {}).get("step", self.step), "event": event}
+        if engines is not None:
+            entry["engines"] = engines
+        if trainer is not None:
+            entry["trainer"] = trainer
+        with self.log_path.open("a") as log:
+            log.write(json.dumps(entry) + "\n")

@@ -1,0 +1,94 @@
+"""The hardware decision, made once from the Ray cluster's resources (never the driver's devices),
+and the attention choice table; both computable without a GPU."""
+
+import pytest
+
+from rlsys.config import ConfigError, RunConfig
+from rlsys.topology import Topology
+from rlsys.weight_sync.backend import BackendError, choose_attention, decide_has_gpu, make_backend
+
+
+def _config(mode: str = "colocated", ranks: int = 2, engines: int = 2, tp: int = 1, device: str = "auto") -> RunConfig:
+    return RunConfig.model_validate({
+        "model": {"path": "unused"}, "data": {"synthetic": {"task": "max_digit"}},
+        "placement": {"mode": mode, "device": device}, "trainer": {"num_ranks": ranks},
+        "rollout": {"num_engines": engines, "engine": {"tp_size": tp}},
+    })
+
+
+def _decide(config: RunConfig, cluster_gpus: float) -> bool:
+    layout = Topology.from_config(config, has_gpu=False)
+    return decide_has_gpu(config.placement.device, cluster_gpus, layout.gpus_needed())
+
+
+def test_a_gpu_cluster_is_used_whatever_the_driver_has():
+    # `ray job submit`: the driver runs on a GPU-less head; the workers have the GPUs.
+    assert _decide(_config(), cluster_gpus=8) is True
+    topology = Topology.from_config(_config(), has_gpu=True)
+    assert topology.bundles() == [{"CPU": 2, "GPU": 1}] * 2  # the bundles ask for the GPUs
+
+
+def test_a_gpu_less_cluster_runs_on_cpu_unless_cuda_was_asked_for():
+    assert _decide(_config(), cluster_gpus=0) is False
+    with pytest.raises(BackendError, match="placement.device is cuda but the Ray cluster has no GPUs"):
+        _decide(_config(device="cuda"), cluster_gpus=0)
+
+
+def test_device_cpu_never_uses_gpus():
+    assert _decide(_config(device="cpu"), cluster_gpus=8) is False
+
+
+def test_too_few_gpus_for_the_placement_is_refused_before_it_waits_for_ever():
+    assert Topology.from_config(_config("disaggregated", ranks=4, engines=2, tp=2), False).gpus_needed() == 8
+    assert Topology.from_config(_config("colocated", ranks=4, engines=2), False).gpus_needed() == 4
+    with pytest.raises(BackendError, match="needs 8 GPUs but the Ray cluster has 4"):
+        _decide(_config("disaggregated", ranks=4, engines=2, tp=2), cluster_gpus=4)
+
+
+@pytest.mark.parametrize(("has_gpu", "dtype", "flash_attn", "expected"), [
+    (False, "bfloat16", True, "sdpa"),
+    (False, "float32", False, "sdpa"),
+    (True, "float32", True, "sdpa"),  # FA2 rejects fp32
+    (True, "bfloat16", False, "sdpa"),  # flash-attn not installed
+    (True, "float16", False, "sdpa"),
+    (True, "bfloat16", True, "flash_attention_2"),
+    (True, "float16", True, "flash_attention_2"),
+])
+def test_attention_is_flash_only_on_a_gpu_in_16_bit_with_flash_attn_installed(has_gpu, dtype, flash_attn, expected):
+    assert choose_attention(has_gpu, dtype, flash_attn) == expected
+
+
+def test_a_cpu_actor_gets_the_cpu_twins():
+    backend = make_backend(False, "bfloat16")
+    assert (backend.device_type, backend.dist_backend, backend.attn_implementation) == ("cpu", "gloo", "sdpa")
+    assert backend.held_memory_bytes() > 0  # the host is the device: resident memory
+
+
+def test_an_actor_told_to_use_a_gpu_it_does_not_see_fails_clearly():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(BackendError, match="this run uses GPUs but this process sees none"):
+        make_backend(True, "bfloat16")
+
+
+def test_engines_start_before_trainers_only_where_they_share_a_gpu():
+    assert Topology.from_config(_config("colocated"), has_gpu=True).engines_start_first
+    assert not Topology.from_config(_config("colocated"), has_gpu=False).engines_start_first  # side by side on CPU
+    assert not Topology.from_config(_config("disaggregated"), has_gpu=True).engines_start_first
+
+
+def test_colocated_tensor_parallel_engines_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="rollout.engine.tp_size must be 1"):
+        _config("colocated", tp=2)
+    assert _config("disaggregated", tp=2).rollout.engine.tp_size == 2
+
+
+def test_load_config_reports_colocated_tp_as_a_config_error(tmp_path):
+    from rlsys.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: m}\ndata: {synthetic: {task: max_digit}}\nrollout: {engine: {tp_size: 2}}\n")
+    with pytest.raises(ConfigError, match="use placement.mode=disaggregated for tensor-parallel engines"):
+        load_config(path)
