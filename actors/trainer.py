@@ -363,7 +363,8 @@ class TrainerWorker:
     def sync_weights(self, bucket_bytes: int, weight_version: int) -> dict:
         """Gather the weights bucket by bucket and hand them to this rank's transport. Collective."""
         return sync_weights(self.model.named_parameters(), bucket_bytes, self.transport, str(weight_version),
-                            self.backend, self.gather_scratch, self.gather_dst).as_dict()
+                            self.backend, self.gather_scratch, self.gather_dst,
+                            engine_dtype=getattr(torch, self.spec.model.dtype)).as_dict()
 
     def _close_transport(self) -> None:
         if self.transport is not None:

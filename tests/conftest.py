@@ -33,9 +33,9 @@ def ray_cluster():
     ray.shutdown()
 
 
-def trainer_spec(model_dir: Path, *, shard: bool = True, **fields):
-    """A TrainerSpec for `model_dir`; each keyword goes to the config section that has the field
-    (trainer: lr, packing, ...; algorithm: use_kl_loss, clip_eps_low, ...)."""
+def trainer_spec(model_dir: Path, *, shard: bool = True, dtype: str = "float32", **fields):
+    """A TrainerSpec for `model_dir` (compute `dtype`); each keyword goes to the config section
+    that has the field (trainer: lr, packing, ...; algorithm: use_kl_loss, clip_eps_low, ...)."""
     from rlsys.actors.trainer import TrainerSpec
     from rlsys.config import AlgorithmConfig, ModelConfig, TrainerConfig
 
@@ -44,8 +44,8 @@ def trainer_spec(model_dir: Path, *, shard: bool = True, **fields):
     unknown = fields.keys() - trainer.keys() - algorithm.keys()
     if unknown:
         raise TypeError(f"no trainer or algorithm field named {sorted(unknown)}")
-    return TrainerSpec(ModelConfig(path=str(model_dir)), TrainerConfig(**trainer), AlgorithmConfig(**algorithm),
-                       shard=shard)
+    return TrainerSpec(ModelConfig(path=str(model_dir), dtype=dtype), TrainerConfig(**trainer),
+                       AlgorithmConfig(**algorithm), shard=shard)
 
 
 def train_command(config: str, model_dir: Path, run_dir: Path, *overrides: str) -> list[str]:

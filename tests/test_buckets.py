@@ -180,3 +180,21 @@ def test_a_buffer_smaller_than_the_bucket_is_rejected():
 def test_an_all_gather_without_a_buffer_is_rejected():
     with pytest.raises(ValueError, match="needs an output buffer"):
         gather_bucket(_mixed(), None, dst=None)
+
+
+# ---------------------------------------------------------------- the engine's dtype on the wire
+
+
+def test_fp32_weights_travel_in_the_engine_dtype_at_half_the_bytes():
+    tensors = [("w", torch.randn(4, 3)), ("b", torch.randn(5)), ("steps", torch.tensor([7, 9]))]
+    _, fp32_metas, fp32_total = bucket_layout(tensors, alignment=1)
+    _, metas, total = bucket_layout(tensors, alignment=1, engine_dtype=torch.bfloat16)
+    assert {m.name: m.dtype for m in metas} == {"w": torch.bfloat16, "b": torch.bfloat16, "steps": torch.int64}
+    assert total == 17 * 2 + 2 * 8 and fp32_total == 17 * 4 + 2 * 8  # integers keep their dtype
+    bucket = gather_bucket(tensors, torch.empty(total, dtype=torch.uint8), alignment=1,
+                           engine_dtype=torch.bfloat16)
+    views = dict(bucket.tensors())
+    assert torch.equal(views["w"], tensors[0][1].to(torch.bfloat16))
+    assert torch.equal(views["steps"], tensors[2][1])
+    assert [g for g in group_into_buckets(tensors, bucket_bytes=24, engine_dtype=torch.bfloat16)] == \
+        [tensors[:1], tensors[1:2], tensors[2:]]  # bucket sizes count wire bytes (24, 10, 16)

@@ -1,7 +1,8 @@
 """Walk parameters in size-bounded buckets and gather each bucket into one byte buffer.
 
 Only one bucket of full (gathered) tensors exists at a time, so the extra memory of a sync stays
-near one bucket. The layout is SGLang's `flattened_bucket` format: a uint8 buffer plus, per
+near one bucket. Tensors travel in the engine's dtype (`wire_dtype`): fp32 master weights are cast
+shard by shard before the gather, so a bf16 engine's sync moves half the bytes. The layout is SGLang's `flattened_bucket` format: a uint8 buffer plus, per
 tensor, its name, shape, dtype and [start, end) byte range; shards are gathered straight into it.
 """
 
@@ -36,20 +37,27 @@ class WeightBucket:
         ]
 
 
-def full_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of the full tensor, even when `tensor` is a DTensor shard."""
-    return tensor.numel() * tensor.element_size()
+def wire_dtype(tensor: torch.Tensor, engine_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor travels in: the engine's for floating-point weights, else its own."""
+    if engine_dtype is not None and tensor.dtype.is_floating_point:
+        return engine_dtype
+    return tensor.dtype
+
+
+def full_nbytes(tensor: torch.Tensor, engine_dtype: torch.dtype | None = None) -> int:
+    """Bytes of the full tensor in its wire dtype, even when `tensor` is a DTensor shard."""
+    return tensor.numel() * wire_dtype(tensor, engine_dtype).itemsize
 
 
 def group_into_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, engine_dtype: torch.dtype | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups whose full size stays within `bucket_bytes`; a larger tensor goes alone."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
     group, size = [], 0
     for name, tensor in named_tensors:
-        nbytes = full_nbytes(tensor)
+        nbytes = full_nbytes(tensor, engine_dtype)
         if group and size + nbytes > bucket_bytes:
             yield group
             group, size = [], 0
@@ -59,15 +67,18 @@ def group_into_buckets(
         yield group
 
 
-def gather_into(tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None = None) -> None:
+def gather_into(tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None = None,
+                dtype: torch.dtype | None = None) -> None:
     """Write the full tensor into `out` (a view into a bucket), gathering FSDP2's even dim-0
     shards straight into it, so no extra copy of the bucket is made.
 
     `dst=None`: every rank receives the full tensor (an all-gather). `dst=r` (a rank of the
     default group): only rank r receives it and the others just send their shard, with `out=None`:
     half an all-gather's traffic on 2 ranks, and no staging buffer on the senders. A collective
-    for DTensor shards: every rank calls it for the same tensors in the same order."""
+    for DTensor shards: every rank calls it for the same tensors in the same order. `dtype`: the
+    wire dtype (the shard is cast before it travels); default `out`'s, else the tensor's."""
     tensor = tensor.detach()
+    dtype = dtype or (out.dtype if out is not None else tensor.dtype)
     if not hasattr(tensor, "full_tensor"):
         if out is not None:
             out.copy_(tensor)
@@ -85,7 +96,7 @@ def gather_into(tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None 
     import torch.distributed as dist
 
     group = mesh.get_group()
-    local = tensor.to_local().contiguous()
+    local = tensor.to_local().to(dtype).contiguous()
     if dst is None:
         dist.all_gather_into_tensor(out, local, group=group)
     else:
@@ -118,31 +129,33 @@ def gather_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def bucket_layout(named_full_tensors: list[tuple[str, torch.Tensor]], alignment: int = _ALIGN_BYTES
+def bucket_layout(named_full_tensors: list[tuple[str, torch.Tensor]], alignment: int = _ALIGN_BYTES,
+                  engine_dtype: torch.dtype | None = None,
                   ) -> tuple[list[tuple[str, torch.Tensor]], list[TensorMeta], int]:
-    """(ordered tensors, their metadata, total bytes) of a bucket, widest dtype first so every
-    view stays aligned for its dtype even with `alignment=1` (no padding: the layout SGLang's
+    """(ordered tensors, their metadata, total bytes) of a bucket in wire dtypes, widest first so
+    every view stays aligned for its dtype even with `alignment=1` (no padding: the layout SGLang's
     broadcast receiver computes itself)."""
-    named_full_tensors = sorted(named_full_tensors, key=lambda item: -item[1].element_size())
+    named_full_tensors = sorted(named_full_tensors, key=lambda item: -wire_dtype(item[1], engine_dtype).itemsize)
     metas, offset = [], 0
     for name, tensor in named_full_tensors:
         offset = (offset + alignment - 1) // alignment * alignment
-        end = offset + full_nbytes(tensor)
-        metas.append(TensorMeta(name, tensor.shape, tensor.dtype, offset, end))
+        end = offset + full_nbytes(tensor, engine_dtype)
+        metas.append(TensorMeta(name, tensor.shape, wire_dtype(tensor, engine_dtype), offset, end))
         offset = end
     return named_full_tensors, metas, offset
 
 
 def gather_bucket(named_tensors: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None,
-                  alignment: int = _ALIGN_BYTES, dst: int | None = None) -> WeightBucket | None:
+                  alignment: int = _ALIGN_BYTES, dst: int | None = None,
+                  engine_dtype: torch.dtype | None = None) -> WeightBucket | None:
     """Gather (possibly sharded) tensors straight into `buffer`, laid out as `bucket_layout`.
     With `dst` set, ranks other than `dst` only send (pass `buffer=None`) and get None back."""
-    ordered, metas, total = bucket_layout(named_tensors, alignment)
+    ordered, metas, total = bucket_layout(named_tensors, alignment, engine_dtype)
     if buffer is None:
         if dst is None:
             raise ValueError("an all-gather (dst=None) needs an output buffer on every rank")
-        for _, tensor in ordered:  # the same order as the receiver's layout
-            gather_into(tensor, None, dst)
+        for (_, tensor), meta in zip(ordered, metas, strict=True):  # the same order as the receiver's layout
+            gather_into(tensor, None, dst, meta.dtype)
         return None
     if buffer.numel() < total:
         raise ValueError(f"staging buffer of {buffer.numel()} bytes is smaller than the bucket ({total})")

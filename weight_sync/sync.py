@@ -48,12 +48,15 @@ def sync_weights(
     backend: Backend,
     scratch: StagingBuffer | None = None,
     gather_dst: int | None = None,
+    engine_dtype: torch.dtype | None = None,
 ) -> SyncStats:
     """Gather buckets of full tensors (a collective: every rank must call this) and, where a
     transport is given, send each one. Shards are gathered straight into one reusable staging
     buffer: the transport's, or `scratch` on ranks that only take part in an all-gather.
     `gather_dst`: the one rank that holds a transport, when only one does (broadcast, or a single
     colocated engine): shards then go only there and the other ranks need no buffer.
+    `engine_dtype`: the dtype the engine serves; floating-point weights are cast to it shard by
+    shard before they travel (fp32 master weights into a bf16 engine: half the bytes).
     The engines flush their cache and take the new weight version once, with the last bucket.
     An engine that fails mid-sync does not stop this rank's gathers: the other ranks are in them,
     and leaving would hang them; the first failure is raised once every bucket has been gathered."""
@@ -62,10 +65,10 @@ def sync_weights(
     backend.prepare_ipc()
     stats = SyncStats()
     start = time.perf_counter()
-    groups = list(group_into_buckets(named_params, bucket_bytes))
+    groups = list(group_into_buckets(named_params, bucket_bytes, engine_dtype))
     alignment = transport.alignment if transport is not None else 1
     # One staging buffer, sized for the largest bucket (with alignment padding), reused by all.
-    largest = max(sum(full_nbytes(t) + alignment for _, t in group) for group in groups)
+    largest = max(sum(full_nbytes(t, engine_dtype) + alignment for _, t in group) for group in groups)
     device = next(iter(groups[0]))[1].device
     if transport is not None:
         staging = transport.staging_buffer
@@ -77,7 +80,7 @@ def sync_weights(
     for index, group in enumerate(groups):
         tick = time.perf_counter()
         buffer = staging(largest, device) if staging is not None else None
-        bucket = gather_bucket(group, buffer, alignment, gather_dst)
+        bucket = gather_bucket(group, buffer, alignment, gather_dst, engine_dtype)
         stats.gather_s += time.perf_counter() - tick
         if transport is not None and failure is None:
             tick = time.perf_counter()
