@@ -78,6 +78,9 @@ class TrainerGroup:
     def load_checkpoint(self, directory: str) -> None:
         ray.get([w.load_checkpoint.remote(directory) for w in self.workers])
 
+    def load_memory_reports(self) -> list[dict]:
+        return ray.get([w.load_memory_report.remote() for w in self.workers])
+
     def host_memory_bytes(self) -> list[int]:
         return ray.get([w.host_memory_bytes.remote() for w in self.workers])
 

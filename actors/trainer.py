@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rlsys.actors.batching import MicroBatch, TrainSequence, build_micro_batch, split_by_token_budget, split_evenly
 from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
+from rlsys.actors.loading import build_empty_model, fill_from_checkpoint
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize
 from rlsys.actors.schedule import build_lr_scheduler
@@ -129,7 +130,10 @@ class TrainerWorker:
             world_size=self.world_size,
         )
         t = self.spec.trainer
+        rss_before = _resident_bytes()
         self.model = self._build_model(trainable=True)
+        self.load_memory = {"rss_before_bytes": rss_before, "peak_rss_bytes": _peak_resident_bytes(),
+                            "model_bytes": sum(p.numel() * 4 for p in self.model.parameters())}
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, eps=1e-8,
         )
@@ -140,14 +144,9 @@ class TrainerWorker:
             self.ref_model = self._build_model(trainable=False)
 
     def _build_model(self, trainable: bool) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(
-            self.spec.model.path, dtype=torch.float32, attn_implementation=self.backend.attn_implementation,
-        )
-        model.config.use_cache = False
-        # The frozen reference stays on the host: FSDP streams it to the device layer by layer.
-        model = model.to(self.device if trainable or not self.spec.shard else "cpu")
+        """Built on the meta device, sharded, then each rank reads only its shards from the
+        checkpoint (actors/loading.py): no rank ever holds the whole model."""
+        model = build_empty_model(self.spec.model.path, self.backend.attn_implementation)
         mesh = None
         if self.spec.shard:
             from torch.distributed.device_mesh import init_device_mesh
@@ -155,8 +154,11 @@ class TrainerWorker:
             mesh = init_device_mesh(self.backend.device_type, (self.world_size,))
         elif self.world_size != 1:
             raise ValueError("an unsharded trainer (shard=False) must run alone (world_size=1)")
-        return parallelize(model, mesh, self.spec.model.dtype, trainable, self.spec.trainer.gradient_checkpointing,
-                           pin_memory=self.backend.has_gpu)
+        model = parallelize(model, mesh, self.spec.model.dtype, trainable, self.spec.trainer.gradient_checkpointing,
+                            pin_memory=self.backend.has_gpu)
+        # The frozen reference stays on the host: FSDP streams it to the device layer by layer.
+        fill_from_checkpoint(model, self.spec.model.path, self.device if trainable or not self.spec.shard else "cpu")
+        return model
 
     # ---- micro-batches and log-probs ----------------------------------------------------
     @property
@@ -331,9 +333,12 @@ class TrainerWorker:
         return report.__dict__
 
     def host_memory_bytes(self) -> int:
-        import psutil
+        return _resident_bytes()
 
-        return psutil.Process().memory_info().rss
+    def load_memory_report(self) -> dict:
+        """Host memory around the policy's load: resident before, this process's peak after, and
+        the full model's fp32 bytes (bench/memory.py, tests)."""
+        return dict(self.load_memory)
 
     # ---- checkpoints --------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
@@ -384,3 +389,15 @@ class TrainerWorker:
         self._close_transport()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _resident_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak_resident_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

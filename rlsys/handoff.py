@@ -46,6 +46,7 @@ class DeviceHandoff:
         """Engines release everything, then the trainer wakes (before a train phase)."""
         if not self.enabled:
             return
+        self.step = row.get("step", self.step)  # the later turns of this step are recorded under it
         row["memory_engine_serving_bytes"] = _engines_held(self.rollout.memory())
         released = self.rollout.release_memory(list(ALL_REGIONS))
         row["memory_engine_released_bytes"] = _engines_held(released)
@@ -75,6 +76,8 @@ class DeviceHandoff:
         if self.log_path is None:
             return
         entry = {"time": time.time(), "step": (row or {}).get("step", self.step), "event": event}
+        if row is not None and "step" in row:
+            self.step = row["step"]
         if engines is not None:
             entry["engines"] = engines
         if trainer is not None:

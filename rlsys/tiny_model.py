@@ -97,3 +97,34 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     ).save_pretrained(str(out_dir))
     return out_dir
+
+
+# Published Hugging Face config.json values (shapes only) of models the memory tools are checked on.
+PUBLISHED_SHAPES = {
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+
+
+def write_random_checkpoint(out_dir: str | Path, shape: str, dtype: str = "bfloat16") -> int:
+    """A published model's config.json and random weights of its exact shapes, written one tensor
+    at a time (bf16 files, as released checkpoints are); returns the model's fp32 bytes (what a
+    trainer holds in fp32 master weights). No tokenizer: for loading and memory measurements."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = Qwen2Config(**PUBLISHED_SHAPES[shape], torch_dtype=dtype)
+    config.save_pretrained(str(out_dir))
+    with torch.device("meta"):
+        skeleton = Qwen2ForCausalLM(config)
+    generator = torch.Generator().manual_seed(0)
+    tensors, numel = {}, 0
+    for name, param in skeleton.named_parameters():  # tied weights appear once
+        tensors[name] = (torch.randn(param.shape, generator=generator) * 0.02).to(getattr(torch, dtype))
+        numel += param.numel()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return numel * 4

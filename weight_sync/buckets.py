@@ -2,8 +2,9 @@
 
 Only one bucket of full (gathered) tensors exists at a time, so the extra memory of a sync stays
 near one bucket. Tensors travel in the engine's dtype (`wire_dtype`): fp32 master weights are cast
-shard by shard before the gather, so a bf16 engine's sync moves half the bytes. The layout is SGLang's `flattened_bucket` format: a uint8 buffer plus, per
-tensor, its name, shape, dtype and [start, end) byte range; shards are gathered straight into it.
+shard by shard before the gather, so a bf16 engine's sync moves half the bytes. The layout is
+SGLang's `flattened_bucket` format: a uint8 buffer plus, per tensor, its name, shape, dtype and
+[start, end) byte range; shards are gathered straight into it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,134 @@
+"""Build a model without its weights, shard it, then fill each rank's shards from the checkpoint.
+
+A rank never holds the whole model: the module tree is built with its parameters on the meta
+device (buffers such as rotary tables are computed for real: they are small and not in the
+checkpoint), `fully_shard` lays the meta parameters out, and each rank reads from the safetensors
+files only the rows of each tensor that its shard holds (safetensors slices are memory-mapped
+reads). A rank's peak during load is its shard plus one tensor's slice, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (each is created, then moved:
+    one tensor at a time exists for real) and their buffers computed as usual."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def build_empty_model(path: str, attn_implementation: str) -> torch.nn.Module:
+    """The model of `path`/config.json with fp32 parameters on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    model.config.use_cache = False
+    return model
+
+
+class CheckpointFiles:
+    """Which safetensors file holds each tensor of a Hugging Face checkpoint directory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / SAFETENSORS_INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: self.path / file for name, file in weight_map.items()}
+        else:
+            from safetensors import safe_open
+
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{self.path} holds no *.safetensors weight files")
+            self.file_of = {}
+            for file in files:
+                with safe_open(str(file), framework="pt") as handle:
+                    self.file_of.update({name: file for name in handle.keys()})  # noqa: SIM118 - not a dict
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` (all of a 0-d tensor), reading only those bytes."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.file_of[name]), framework="pt") as handle:
+            rows = handle.get_slice(name)
+            return rows[:] if len(rows.get_shape()) == 0 else rows[start:stop]
+
+
+def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's local tensor, its first row in the full tensor). FSDP2 shards dim 0 in
+    `torch.chunk` pieces: rank r holds rows [r * ceil(n / W), ...)."""
+    if not hasattr(param, "to_local"):
+        return param, 0
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = param.device_mesh, param.placements
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        raise ValueError(f"cannot load a parameter laid out as {placements} on a {mesh.ndim}-D mesh")
+    chunk = math.ceil(param.shape[0] / mesh.size())
+    return param.to_local(), mesh.get_local_rank() * chunk
+
+
+def _retie(model: torch.nn.Module, tied_names: list[list[str]]) -> None:
+    """`to_empty` gives an unsharded module's tied parameters separate storage (FSDP keeps them
+    shared); point every name of a tied group at its first parameter again."""
+    for names in tied_names:
+        shared = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, shared)
+
+
+def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch.device | str) -> int:
+    """Give the meta-device (possibly sharded) `model` storage on `device` and read each local
+    shard from the checkpoint at `path`; buffers keep their computed values. Returns the bytes read."""
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    aliases: dict[int, list[str]] = {}  # tied weights: one parameter, several names
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    model.to_empty(device=device)
+    _retie(model, [names for names in aliases.values() if len(names) > 1])
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    files = CheckpointFiles(path)
+    aliases = {id(model.get_parameter(names[0])): names for names in aliases.values()}
+    read = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            stored = next((alias for alias in aliases[id(param)] if alias in files.file_of), None)
+            if stored is None:
+                raise KeyError(f"the checkpoint in {path} has no tensor for parameter {name} "
+                               f"(looked for {aliases[id(param)]})")
+            local, first_row = _local_rows(param)
+            if local.numel() == 0:
+                continue
+            rows = files.read_rows(stored, first_row, first_row + (local.shape[0] if local.ndim else 0))
+            if rows.shape != local.shape:
+                raise ValueError(f"checkpoint tensor {stored}: rows {tuple(rows.shape)} do not fit the shard "
+                                 f"{tuple(local.shape)} of {name} (config.json and weights disagree?)")
+            local.copy_(rows)
+            read += rows.numel() * rows.element_size()
+    return read
