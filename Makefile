@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_DIR := .cache/tiny-model
 STAMP := $(VENV)/.rlsys-installed
 
-.PHONY: install quickstart test test-fast lint clean chromium
+.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium
 
 # torch first (2.14.1 lies on local disk), then SGLang's pure-Python runtime deps, then sglang
 # itself without its CUDA-only kernel packages, then rlsys. See requirements/sglang-cpu.txt.
@@ -20,6 +20,16 @@ $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 
 install: $(STAMP)
 
+# On a CUDA host: the full SGLang (with its CUDA kernels) and the `gpu` extra (flash-attn is
+# compiled against the installed torch, hence --no-build-isolation; it takes a while).
+install-gpu:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel ninja packaging
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install -q sglang==0.5.23
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,gpu]'
+	touch $(STAMP)
+
 $(MODEL_DIR)/config.json: $(STAMP)
 	$(BIN)/rlsys make-tiny-model $(MODEL_DIR)
 
@@ -33,6 +43,11 @@ chromium:
 
 test: install chromium
 	$(BIN)/python -m pytest -q --durations=15 tests
+
+# The `gpu`-marked tests (they skip without CUDA), then the one-GPU smoke run.
+test-gpu:
+	$(BIN)/python -m pytest -q -m gpu tests
+	bash deploy/gpu_smoke.sh
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -95,6 +95,9 @@ class TrainerGroup:
                 reports.append({"rank": rank, "alive": False, "memory_bytes": None, "error": str(error)[:200]})
         return reports
 
+    def describe(self) -> dict:
+        return ray.get(self.workers[0].describe.remote())
+
     def vocab_size(self) -> int:
         return ray.get(self.workers[0].vocab_size.remote())
 

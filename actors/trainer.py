@@ -379,6 +379,11 @@ class TrainerWorker:
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
+    def describe(self) -> dict:
+        """What this rank runs on, as its backend decided (printed at start-up)."""
+        return {"device": str(self.device), "dist_backend": self.backend.dist_backend,
+                "attention": self.backend.attn_implementation, "compute_dtype": self.spec.model.dtype}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU copies of every parameter (collective; for tests and export)."""
         from rlsys.weight_sync.buckets import gather_full_tensor

@@ -53,6 +53,9 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     if topology.engines_start_first:
         parts.rollout.wait_ready()
     parts.trainer = _trainer_group(config, parts)
+    ranks = parts.trainer.describe()
+    print(f"rlsys: trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['dist_backend']}, "
+          f"{ranks['attention']} attention, {ranks['compute_dtype']} compute)", flush=True)
     parts.topology = topology.with_engines(parts.rollout.wait_ready())
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
     parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,

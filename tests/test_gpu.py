@@ -32,3 +32,35 @@ def test_gpu_run_syncs_weights_every_step(tmp_path, tiny_model_dir, mode, gpus_n
     assert [r["weight_version"] for r in rows] == list(range(20))
     # fp32 weights; the engine's attention kernels differ from the trainer's SDPA/flash-attn
     assert max(r["logprob_mismatch"] for r in rows) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_colocated_memory_hand_off_frees_each_side_in_turn(tmp_path, tiny_model_dir):
+    """One GPU, memory saver on: the engine's device memory drops while the trainer trains, and
+    the trainer's while the engine generates; bf16 weights reach the engine within bf16's tolerance."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
+         f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false", "status.port=0",
+         "placement.device=cuda", "trainer.num_ranks=1", "rollout.num_engines=1", "model.dtype=bfloat16",
+         "trainer.total_steps=6", "weight_sync.verify=true"],
+        capture_output=True, text=True, timeout=1200, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rlsys: GPUs" in result.stdout
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    for row in rows:
+        assert row["memory_engine_released_bytes"] < 0.5 * row["memory_engine_serving_bytes"]
+        assert row["memory_trainer_asleep_bytes"] < row["memory_trainer_awake_bytes"]
+    assert max(r["logprob_mismatch"] for r in rows) < 5e-2
+
+
+@pytest.mark.gpu
+def test_gpu_backend_uses_flash_attention_for_bf16_when_installed():
+    from rlsys.weight_sync.backend import flash_attn_available, make_backend
+
+    backend = make_backend(True, "bfloat16")
+    assert backend.dist_backend == "nccl" and backend.device().type == "cuda"
+    assert backend.attn_implementation == ("flash_attention_2" if flash_attn_available() else "sdpa")
+    assert make_backend(True, "float32").attn_implementation == "sdpa"
