@@ -11,6 +11,12 @@ const CHARTS = [
   { id: "chart-response-len", series: [["response_len_mean", "mean length", "#00897b"]] },
   { id: "chart-tokens-per-s", series: [["tokens_per_s", "tokens/s", "#3949ab"]] },
   { id: "chart-mismatch", series: [["logprob_mismatch", "mismatch", "#6d4c41"]] },
+  // Colocated hand-off: what each side holds per phase (device memory on GPU, process RSS on CPU), MiB.
+  { id: "chart-memory", scale: 2 ** -20, series: [
+    ["memory_engine_serving_bytes", "engine generating", "#1e88e5"],
+    ["memory_engine_released_bytes", "engine released", "#90caf9"],
+    ["memory_trainer_awake_bytes", "trainer training", "#43a047"],
+    ["memory_trainer_asleep_bytes", "trainer asleep", "#a5d6a7"]] },
 ];
 
 // Beyond loopback the API wants the run's token: open the dashboard as .../#token=TOKEN (a fragment
@@ -41,7 +47,9 @@ function fmtTick(v) {
 
 function chartData(chart) {
   const xs = rows.map(r => r.step);
-  return [xs, ...chart.series.map(([key]) => rows.map(r => (r[key] === undefined ? null : r[key])))];
+  const scale = chart.scale || 1;
+  return [xs, ...chart.series.map(([key]) => rows.map(r => (r[key] === undefined || r[key] === null ? null
+                                                                                    : r[key] * scale)))];
 }
 
 function ensurePlots() {
