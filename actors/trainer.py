@@ -19,10 +19,11 @@ import torch.distributed as dist
 from rlsys.actors.batching import MicroBatch, TrainSequence, build_micro_batch, split_by_token_budget, split_evenly
 from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint
+from rlsys.actors.logprob_head import install_logprob_head
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize
 from rlsys.actors.schedule import build_lr_scheduler
-from rlsys.algorithms.grpo import clipped_policy_loss, kl_estimate, masked_sum, token_entropy
+from rlsys.algorithms.grpo import clipped_policy_loss, kl_estimate, masked_sum
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from rlsys.rollout.client import SGLangClient
 from rlsys.topology import Topology
@@ -147,6 +148,7 @@ class TrainerWorker:
         """Built on the meta device, sharded, then each rank reads only its shards from the
         checkpoint (actors/loading.py): no rank ever holds the whole model."""
         model = build_empty_model(self.spec.model.path, self.backend.attn_implementation)
+        install_logprob_head(model)  # before sharding: it keeps lm_head's parameter and FSDP group
         mesh = None
         if self.spec.shard:
             from torch.distributed.device_mesh import init_device_mesh
@@ -191,11 +193,13 @@ class TrainerWorker:
         ]
 
     def _forward(self, model, batch: MicroBatch, with_entropy: bool):
-        logits = model(**batch.model_inputs()).logits
-        logits = logits[:, :-1].float() / self.spec.temperature
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
-        entropy = token_entropy(logits) if with_entropy else None
-        return logprobs, entropy
+        """fp32 log-probs of the next tokens (and their distributions' entropy), [B, T-1] each,
+        computed by the output layer in chunks (actors/logprob_head.py)."""
+        targets = torch.nn.functional.pad(batch.targets, (0, 1))  # the last position predicts nothing
+        head = model.get_output_embeddings()
+        with head.computing(targets, self.spec.temperature, with_entropy, self.spec.trainer.logprob_chunk_tokens):
+            per_position = model(**batch.model_inputs()).logits[:, :-1]
+        return per_position[..., 0], (per_position[..., 1] if with_entropy else None)
 
     @staticmethod
     def _per_sequence(batch: MicroBatch, values: torch.Tensor, into: list) -> None:

@@ -121,6 +121,11 @@ class TrainerConfig(_Section):
         True, description="Colocated: sleep (offload params, grads, optimizer) outside the train phase."
     )
     threads_per_rank: int = Field(1, ge=1)
+    logprob_chunk_tokens: int = Field(
+        512, ge=0, description="Token log-probs (and entropy) are computed from the last hidden states this many "
+        "tokens at a time, never keeping full-vocabulary logits for backward (0: one unchunked pass that keeps "
+        "them, as plain autograd does; only for comparison).",
+    )
 
     @model_validator(mode="after")
     def _betas(self):
