@@ -1,4 +1,4 @@
-"""`rlsys` command line: train, make-tiny-model."""
+"""`rlsys` command line: train, plan, export, serve, status, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -26,6 +26,15 @@ def _train(args: argparse.Namespace) -> int:
         print(f"rlsys: run failed: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rlsys.config import load_config
+    from rlsys.memory_plan import memory_plan, print_plan
+
+    plan = memory_plan(load_config(args.config, list(args.overrides)))
+    print_plan(plan, args.json)
+    return 0 if plan.fits else 1
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -139,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="print a running (or served) run's status as a table")
     status.add_argument("url", nargs="?", default="http://127.0.0.1:8470")
     status.set_defaults(handler=_status)
+
+    plan = commands.add_parser("plan", help="print the memory each GPU will hold, per phase, and whether it fits")
+    plan.add_argument("config", help="YAML config, e.g. configs/gpu_colocated.yaml")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. placement.gpu_memory_gb=80")
+    plan.add_argument("--json", action="store_true", help="one JSON object (fits, per_gpu_bytes, terms, ...)")
+    plan.set_defaults(handler=_plan)
 
     tiny = commands.add_parser("make-tiny-model", help="build a local random-init model + tokenizer")
     tiny.add_argument("out_dir")

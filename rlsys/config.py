@@ -187,6 +187,10 @@ class PlacementConfig(_Section):
         "auto", description="auto: GPUs when the Ray cluster has any (decided from the cluster's resources, not the "
         "driver's); cuda: fail unless the cluster has the GPUs the placement needs; cpu: never use GPUs.",
     )
+    gpu_memory_gb: float | None = Field(
+        None, gt=0, description="Memory of one GPU that the memory plan checks against (rlsys plan); default: the "
+        "detected GPU's, or the host's RAM on a CPU run.",
+    )
 
 
 class EvalConfig(_Section):

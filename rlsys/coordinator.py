@@ -36,6 +36,7 @@ from rlsys.lifecycle import (
     start_components,
     sync_engines,
 )
+from rlsys.memory_plan import check_memory_plan
 from rlsys.metrics import MetricsLog
 from rlsys.reaper import start_reaper
 from rlsys.reward_pool import RewardPool
@@ -284,6 +285,8 @@ def _describe_data(assets: RunAssets) -> str:
 def run(config: RunConfig) -> Path:
     """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
     assets = load_assets(config)  # every input check happens before any actor starts
+    print(f"rlsys: memory plan: peak {check_memory_plan(config).per_gpu_bytes / 2**30:.2f} GiB per device "
+          "(rlsys plan CONFIG for every term)", flush=True)
     random.seed(config.seed)
     run_dir = Path(config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
     store = CheckpointStore(run_dir, config.checkpoint.keep_last)

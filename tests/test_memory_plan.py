@@ -1,0 +1,150 @@
+"""`rlsys plan`: per-GPU memory from config.json shapes and the run config, checked against hand
+sums on the published Qwen2.5 configs, and against a measured train step on this CPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlsys.config import ConfigError, RunConfig
+from rlsys.memory_plan import GiB, ModelShape, check_memory_plan, plan_memory
+from tests.conftest import REPO
+
+QWEN = {  # published config.json values (shapes)
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+PARAMS = {"1.5b": 1_543_714_304, "7b": 7_615_616_512}  # the published totals
+
+
+@pytest.fixture(params=["1.5b", "7b"])
+def qwen(request, tmp_path):
+    config = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16", **QWEN[request.param])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return request.param, tmp_path
+
+
+def _config(model_dir, **sections) -> RunConfig:
+    tree = {"model": {"path": str(model_dir), "dtype": "bfloat16"}, "data": {"synthetic": {"task": "max_digit"}},
+            "trainer": {"num_ranks": 8, "max_tokens_per_microbatch": 16384, "gradient_checkpointing": True},
+            "rollout": {"num_engines": 8, "engine": {"mem_fraction_static": 0.5, "max_total_tokens": 262144,
+                                                   "context_length": 2048}}}
+    for section, fields in sections.items():
+        tree.setdefault(section, {}).update(fields)
+    return RunConfig.model_validate(tree)
+
+
+def test_shapes_come_from_config_json_alone(qwen):
+    name, model_dir = qwen
+    shape = ModelShape.from_model_dir(model_dir)
+    assert shape.params == PARAMS[name]
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_heads * shape.head_dim
+    layer = h * h + 2 * h * kv + h * h + (h + 2 * kv) + 3 * h * i + 2 * h  # q,k,v,o (+qkv bias), MLP, norms
+    assert shape.layer_params == layer
+    assert shape.root_params == shape.params - 28 * layer
+
+
+def test_trainer_and_engine_terms_equal_hand_sums(qwen):
+    name, model_dir = qwen
+    shape = ModelShape.from_model_dir(model_dir)
+    p = PARAMS[name]
+    plan = plan_memory(_config(model_dir), shape, gpu_memory=80 * GiB, on_gpu=True, flash_attention=True)
+    terms = plan.terms
+    assert terms["trainer_params"] == terms["trainer_grads"] == 4 * p // 8  # fp32, sharded over 8 ranks
+    assert terms["optimizer_states"] == 8 * p // 8  # AdamW: two fp32 moments
+    assert terms["unsharded_layers"] == 2 * shape.layer_params * 2  # one gathered + one prefetched, bf16
+    assert terms["unsharded_root"] == shape.root_params * 2
+    assert terms["logits_chunk"] == 3 * 512 * shape.vocab * 4
+    assert terms["attention_scores"] == 0  # flash-attn
+    assert terms["reference_model"] == 0  # KL off
+    assert terms["weight_sync_bucket"] == 512 * 2**20
+    assert terms["engine_weights"] == 2 * p
+    kv_per_token = 2 * 28 * shape.kv_heads * shape.head_dim * 2  # K and V, every layer, bf16
+    expected_tokens = min(262144, (int(0.5 * 80 * GiB) - 2 * p) // kv_per_token)
+    assert plan.kv_cache_tokens == expected_tokens
+    assert terms["engine_kv_cache"] == expected_tokens * kv_per_token
+    # colocated, sleeping trainers: the peak is the largest phase, not the sum
+    assert plan.phases["generate"] == terms["engine_weights"] + terms["engine_kv_cache"]
+    assert plan.per_gpu_bytes == max(plan.phases.values()) < sum(terms.values())
+
+
+def test_disaggregated_puts_trainers_and_engines_on_separate_gpus(qwen):
+    _, model_dir = qwen
+    config = _config(model_dir, placement={"mode": "disaggregated"}, rollout={"num_engines": 2})
+    plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
+    assert set(plan.phases) == {"trainer_gpu", "engine_gpu"}
+    assert plan.phases["engine_gpu"] == plan.terms["engine_weights"] + plan.terms["engine_kv_cache"]
+    assert plan.phases["trainer_gpu"] == sum(v for k, v in plan.terms.items() if not k.startswith("engine"))
+
+
+def test_a_plan_that_cannot_fit_names_the_term_to_change(tmp_path):
+    model_dir = tmp_path
+    (model_dir / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                           **QWEN["7b"])))
+    shape = ModelShape.from_model_dir(model_dir)
+    tight = _config(model_dir, trainer={"gradient_checkpointing": False, "num_ranks": 8})
+    plan = plan_memory(tight, shape, 80 * GiB, on_gpu=True, flash_attention=True)
+    assert not plan.fits
+    assert "largest term activations" in plan.advice and "trainer.gradient_checkpointing=true" in plan.advice
+    roomy = plan_memory(_config(model_dir), shape, 80 * GiB, on_gpu=True, flash_attention=True)
+    assert roomy.fits
+    small = plan_memory(_config(model_dir), shape, 24 * GiB, on_gpu=True, flash_attention=True)
+    assert not small.fits and "engine_weights" in small.advice  # 15 GB of weights in half of 24 GB
+
+
+def test_train_refuses_a_config_that_cannot_fit(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                          **QWEN["7b"])))
+    with pytest.raises(ConfigError, match="memory plan: .*rlsys plan CONFIG"):
+        check_memory_plan(_config(tmp_path, placement={"gpu_memory_gb": 24}))
+
+
+def test_plan_json_on_the_command_line(tiny_model_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "rlsys.cli", "plan", str(REPO / "configs/quickstart.yaml"),
+         f"model.path={tiny_model_dir}", "placement.gpu_memory_gb=16", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["fits"] is True and plan["gpu_memory_bytes"] == 16 * GiB
+    assert plan["per_gpu_bytes"] == max(plan["phases"].values())
+    assert {"trainer_params", "activations", "logits_chunk", "engine_kv_cache"} <= plan["terms"].keys()
+    too_small = subprocess.run(
+        [sys.executable, "-m", "rlsys.cli", "plan", str(REPO / "configs/quickstart.yaml"),
+         f"model.path={tiny_model_dir}", "placement.gpu_memory_gb=0.001"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert too_small.returncode == 1 and "does NOT fit" in too_small.stdout
+
+
+def test_gpu_memory_must_be_positive():
+    with pytest.raises(ValueError, match="gpu_memory_gb"):
+        RunConfig.model_validate({"model": {"path": "m"}, "data": {"synthetic": {"task": "max_digit"}},
+                                  "placement": {"gpu_memory_gb": 0}})
+
+
+@pytest.mark.slow
+def test_the_plan_matches_a_measured_train_step_on_this_cpu(tmp_path):
+    """One rank, a tiny Qwen2 with Qwen's vocabulary, 2,048 tokens in one micro-batch: the memory a
+    train step adds (measured: the rise of peak RSS in a fresh process) is within 30% of the plan's
+    train phase minus the weights already resident (on CPU the host is the device)."""
+    import os
+
+    from bench.memory import _TRAIN_STEP, _free_port, _make_large_vocab_model
+
+    model_dir = tmp_path / "vocab152k"
+    _make_large_vocab_model(model_dir)
+    out = subprocess.run([sys.executable, "-c", _TRAIN_STEP, str(model_dir), "512", str(_free_port())],
+                         check=True, capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout
+    measured = json.loads(out.strip().splitlines()[-1])["rise_bytes"]
+    config = RunConfig.model_validate({
+        "model": {"path": str(model_dir)}, "data": {"synthetic": {"task": "max_digit"}},
+        "trainer": {"num_ranks": 1, "max_tokens_per_microbatch": 2048}, "rollout": {"num_engines": 1}})
+    plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 24 * GiB, on_gpu=False, flash_attention=False)
+    planned = plan.phases["train"] - plan.terms["trainer_params"]
+    print(f"planned {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
+    assert 0.7 * measured <= planned <= 1.3 * measured, (planned, measured, plan.terms)
