@@ -84,7 +84,9 @@ class RolloutEngine:
         try:
             return request()
         except EngineError as error:
-            if not self.server.is_alive():
+            # A killed server's sockets close just before its process can be reaped: give it a
+            # moment to be seen as exited rather than report a live engine that failed.
+            if not self.server.still_running_after(2.0):
                 raise EngineDied(error.engine, error.endpoint, f"{error.reason} (the server has exited)",
                                  self.server.log_tail()) from error
             raise

@@ -126,15 +126,28 @@ class RolloutManager:
 
     def memory(self) -> list[dict]:
         """Per engine: device bytes (None on CPU), host RSS of its processes, released regions."""
-        return ray.get([e.memory.remote() for e in self.engines])
+        return self._on_every_engine("memory")
 
     def release_memory(self, tags: list[str]) -> list[dict]:
         """Every engine gives the tagged regions back to the device; their memory reports."""
-        return ray.get([e.release_memory.remote(list(tags)) for e in self.engines])
+        return self._on_every_engine("release_memory", list(tags))
 
     def resume_memory(self, tags: list[str]) -> list[dict]:
         """Every engine takes back those of the tagged regions it had released."""
-        return ray.get([e.resume_memory.remote(list(tags)) for e in self.engines])
+        return self._on_every_engine("resume_memory", list(tags))
+
+    def _on_every_engine(self, method: str, *args) -> list:
+        """`method` on every engine; an engine found dead is restarted (brought up to date by
+        `on_restart`) and asked again."""
+        calls = [getattr(engine, method).remote(*args) for engine in self.engines]
+        answers = []
+        for index, call in enumerate(calls):
+            try:
+                answers.append(ray.get(call))
+            except (RayActorError, RayTaskError) as error:
+                self.recover(index, error)
+                answers.append(ray.get(getattr(self.engines[index], method).remote(*args)))
+        return answers
 
     def weight_versions(self) -> list[int]:
         return ray.get([e.weight_version.remote() for e in self.engines])

@@ -169,6 +169,15 @@ class SGLangServer:
     def is_alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def still_running_after(self, seconds: float) -> bool:
+        """Whether the server is still running `seconds` from now (False as soon as it has exited)."""
+        deadline = time.monotonic() + seconds
+        while self.is_alive():
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.05)
+        return False
+
     def memory_bytes(self) -> int | None:
         """Resident memory of the server and its scheduler/detokenizer processes."""
         import psutil
