@@ -164,7 +164,7 @@ _SILENT_PEER = """
 import sys, time
 from datetime import timedelta
 from rlsys.weight_sync.broadcast import new_custom_process_group
-group = new_custom_process_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], timedelta(seconds=60))
+group = new_custom_process_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], timedelta(seconds=5))
 time.sleep(60)  # joined, and never takes part in a collective: a frozen engine
 """
 
@@ -183,7 +183,7 @@ def group_with_silent_peer():
     name = f"silent-{port}"
     peer = subprocess.Popen([sys.executable, "-c", _SILENT_PEER, str(port), name])
     try:
-        yield new_custom_process_group("gloo", "127.0.0.1", port, 0, 2, name, timedelta(seconds=60))
+        yield new_custom_process_group("gloo", "127.0.0.1", port, 0, 2, name, timedelta(seconds=5))
     finally:
         peer.kill()
         peer.wait()
