@@ -231,10 +231,14 @@ class TrainerWorker:
     # ---- one training step --------------------------------------------------------------
     @torch.no_grad()
     def _attach_old_and_ref_logprobs(self, plan: list[list[MicroBatch]]) -> None:
-        """Log-probs of the weights that generated the rollout (and of the reference)."""
+        """Log-probs of the weights that generated the rollout (and of the reference). With one
+        mini-batch the weights have not moved when its loss is taken, so the old log-probs are
+        the current ones (ratio exactly 1): `_backward_mini_batch` takes them from its own forward
+        and this pass is skipped."""
         for batches in plan:
             for batch in batches:
-                batch.old_logprobs, _ = self._forward(self.model, batch, with_entropy=False)
+                if len(plan) > 1:
+                    batch.old_logprobs, _ = self._forward(self.model, batch, with_entropy=False)
                 if self.ref_model is not None:
                     batch.ref_logprobs, _ = self._forward(self.ref_model, batch, with_entropy=False)
 
@@ -246,7 +250,8 @@ class TrainerWorker:
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             logprobs, entropy = self._forward(self.model, batch, with_entropy=True)
-            terms = clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages,
+            old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+            terms = clipped_policy_loss(logprobs, old_logprobs, batch.advantages,
                                         algorithm.clip_eps_low, algorithm.clip_eps_high)
             token_loss = terms.loss
             kl = torch.zeros_like(logprobs)
@@ -265,7 +270,7 @@ class TrainerWorker:
                     kl=masked_sum(kl, mask).item(),
                     clipped=masked_sum(terms.clipped, mask).item(),
                     entropy=masked_sum(entropy, mask).item(),
-                    logprob_mismatch=masked_sum((batch.old_logprobs - batch.engine_logprobs).abs(),
+                    logprob_mismatch=masked_sum((old_logprobs - batch.engine_logprobs).abs(),
                                                 batch.engine_mask).item(),
                     tokens=mask.sum().item(),
                     engine_tokens=batch.engine_mask.sum().item(),
