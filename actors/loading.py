@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from rlsys.actors.packed_attention import PACKED_SDPA, register_packed_sdpa
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -41,6 +43,8 @@ def build_empty_model(path: str, attn_implementation: str) -> torch.nn.Module:
     """The model of `path`/config.json with fp32 parameters on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if attn_implementation == PACKED_SDPA:
+        register_packed_sdpa()
     config = AutoConfig.from_pretrained(path)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)

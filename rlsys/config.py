@@ -84,6 +84,27 @@ class EngineConfig(_Section):
     extra_args: list[str] = Field(default_factory=list)
 
 
+class SamplingConfig(_Section):
+    """SGLang sampling parameters beyond temperature/top_p (same names and meanings as SGLang's).
+
+    top_k, min_p and repetition_penalty reshape the distribution the engine samples from, which
+    the trainer's log-probs (temperature only) do not model: the samples become slightly off-policy.
+    """
+
+    top_k: int = Field(-1, description="Sample among the k most likely tokens (-1: all).")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_new_tokens: int = Field(0, ge=0, description="Stop tokens are ignored until this many are generated.")
+    ignore_eos: bool = Field(False, description="Generate max_new_tokens whatever is sampled.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a response.")
+
+    @model_validator(mode="after")
+    def _top_k(self):
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1 (got {self.top_k})")
+        return self
+
+
 class RolloutConfig(_Section):
     num_engines: int = Field(1, ge=1)
     n_samples_per_prompt: int = Field(8, description="GRPO group size.")
@@ -91,6 +112,7 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(32, ge=1)
     stop: list[str] = Field(default_factory=list)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     @model_validator(mode="after")
@@ -98,6 +120,11 @@ class RolloutConfig(_Section):
         if self.n_samples_per_prompt < 2:
             raise ValueError(
                 f"n_samples_per_prompt must be >= 2 for GRPO (got {self.n_samples_per_prompt})"
+            )
+        if self.sampling.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"rollout.sampling.min_new_tokens ({self.sampling.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
             )
         return self
 

@@ -141,6 +141,7 @@ def train_loop(run: Run) -> None:
                 parts.handoff.to_engines(row)  # the trainer sleeps, the engines take their memory back
 
         row["time_step_s"] = time.perf_counter() - step_start
+        row["timestamp"] = time.time()  # wall clock when the step ended (unix seconds)
         row.update(_rollout_metrics(generations, row["time_step_s"]), synced_weight_version=state.weight_version,
                    engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
         _record(run, row, last_step=step + 1 == config.trainer.total_steps)

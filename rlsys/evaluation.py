@@ -11,11 +11,14 @@ from rlsys.samples import Scorer, response_text
 
 
 def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, top_p: float) -> SamplingParams:
+    extra = config.rollout.sampling
     return SamplingParams(
         temperature=temperature, top_p=top_p, max_new_tokens=config.rollout.max_new_tokens,
         # Without its tokenizer the engine stops on token ids only (assets.stop_token_ids).
         stop=config.rollout.stop if not config.rollout.engine.skip_tokenizer_init else [],
-        stop_token_ids=assets.stop_token_ids,
+        stop_token_ids=[*assets.stop_token_ids, *extra.stop_token_ids],
+        top_k=extra.top_k, min_p=extra.min_p, repetition_penalty=extra.repetition_penalty,
+        min_new_tokens=extra.min_new_tokens, ignore_eos=extra.ignore_eos,
     )
 
 

@@ -15,11 +15,18 @@ from rlsys.weight_sync.backend import make_backend
 
 @dataclass
 class SamplingParams:
+    """One request's sampling parameters, named as SGLang names them."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
 
     def as_sglang(self) -> dict:
         params = {
@@ -31,6 +38,11 @@ class SamplingParams:
             params["stop"] = list(self.stop)
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        # Only what differs from SGLang's defaults, so requests stay as small as they were.
+        for name, default in (("top_k", -1), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                              ("min_new_tokens", 0), ("ignore_eos", False)):
+            if getattr(self, name) != default:
+                params[name] = getattr(self, name)
         return params
 
 

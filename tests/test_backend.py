@@ -3,6 +3,7 @@ and the attention choice table; both computable without a GPU."""
 
 import pytest
 
+from rlsys.actors.packed_attention import PACKED_SDPA
 from rlsys.config import ConfigError, RunConfig
 from rlsys.topology import Topology
 from rlsys.weight_sync.backend import BackendError, choose_attention, decide_has_gpu, make_backend
@@ -46,11 +47,11 @@ def test_too_few_gpus_for_the_placement_is_refused_before_it_waits_for_ever():
 
 
 @pytest.mark.parametrize(("has_gpu", "dtype", "flash_attn", "expected"), [
-    (False, "bfloat16", True, "sdpa"),
-    (False, "float32", False, "sdpa"),
-    (True, "float32", True, "sdpa"),  # FA2 rejects fp32
-    (True, "bfloat16", False, "sdpa"),  # flash-attn not installed
-    (True, "float16", False, "sdpa"),
+    (False, "bfloat16", True, PACKED_SDPA),
+    (False, "float32", False, PACKED_SDPA),
+    (True, "float32", True, PACKED_SDPA),  # FA2 rejects fp32
+    (True, "bfloat16", False, PACKED_SDPA),  # flash-attn not installed
+    (True, "float16", False, PACKED_SDPA),
     (True, "bfloat16", True, "flash_attention_2"),
     (True, "float16", True, "flash_attention_2"),
 ])
@@ -60,7 +61,7 @@ def test_attention_is_flash_only_on_a_gpu_in_16_bit_with_flash_attn_installed(ha
 
 def test_a_cpu_actor_gets_the_cpu_twins():
     backend = make_backend(False, "bfloat16")
-    assert (backend.device_type, backend.dist_backend, backend.attn_implementation) == ("cpu", "gloo", "sdpa")
+    assert (backend.device_type, backend.dist_backend, backend.attn_implementation) == ("cpu", "gloo", PACKED_SDPA)
     assert backend.held_memory_bytes() > 0  # the host is the device: resident memory
 
 

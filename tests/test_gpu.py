@@ -58,9 +58,10 @@ def test_gpu_colocated_memory_hand_off_frees_each_side_in_turn(tmp_path, tiny_mo
 
 @pytest.mark.gpu
 def test_gpu_backend_uses_flash_attention_for_bf16_when_installed():
+    from rlsys.actors.packed_attention import PACKED_SDPA
     from rlsys.weight_sync.backend import flash_attn_available, make_backend
 
     backend = make_backend(True, "bfloat16")
     assert backend.dist_backend == "nccl" and backend.device().type == "cuda"
-    assert backend.attn_implementation == ("flash_attention_2" if flash_attn_available() else "sdpa")
-    assert make_backend(True, "float32").attn_implementation == "sdpa"
+    assert backend.attn_implementation == ("flash_attention_2" if flash_attn_available() else PACKED_SDPA)
+    assert make_backend(True, "float32").attn_implementation == PACKED_SDPA

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rlsys.actors.packed_attention import PACKED_SDPA
+
 DeviceChoice = Literal["auto", "cuda", "cpu"]
 
 
@@ -29,7 +31,7 @@ class Backend:
     has_gpu: bool
     device_type: str  # "cuda" | "cpu"
     dist_backend: str  # "nccl" | "gloo"
-    attn_implementation: str  # "flash_attention_2" | "sdpa"
+    attn_implementation: str  # "flash_attention_2" | PACKED_SDPA
 
     def device(self, local_rank: int = 0):
         """The process's device. Ray sets CUDA_VISIBLE_DEVICES to the GPU an actor was given, so
@@ -77,16 +79,19 @@ class Backend:
 def choose_attention(has_gpu: bool, compute_dtype: str, flash_attn_available: bool) -> str:
     """flash-attn only where it runs: a GPU, a 16-bit compute dtype, the package importable.
 
-    | GPU | compute dtype     | flash-attn installed | attention          |
-    |-----|-------------------|----------------------|--------------------|
-    | no  | any               | any                  | sdpa               |
-    | yes | float32           | any                  | sdpa (FA2 rejects) |
-    | yes | bfloat16, float16 | no                   | sdpa               |
-    | yes | bfloat16, float16 | yes                  | flash_attention_2  |
+    | GPU | compute dtype     | flash-attn installed | attention                |
+    |-----|-------------------|----------------------|--------------------------|
+    | no  | any               | any                  | packed SDPA              |
+    | yes | float32           | any                  | packed SDPA (FA2 rejects)|
+    | yes | bfloat16, float16 | no                   | packed SDPA              |
+    | yes | bfloat16, float16 | yes                  | flash_attention_2        |
+
+    Packed SDPA (`actors/packed_attention.py`) is SDPA that attends within each sequence of a
+    packed row instead of through a pack-length mask; flash-attn's varlen kernels do that natively.
     """
     if has_gpu and compute_dtype in ("bfloat16", "float16") and flash_attn_available:
         return "flash_attention_2"
-    return "sdpa"
+    return PACKED_SDPA
 
 
 def flash_attn_available() -> bool:
@@ -105,7 +110,7 @@ def make_backend(has_gpu: bool, compute_dtype: str = "float32") -> Backend:
             raise BackendError("this run uses GPUs but this process sees none (CUDA_VISIBLE_DEVICES="
                                f"{__import__('os').environ.get('CUDA_VISIBLE_DEVICES')!r})")
         return Backend(True, "cuda", "nccl", choose_attention(True, compute_dtype, flash_attn_available()))
-    return Backend(False, "cpu", "gloo", "sdpa")
+    return Backend(False, "cpu", "gloo", choose_attention(False, compute_dtype, False))
 
 
 def detect_backend(force_cpu: bool = False, compute_dtype: str = "float32") -> Backend:

@@ -1,0 +1,87 @@
+"""TRL's GRPOTrainer on a workload described by a JSON file: the peer side of bench/vs_trl.py.
+
+Runs in the benchmark's own virtualenv (`make bench` builds it: TRL's pins are not SGLang's), so
+it imports nothing from rlsys. It prints one JSON object: per step, its seconds, the seconds spent
+generating inside it, and the wall-clock time it ended.
+
+    python bench/trl_grpo.py WORKLOAD.json
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+
+
+def load_reward(spec: str):
+    """`path/to/file.py:function`, the rlsys reward signature (prompt, response, label, metadata)."""
+    path, _, name = spec.rpartition(":")
+    module_spec = importlib.util.spec_from_file_location("bench_reward", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def main(workload_path: str) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    work = json.loads(open(workload_path).read())
+    torch.manual_seed(work["seed"])
+    score = load_reward(work["reward"])
+    rows = [json.loads(line) for line in open(work["prompts"]) if line.strip()]
+
+    def reward(prompts, completions, label, **_):
+        # TRL decodes without special tokens; an rlsys reward gets the text cut at the first EOS.
+        return [float(score(p, c, answer, {})) for p, c, answer in zip(prompts, completions, label, strict=True)]
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        generate_seconds = 0.0
+
+        def _generate(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return super()._generate(*args, **kwargs)
+            finally:
+                self.generate_seconds += time.perf_counter() - start
+
+    steps: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+            trainer.generate_seconds = 0.0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append({"step_s": time.perf_counter() - self.start, "generate_s": trainer.generate_seconds,
+                          "end_time": time.time()})
+
+    batch = work["prompts_per_step"] * work["group_size"]
+    generation_kwargs = {"min_new_tokens": work["max_new_tokens"]} if work["force_length"] else {}
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = GRPOConfig(
+            output_dir=output_dir, max_steps=work["steps"], per_device_train_batch_size=batch,
+            gradient_accumulation_steps=1, num_generations=work["group_size"],
+            max_completion_length=work["max_new_tokens"], temperature=work["temperature"], top_p=1.0,
+            generation_kwargs=generation_kwargs, learning_rate=work["lr"], lr_scheduler_type="constant",
+            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo",
+            epsilon=0.2, num_iterations=1, use_cpu=True, bf16=False, seed=work["seed"], logging_steps=1,
+            report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        )
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(work["model"])
+        trainer = TimedGRPOTrainer(
+            model=work["model"], reward_funcs=reward, args=config, processing_class=tokenizer,
+            train_dataset=Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows]),
+            callbacks=[StepTimer()],
+        )
+        trainer.train()
+    print(json.dumps({"steps": steps}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

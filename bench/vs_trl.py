@@ -1,0 +1,190 @@
+"""rlsys against TRL's GRPOTrainer on the same GRPO work, one after the other on this machine.
+Prints one JSON object.
+
+    make bench            # builds TRL's own virtualenv (.cache/bench-venv), then runs this
+    .venv/bin/python bench/vs_trl.py [--shapes compute_bound,overhead_bound] [--out FILE]
+
+Both sides get the same model files, prompts, reward function (a file both import), group size,
+token counts, learning rate, temperature and seed. rlsys runs with its defaults (what a user gets
+from `rlsys train` on this config); TRL with `GRPOTrainer` defaults except what makes the work
+equal (no KL, constant LR, token-mean loss, CPU, fp32).
+
+Shapes (models and data built here, nothing downloaded):
+- `compute_bound`: random-init Qwen2, hidden 384, 6 layers, 6 heads (2 kv), intermediate 1024
+  (~9.5 M params); 8 prompts x 8 samples; 64 new tokens forced on both sides (rlsys
+  `rollout.sampling.ignore_eos`, TRL `min_new_tokens`).
+- `overhead_bound`: the quickstart's tiny model (~0.3 M params) and last-digit task, 8 x 8,
+  at most 4 new tokens.
+Keys per shape: `trl_step_s` / `rlsys_step_s` (median over the steps after `warmup_steps`),
+`rlsys_over_trl`, and each side's generate/train split (`*_generate_s`, `*_train_s`: the rest of
+the step). `startup.*_first_step_s`: from launching the command to the end of its first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TRL_PYTHON = REPO / ".cache" / "bench-venv" / "bin" / "python"
+RLSYS = REPO / ".venv" / "bin" / "rlsys"
+
+REWARD_FILE = '''
+def reward(prompt, response, label, metadata):
+    """1 when the response starts with the label (the answer digit), else 0."""
+    return 1.0 if response.strip().startswith(label) else 0.0
+'''
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_new_tokens: int
+    force_length: bool
+    steps: int
+    warmup_steps: int
+    prompts_per_step: int = 8
+    group_size: int = 8
+    lr: float = 5e-4
+
+
+SHAPES = {
+    "compute_bound": Shape("compute_bound", 384, 6, 6, 2, 1024, max_new_tokens=64, force_length=True,
+                           steps=7, warmup_steps=2),
+    "overhead_bound": Shape("overhead_bound", 64, 2, 4, 2, 256, max_new_tokens=4, force_length=False,
+                            steps=25, warmup_steps=5),
+}
+
+
+def build_workload(shape: Shape, work_dir: Path) -> dict:
+    from rlsys.config import SyntheticTaskConfig
+    from rlsys.tasks import generate_task
+    from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+
+    model_dir = work_dir / "model"
+    make_tiny_model(model_dir, TinyModelSpec(hidden_size=shape.hidden_size, num_layers=shape.num_layers,
+                                             num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                                             intermediate_size=shape.intermediate_size))
+    train, _ = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800, num_eval=1))
+    prompts = work_dir / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": e.prompt, "label": e.label}) + "\n" for e in train))
+    reward = work_dir / "bench_reward.py"
+    reward.write_text(REWARD_FILE)
+    return {"model": str(model_dir), "prompts": str(prompts), "reward": f"{reward}:reward", "seed": 0,
+            "prompts_per_step": shape.prompts_per_step, "group_size": shape.group_size,
+            "max_new_tokens": shape.max_new_tokens, "force_length": shape.force_length, "lr": shape.lr,
+            "temperature": 1.0, "steps": shape.steps}
+
+
+def rlsys_config(work: dict, run_dir: Path) -> dict:
+    """The user's config for this work: everything else is rlsys's default."""
+    return {
+        "run_dir": str(run_dir),
+        "seed": work["seed"],
+        "model": {"path": work["model"]},
+        "data": {"train_path": work["prompts"], "prompts_per_step": work["prompts_per_step"]},
+        "reward": {"function": work["reward"]},
+        "rollout": {
+            "n_samples_per_prompt": work["group_size"], "temperature": work["temperature"],
+            "max_new_tokens": work["max_new_tokens"],
+            "sampling": {"ignore_eos": work["force_length"]},
+            # The bench's character-level tokenizer is not one SGLang's AutoTokenizer rebuilds.
+            "engine": {"skip_tokenizer_init": True},
+        },
+        "trainer": {"num_ranks": 1, "total_steps": work["steps"], "lr": work["lr"]},
+        "status": {"port": 0},
+        "logging": {"progress_bar": False},
+    }
+
+
+def run_rlsys(work: dict, work_dir: Path) -> tuple[list[dict], float]:
+    run_dir = work_dir / "rlsys-run"
+    config_path = work_dir / "rlsys.yaml"
+    config_path.write_text(yaml.safe_dump(rlsys_config(work, run_dir)))
+    started = time.time()
+    result = subprocess.run([str(RLSYS), "train", str(config_path)], cwd=work_dir, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"rlsys train failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [{"step_s": r["time_step_s"], "generate_s": r.get("time_generate_s", 0.0),
+              "sync_s": r.get("time_sync_s", 0.0), "offload_s": r.get("time_offload_s", 0.0),
+              "end_time": r["timestamp"]} for r in rows]
+    return steps, started
+
+
+def run_trl(work: dict, work_dir: Path) -> tuple[list[dict], float]:
+    if not TRL_PYTHON.exists():
+        raise SystemExit(f"TRL's virtualenv is missing ({TRL_PYTHON}); run `make bench`, which builds it")
+    workload = work_dir / "trl.json"
+    workload.write_text(json.dumps(work))
+    started = time.time()
+    result = subprocess.run([str(TRL_PYTHON), str(REPO / "bench" / "trl_grpo.py"), str(workload)],
+                            cwd=work_dir, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"TRL failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])["steps"], started
+
+
+def summarize(steps: list[dict], warmup: int) -> dict:
+    measured = steps[warmup:]
+
+    def median(key: str) -> float:
+        return round(statistics.median(s.get(key, 0.0) for s in measured), 4)
+
+    step, generate = median("step_s"), median("generate_s")
+    summary = {"step_s": step, "generate_s": generate,
+               "train_s": round(statistics.median(s["step_s"] - s.get("generate_s", 0.0) for s in measured), 4)}
+    if "sync_s" in measured[0]:
+        summary.update(sync_s=median("sync_s"), offload_s=median("offload_s"))
+    return summary
+
+
+def bench_shape(shape: Shape, root: Path) -> tuple[dict, dict]:
+    work_dir = root / shape.name
+    work_dir.mkdir(parents=True)
+    work = build_workload(shape, work_dir)
+    trl_steps, trl_started = run_trl(work, work_dir)
+    rlsys_steps, rlsys_started = run_rlsys(work, work_dir)
+    trl, rlsys = summarize(trl_steps, shape.warmup_steps), summarize(rlsys_steps, shape.warmup_steps)
+    result = {f"trl_{k}": v for k, v in trl.items()} | {f"rlsys_{k}": v for k, v in rlsys.items()}
+    result["rlsys_over_trl"] = round(rlsys["step_s"] / trl["step_s"], 3)
+    result["measured_steps"] = shape.steps - shape.warmup_steps
+    startup = {"rlsys_first_step_s": round(rlsys_steps[0]["end_time"] - rlsys_started, 2),
+               "trl_first_step_s": round(trl_steps[0]["end_time"] - trl_started, 2)}
+    return result, startup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    result: dict = {"machine": {"cpus": os.cpu_count()}, "startup": {}}
+    with tempfile.TemporaryDirectory(prefix="rlsys-vs-trl-") as root:
+        for name in args.shapes.split(","):
+            result[name], startup = bench_shape(SHAPES[name], Path(root))
+            if name == "overhead_bound" or not result["startup"]:
+                result["startup"] = {**startup, "shape": name}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
