@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsys.topology import CPUS_PER_ACTOR, Slot, Topology
@@ -30,6 +35,11 @@ class Placement:
 
     def engine_options(self) -> list[dict]:
         return [self._options(self.topology.engine_slot(index)) for index in range(self.topology.num_engines)]
+
+    def bundle_nodes(self) -> list[str]:
+        """The node id each bundle landed on, by bundle index."""
+        table = placement_group_table(self.group)["bundles_to_node_id"]
+        return [table[index] for index in range(len(table))]
 
     def remove(self) -> None:
         remove_placement_group(self.group)

@@ -44,11 +44,19 @@ class TrainerSpec:
     seed: int = 0
     shard: bool = True  # False only for a single unsharded reference process (tests)
     has_gpu: bool = False  # decided by the driver from the cluster's resources (weight_sync/backend.py)
+    # Processes of the run computing on a rank's node while it trains (Topology.cpu_sharers); the
+    # rank's threads are its node's cores over this. None (standalone groups): one thread.
+    cpu_sharers: int | None = None
 
     @classmethod
-    def from_config(cls, config: RunConfig, has_gpu: bool) -> TrainerSpec:
+    def from_config(cls, config: RunConfig, has_gpu: bool, cpu_sharers: int | None = None) -> TrainerSpec:
         return cls(config.model, config.trainer, config.algorithm, config.rollout.temperature, config.seed,
-                   has_gpu=has_gpu)
+                   has_gpu=has_gpu, cpu_sharers=cpu_sharers)
+
+    def threads(self, node_cores: int) -> int:
+        if self.trainer.threads_per_rank is not None:
+            return self.trainer.threads_per_rank
+        return max(1, node_cores // self.cpu_sharers) if self.cpu_sharers else 1
 
     @property
     def needs_reference(self) -> bool:
@@ -97,7 +105,7 @@ class TrainerWorker:
         self.rank = rank
         self.world_size = world_size
         self.backend = make_backend(spec.has_gpu, spec.model.dtype)
-        torch.set_num_threads(spec.trainer.threads_per_rank)
+        torch.set_num_threads(spec.threads(len(os.sched_getaffinity(0))))
         torch.manual_seed(spec.seed)
         self.device = self.backend.device()
         self.model = None
@@ -391,7 +399,8 @@ class TrainerWorker:
     def describe(self) -> dict:
         """What this rank runs on, as its backend decided (printed at start-up)."""
         return {"device": str(self.device), "dist_backend": self.backend.dist_backend,
-                "attention": self.backend.attn_implementation, "compute_dtype": self.spec.model.dtype}
+                "attention": self.backend.attn_implementation, "compute_dtype": self.spec.model.dtype,
+                "threads": torch.get_num_threads()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU copies of every parameter (collective; for tests and export)."""

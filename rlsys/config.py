@@ -76,6 +76,11 @@ class EngineConfig(_Section):
         3, ge=0, description="Engine restarts allowed over the run (a dead engine is restarted, brought to the "
         "current weights, and its unfinished requests re-issued); beyond this the run fails.",
     )
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads of a CPU engine's model (OMP_NUM_THREADS). Default: its node's cores "
+        "divided among the run's processes computing at the same time (colocated: the engines while they generate; "
+        "disaggregated: engines and trainer ranks). No effect on GPU math.",
+    )
     weight_load_threads: int | None = Field(
         None, ge=1,
         description="CPU threads the engine copies a colocated weight sync with (default: every core of "
@@ -147,7 +152,11 @@ class TrainerConfig(_Section):
     offload_between_steps: bool = Field(
         True, description="Colocated: sleep (offload params, grads, optimizer) outside the train phase."
     )
-    threads_per_rank: int = Field(1, ge=1)
+    threads_per_rank: int | None = Field(
+        None, ge=1, description="CPU threads of each rank's math. Default: its node's cores divided among the run's "
+        "processes that compute at the same time on that node (colocated: the trainer ranks while they train; "
+        "disaggregated: trainer ranks and engines).",
+    )
     logprob_chunk_tokens: int = Field(
         512, ge=0, description="Token log-probs (and entropy) are computed from the last hidden states this many "
         "tokens at a time, never keeping full-vocabulary logits for backward (0: one unchunked pass that keeps "

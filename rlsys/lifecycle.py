@@ -30,6 +30,7 @@ class Components:
     rollout: RolloutManager | None = None
     trainer: TrainerGroup | None = None
     handoff: DeviceHandoff | None = None
+    cpu_sharers: tuple[int, int] = (1, 1)  # (trainer, engine): Topology.cpu_sharers on this placement
 
     def shutdown(self) -> None:
         """Stop whatever has started: engines, then trainer ranks, then the placement group."""
@@ -46,8 +47,9 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     the engine(s) it feeds. `stack` stops them, whatever happens."""
     parts = Components(topology, create_placement(topology))
     stack.callback(parts.shutdown)
+    parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
     server = ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
-                        memory_saver=topology.trainers_sleep)
+                        memory_saver=topology.trainers_sleep, cpu_sharers=parts.cpu_sharers[1])
     parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
                                    parts.placement.engine_options())
     if topology.engines_start_first:
@@ -55,7 +57,8 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     parts.trainer = _trainer_group(config, parts)
     ranks = parts.trainer.describe()
     print(f"rlsys: trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['dist_backend']}, "
-          f"{ranks['attention']} attention, {ranks['compute_dtype']} compute)", flush=True)
+          f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads each)",
+          flush=True)
     parts.topology = topology.with_engines(parts.rollout.wait_ready())
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
     parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
@@ -64,7 +67,8 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
 
 
 def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:
-    return TrainerGroup(TrainerSpec.from_config(config, parts.topology.has_gpu), parts.topology.num_ranks,
+    spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
+    return TrainerGroup(spec, parts.topology.num_ranks,
                         parts.placement.trainer_options(), env_vars=ACTOR_ENV)
 
 

@@ -98,6 +98,23 @@ class Topology:
     def _gpus(self, gpus: float) -> float:
         return gpus if self.has_gpu else 0
 
+    def cpu_sharers(self, bundle_nodes: list[str]) -> tuple[int, int]:
+        """(trainer, engine): how many of the run's processes compute at once on the busiest node
+        while a trainer rank trains, and while an engine generates; each divides its node's cores
+        by this. Colocated, the phases take turns, so a phase's processes have the node to
+        themselves; disaggregated, each side keeps its own share (an engine counts tp_size)."""
+        trainers, engines = {}, {}
+        for rank in range(self.num_ranks):
+            node = bundle_nodes[self.trainer_slot(rank).bundle]
+            trainers[node] = trainers.get(node, 0) + 1
+        for index in range(self.num_engines):
+            node = bundle_nodes[self.engine_slot(index).bundle]
+            engines[node] = engines.get(node, 0) + self.engine_tp_size
+        if self.mode == "colocated":
+            return max(trainers.values()), max(engines.values())
+        busiest = {node: trainers.get(node, 0) + engines.get(node, 0) for node in {*trainers, *engines}}
+        return (max(busiest[node] for node in trainers), max(busiest[node] for node in engines))
+
     def local_cpus(self) -> int:
         """Logical CPUs a local Ray cluster needs: one per actor slot, and a spare."""
         return sum(bundle["CPU"] for bundle in self.bundles()) + 1

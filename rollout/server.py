@@ -35,6 +35,14 @@ class ServerSpec:
     seed: int = 0
     has_gpu: bool = False  # decided by the driver from the cluster's resources (weight_sync/backend.py)
     memory_saver: bool = False  # gives its memory back between rollouts (colocated, sleeping trainers)
+    # Processes of the run computing on the engine's node while it generates (Topology.cpu_sharers);
+    # its threads are the node's cores over this. None (standalone engines): one thread.
+    cpu_sharers: int | None = None
+
+    def threads(self, node_cores: int) -> int:
+        if self.engine.threads is not None:
+            return self.engine.threads
+        return max(1, node_cores // self.cpu_sharers) if self.cpu_sharers else 1
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -110,8 +118,10 @@ def build_env(spec: ServerSpec, backend: Backend) -> dict[str, str]:
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # --device cpu alone does not select the CPU path
         path = [str(CPU_COMPAT_SITE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(path)
-    threads = spec.engine.weight_load_threads or len(os.sched_getaffinity(0))
-    env[engine_loader.LOAD_THREADS_ENV] = str(threads)
+    cores = len(os.sched_getaffinity(0))
+    # The scheduler's torch takes its thread count from OMP_NUM_THREADS at start.
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(spec.threads(cores))
+    env[engine_loader.LOAD_THREADS_ENV] = str(spec.engine.weight_load_threads or cores)
     return env
 
 

@@ -53,6 +53,33 @@ def test_rank_i_feeds_engine_i_and_the_other_ranks_only_gather():
     assert [broadcast.engine_fed_by(r) for r in range(2)] == [None, None] and broadcast.gather_dst == 0
 
 
+def test_cpu_threads_colocated_phases_take_turns_disaggregated_sides_share():
+    colocated = Topology.from_config(_config("colocated", ranks=2, engines=1), has_gpu=False)
+    assert colocated.cpu_sharers(["a", "a"]) == (2, 1)  # 2 ranks train together; the engine generates alone
+    assert colocated.cpu_sharers(["a", "b"]) == (1, 1)  # one rank per node
+    one_rank = Topology.from_config(_config("colocated", ranks=1, engines=1), has_gpu=False)
+    assert one_rank.cpu_sharers(["a"]) == (1, 1)  # each phase gets every core
+    disaggregated = Topology.from_config(_config("disaggregated", ranks=1, engines=1), has_gpu=False)
+    assert disaggregated.cpu_sharers(["a", "a"]) == (2, 2)  # both sides on one node: half each
+    assert disaggregated.cpu_sharers(["a", "b"]) == (1, 1)
+    wide = Topology.from_config(_config("disaggregated", ranks=2, engines=2, tp=2), has_gpu=False)
+    assert wide.cpu_sharers(["a", "a", "b", "a"]) == (4, 4)  # node a: 2 ranks and a tp-2 engine
+
+
+def test_threads_divide_the_nodes_cores_unless_set():
+    from rlsys.actors.trainer import TrainerSpec
+    from rlsys.config import EngineConfig, ModelConfig, TrainerConfig
+    from rlsys.rollout.server import ServerSpec
+
+    model = ModelConfig(path="unused")
+    assert TrainerSpec(model, cpu_sharers=2).threads(node_cores=8) == 4
+    assert TrainerSpec(model, cpu_sharers=3).threads(node_cores=2) == 1  # never below one
+    assert TrainerSpec(model).threads(node_cores=8) == 1  # a standalone group: one thread
+    assert TrainerSpec(model, TrainerConfig(threads_per_rank=3), cpu_sharers=2).threads(node_cores=8) == 3
+    assert ServerSpec(model, cpu_sharers=1).threads(node_cores=2) == 2
+    assert ServerSpec(model, EngineConfig(threads=1), cpu_sharers=1).threads(node_cores=2) == 1
+
+
 def test_offload_off_keeps_colocated_trainers_awake():
     assert not Topology.from_config(_config("colocated", 2, 1, offload=False), has_gpu=False).trainers_sleep
 
