@@ -2,7 +2,8 @@
 
 `rlsys.rollout.server` puts this directory first on the SGLang server's PYTHONPATH when no CUDA
 device is present; Python then imports this file at start-up in every server process. It does
-exactly two things, both needed to run the real SGLang server with `--device cpu`:
+three things: the first two are needed to run the real SGLang server with `--device cpu`, the
+third makes its decode steps fast enough to compare with plain transformers on a CPU:
 
 1. `sgl_kernel` (SGLang's compiled kernel package) is CUDA-only and cannot be imported without
    libcuda. On a CPU without AMX, SGLang's CPU path uses plain torch layers and never calls those
@@ -12,6 +13,8 @@ exactly two things, both needed to run the real SGLang server with `--device cpu
 2. `torch.cuda.synchronize()` is called by `/release_memory_occupation` through the device
    module and dies on a CUDA build of torch without a driver. With no GPU there is nothing to
    synchronise, so it becomes a no-op.
+3. The torch_native attention backend's decode attends one request at a time in a Python loop;
+   when SGLang imports it, `rlsys_batched_decode` replaces that loop with one batched SDPA call.
 """
 
 import importlib.abc
@@ -20,6 +23,7 @@ import sys
 import types
 
 _STANDIN_ROOT = "sgl_kernel"
+_TORCH_NATIVE_BACKEND = "sglang.srt.layers.attention.torch_native_backend"
 
 
 def _raise_not_available(qualified_name):
@@ -58,6 +62,27 @@ class _StandInFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Finds SGLang's torch_native backend as usual, then patches it once it has executed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _TORCH_NATIVE_BACKEND:
+            return None
+        import rlsys_batched_decode
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            rlsys_batched_decode.patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def _install():
     sys.meta_path.insert(0, _StandInFinder())
     try:
@@ -66,6 +91,7 @@ def _install():
         return
     if not torch.cuda.is_available():
         torch.cuda.synchronize = lambda *args, **kwargs: None
+        sys.meta_path.insert(0, _PatchAfterImport())
 
 
 _install()
