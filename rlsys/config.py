@@ -149,9 +149,15 @@ class TrainerConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
     gradient_checkpointing: bool = False
-    offload_between_steps: bool = Field(
-        True, description="Colocated: sleep (offload params, grads, optimizer) outside the train phase."
+    offload_between_steps: bool | None = Field(
+        None, description="Colocated: sleep (offload params, grads, optimizer) outside the train phase, so the "
+        "engines get the device. Default: on when the run uses GPUs; off on CPU, where the trainer and the engines "
+        "share host memory either way and the hand-off only costs time (set true to exercise it there).",
     )
+
+    def sleeps_between_steps(self, colocated: bool, has_gpu: bool) -> bool:
+        """Whether trainer ranks offload between train phases (only colocated ones can)."""
+        return colocated and (self.offload_between_steps if self.offload_between_steps is not None else has_gpu)
     threads_per_rank: int | None = Field(
         None, ge=1, description="CPU threads of each rank's math. Default: its node's cores divided among the run's "
         "processes that compute at the same time on that node (colocated: the trainer ranks while they train; "

@@ -139,20 +139,22 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
     colocated = config.placement.mode == "colocated"
 
     tokens = t.max_tokens_per_microbatch if t.packing else t.micro_batch_size * engine.context_length
-    sequence = min(tokens, engine.context_length) if not t.packing else tokens  # a pack attends over its length
-    sequences = 1 if t.packing else t.micro_batch_size
+    # Packed rows attend within each sequence (actors/packed_attention.py): at worst, full-length ones.
+    sequence = min(tokens, engine.context_length)
+    sequences = max(1, tokens // sequence) if t.packing else t.micro_batch_size
     per_layer = activation_bytes_per_token_layer(shape, compute) * tokens
     if t.gradient_checkpointing:  # layer inputs kept; one layer recomputed at a time
         activations = shape.layers * tokens * shape.hidden * compute + per_layer
     else:
         activations = shape.layers * per_layer
-    # flash-attn: nothing quadratic. SDPA on GPU: the [seq, seq] boolean mask of a pack or padded
-    # batch. SDPA on CPU (math kernel): fp32 probabilities per head, kept per layer for backward.
+    # flash-attn: nothing quadratic. SDPA on GPU: packed rows take no mask (its fused kernels keep
+    # nothing quadratic); a padded batch, a [seq, seq] boolean mask per row. SDPA on CPU (math
+    # kernel): fp32 probabilities per head, kept per layer for backward.
     scores_layers = 1 if t.gradient_checkpointing else shape.layers
     if flash_attention:
         attention_scores = 0
     elif on_gpu:
-        attention_scores = sequences * sequence**2
+        attention_scores = 0 if t.packing else sequences * sequence**2
     else:
         attention_scores = sequences * shape.heads * sequence**2 * 4 * scores_layers
     needs_reference = config.algorithm.use_kl_loss or config.algorithm.kl_in_reward
@@ -179,7 +181,7 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
              "activations", "attention_scores", "logits_chunk", "reference_model")
     sync = ("trainer_params", "optimizer_states", "unsharded_layers", "weight_sync_bucket", "engine_weights")
     serving = ("engine_weights", "engine_kv_cache")
-    if colocated and t.offload_between_steps:
+    if t.sleeps_between_steps(colocated, on_gpu):
         members = {"generate": serving, "train": train, "sync": sync}
     elif colocated:
         members = {"all_at_once": tuple(terms)}

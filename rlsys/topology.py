@@ -42,7 +42,7 @@ class Topology:
         return cls(
             mode=config.placement.mode, num_ranks=config.trainer.num_ranks,
             num_engines=config.rollout.num_engines, engine_tp_size=config.rollout.engine.tp_size,
-            has_gpu=has_gpu, trainers_sleep=colocated and config.trainer.offload_between_steps,
+            has_gpu=has_gpu, trainers_sleep=config.trainer.sleeps_between_steps(colocated, has_gpu),
         )
 
     def __post_init__(self):

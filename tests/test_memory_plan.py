@@ -139,7 +139,8 @@ def test_a_measured_train_step_matches_the_plan_and_chunked_log_probs_cut_its_pe
     model_dir = tmp_path / "vocab152k"
     config = RunConfig.model_validate({
         "model": {"path": str(model_dir)}, "data": {"synthetic": {"task": "max_digit"}},
-        "trainer": {"num_ranks": 1, "max_tokens_per_microbatch": 2048}, "rollout": {"num_engines": 1}})
+        "trainer": {"num_ranks": 1, "max_tokens_per_microbatch": 2048, "offload_between_steps": True},
+        "rollout": {"num_engines": 1}})
     plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 24 * GiB, on_gpu=False, flash_attention=False)
     planned = plan.phases["train"] - plan.terms["trainer_params"]
     measured = peaks["train_step_peak_rise_bytes_chunked"]

@@ -9,7 +9,7 @@ from rlsys.rollout.manager import collect_in_prompt_order, deal_prompts
 from rlsys.topology import Topology
 
 
-def _config(mode: str, ranks: int, engines: int, tp: int = 1, offload: bool = True) -> RunConfig:
+def _config(mode: str, ranks: int, engines: int, tp: int = 1, offload: bool | None = None) -> RunConfig:
     return RunConfig.model_validate({
         "model": {"path": "unused"}, "data": {"synthetic": {"task": "max_digit"}},
         "placement": {"mode": mode}, "trainer": {"num_ranks": ranks, "offload_between_steps": offload},
@@ -78,6 +78,12 @@ def test_threads_divide_the_nodes_cores_unless_set():
     assert TrainerSpec(model, TrainerConfig(threads_per_rank=3), cpu_sharers=2).threads(node_cores=8) == 3
     assert ServerSpec(model, cpu_sharers=1).threads(node_cores=2) == 2
     assert ServerSpec(model, EngineConfig(threads=1), cpu_sharers=1).threads(node_cores=2) == 1
+
+
+def test_colocated_trainers_sleep_by_default_only_on_gpus():
+    assert Topology.from_config(_config("colocated", 2, 1), has_gpu=True).trainers_sleep
+    assert not Topology.from_config(_config("colocated", 2, 1), has_gpu=False).trainers_sleep  # one memory
+    assert Topology.from_config(_config("colocated", 2, 1, offload=True), has_gpu=False).trainers_sleep
 
 
 def test_offload_off_keeps_colocated_trainers_awake():
