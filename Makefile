@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_DIR := .cache/tiny-model
 STAMP := $(VENV)/.rlsys-installed
 
-.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium
+.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium bench
 
 # torch first (2.14.1 lies on local disk), then SGLang's pure-Python runtime deps, then sglang
 # itself without its CUDA-only kernel packages, then rlsys. See requirements/sglang-cpu.txt.
@@ -48,6 +48,19 @@ test: install chromium
 test-gpu:
 	$(BIN)/python -m pytest -q -m gpu tests
 	bash deploy/gpu_smoke.sh
+
+# TRL in its own virtualenv (its transformers/accelerate pins are not SGLang's), then rlsys
+# against TRL's GRPOTrainer on the same work: one JSON object (bench/vs_trl.py).
+BENCH_VENV := .cache/bench-venv
+$(BENCH_VENV)/.installed:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/pip install -q torch==2.14.1
+	$(BENCH_VENV)/bin/pip install -q trl==1.16.0
+	touch $@
+
+bench: install $(BENCH_VENV)/.installed
+	$(BIN)/python bench/vs_trl.py --out bench/results/vs_trl-$$(date +%F).json
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
