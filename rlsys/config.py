@@ -131,6 +131,11 @@ class RolloutConfig(_Section):
                 f"rollout.sampling.min_new_tokens ({self.sampling.min_new_tokens}) exceeds max_new_tokens "
                 f"({self.max_new_tokens})"
             )
+        if self.sampling.min_new_tokens and self.engine.skip_tokenizer_init:
+            raise ValueError(
+                "rollout.sampling.min_new_tokens needs the engine's tokenizer (SGLang ignores it with "
+                "rollout.engine.skip_tokenizer_init); use rollout.sampling.ignore_eos for fixed-length responses"
+            )
         return self
 
 

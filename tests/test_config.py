@@ -87,3 +87,25 @@ def test_model_directory_without_weight_files_fails_before_actors(tmp_path, tiny
 def test_adam_betas_outside_zero_one_are_rejected(tmp_path, tiny_model_dir, betas):
     with pytest.raises(ConfigError, match=r"trainer: betas must each be in \[0, 1\)"):
         load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), [f"trainer.betas={betas}"])
+
+
+def test_sampling_options_reach_the_engine_request_and_bad_ones_are_refused(tmp_path, tiny_model_dir):
+    from rlsys.assets import load_assets
+    from rlsys.evaluation import sampling_params
+
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    config = load_config(path, ["rollout.max_new_tokens=16", "rollout.engine.skip_tokenizer_init=false",
+                                "rollout.sampling.top_k=5", "rollout.sampling.min_p=0.1",
+                                "rollout.sampling.repetition_penalty=1.2", "rollout.sampling.min_new_tokens=4",
+                                "rollout.sampling.ignore_eos=true", "rollout.sampling.stop_token_ids=[7]"])
+    request = sampling_params(config, load_assets(config), temperature=0.7, top_p=0.9).as_sglang()
+    assert request == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 16, "top_k": 5, "min_p": 0.1,
+                       "repetition_penalty": 1.2, "min_new_tokens": 4, "ignore_eos": True,
+                       "stop_token_ids": [request["stop_token_ids"][0], 7]}  # the tokenizer's EOS, then ours
+    plain = sampling_params(load_config(path), load_assets(load_config(path)), 1.0, 1.0).as_sglang()
+    assert not {"top_k", "min_p", "repetition_penalty", "min_new_tokens", "ignore_eos"} & plain.keys()
+    for bad, reason in [("rollout.sampling.top_k=0", "top_k must be -1"),
+                        ("rollout.sampling.min_new_tokens=64", "exceeds max_new_tokens"),
+                        ("rollout.sampling.min_new_tokens=1", "needs the engine's tokenizer")]:
+        with pytest.raises(ConfigError, match=reason):
+            load_config(path, [bad])

@@ -69,8 +69,9 @@ def test_colocated_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
     assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
     assert rollout.weight_versions() == [1, 1]
     assert verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0) < 1e-3
-    generations = rollout.generate([FIXED[0][:3], FIXED[1][:3]], SamplingParams(max_new_tokens=2), n=2)
+    generations = rollout.generate([FIXED[0][:3], FIXED[1][:3]], SamplingParams(max_new_tokens=6, ignore_eos=True), n=2)
     assert [g.weight_version for g in generations] == [1, 1, 1, 1]
+    assert [len(g.response_ids) for g in generations] == [6] * 4  # ignore_eos reached the engine
 
 
 @pytest.mark.slow
