@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-PACKED_SDPA = "rlsys_packed_sdpa"
+from rlsys.weight_sync.backend import PACKED_SDPA
 
 
 def sequence_starts(position_ids: torch.Tensor) -> list[int]:

@@ -312,12 +312,15 @@ def run(config: RunConfig) -> Path:
         stack.callback(sweep_shared_memory)  # and, at the end, what a killed engine left of this run
         stack.callback(start_reaper(run_dir).terminate)  # cleans up if this process is killed
         stack.enter_context(status_server(config, status))
+        ray_start = time.perf_counter()
         stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or layout.local_cpus()))
+        print(f"rlsys: Ray cluster up in {time.perf_counter() - ray_start:.1f} s", flush=True)
         _stop_on_sigterm(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
         topology = Topology.from_config(config, _run_uses_gpus(config, layout))
         rewards = RewardPool(config.reward.function, config.reward.num_workers, config.reward.timeout_s)
         stack.callback(rewards.close)
+        rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack)
         run = Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
                   PromptSampler(assets.train, config.data.prompts_per_step, config.seed),
@@ -325,7 +328,10 @@ def run(config: RunConfig) -> Path:
                   Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts),
                   HealthMonitor(parts), rewards)
         parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.state.weight_version)
+        sync_start = time.perf_counter()
         run.continue_from(checkpoint)
+        print(f"rlsys: engines hold the trainer's weights (version {run.state.weight_version}) after "
+              f"{time.perf_counter() - sync_start:.1f} s; training", flush=True)
         _train_resuming_dead_trainers(run, store)
         status.set_state("stopped" if status.stop_requested else "finished")
         status.save_snapshot()

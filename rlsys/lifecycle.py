@@ -4,6 +4,7 @@ trainers)."""
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     """Engines start in the background while the trainer ranks build their models (on GPUs,
     colocated, the engines first: `Topology.engines_start_first`); then each rank is connected to
     the engine(s) it feeds. `stack` stops them, whatever happens."""
+    start = time.perf_counter()
     parts = Components(topology, create_placement(topology))
     stack.callback(parts.shutdown)
     parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
@@ -57,9 +59,10 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     parts.trainer = _trainer_group(config, parts)
     ranks = parts.trainer.describe()
     print(f"rlsys: trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['dist_backend']}, "
-          f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads each)",
-          flush=True)
+          f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads each) "
+          f"ready after {time.perf_counter() - start:.1f} s", flush=True)
     parts.topology = topology.with_engines(parts.rollout.wait_ready())
+    print(f"rlsys: {topology.num_engines} SGLang engine(s) ready after {time.perf_counter() - start:.1f} s", flush=True)
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
     parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
                                   run_dir / "logs" / "device_handoff.jsonl")

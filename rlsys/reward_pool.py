@@ -81,8 +81,13 @@ def _score_in_worker(calls: list[RewardCall], timeout_s: float) -> list[RewardOu
     return score_calls(_worker_function, calls, timeout_s)
 
 
+def _ready() -> bool:
+    return True
+
+
 class RewardPool:
-    """`num_workers` processes scoring chunks of calls; start-up is paid once, at the first call."""
+    """`num_workers` processes scoring chunks of calls; start-up is paid once, at `start` (or the
+    first call)."""
 
     def __init__(self, function_path: str, num_workers: int, timeout_s: float):
         self.function_path = function_path
@@ -98,6 +103,13 @@ class RewardPool:
                 initializer=_load_in_worker, initargs=(self.function_path, os.getcwd()),
             )
         return self._executor
+
+    def start(self) -> None:
+        """Launch the workers now; they import the reward function while the caller goes on (the
+        run starts its engines meanwhile), instead of during the first step."""
+        pool = self._pool()
+        for _ in range(self.num_workers):
+            pool.submit(_ready)
 
     def score(self, calls: list[RewardCall]) -> list[RewardOutcome]:
         """One outcome per call, in order."""

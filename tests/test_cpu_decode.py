@@ -1,5 +1,5 @@
-"""The CPU engine's batched decode attention (rollout/cpu_compat) equals SGLang's own
-one-request-at-a-time loop, and the server's compatibility layer installs it."""
+"""The CPU engine's batched decode and prefill attention (rollout/cpu_compat) equal SGLang's own
+one-request-at-a-time loops, and the server's compatibility layer installs them."""
 
 from __future__ import annotations
 
@@ -29,11 +29,25 @@ ours = decode(None, query, torch.empty(4, heads, dim), *args, **kwargs)
 theirs = decode.rlsys_original(None, query, torch.empty(4, heads, dim), *args, **kwargs)
 error = (ours - theirs).abs().max().item()
 assert error < 1e-6, error
+
+# Prefill (extend): requests with cached prefixes of different lengths, one without a prefix,
+# one extending by a single token.
+extend = module.TorchNativeAttnBackend._run_sdpa_forward_extend
+assert hasattr(extend, "rlsys_original"), "the batched prefill was not installed"
+prefix_lens, extend_lens = torch.tensor([0, 5, 2, 9]), torch.tensor([7, 1, 10, 3])
+seq_lens = prefix_lens + extend_lens
+query = torch.randn(int(extend_lens.sum()), heads, dim)
+args = (k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens)
+kwargs = dict(scaling=dim ** -0.5, enable_gqa=True, causal=True)
+ours = extend(None, query, torch.zeros(query.shape[0], heads, dim), *args, **kwargs)
+theirs = extend.rlsys_original(None, query, torch.zeros(query.shape[0], heads, dim), *args, **kwargs)
+error = max(error, (ours - theirs).abs().max().item())
+assert error < 1e-6, error
 print("ok", error)
 """
 
 
-def test_batched_decode_attention_equals_sglangs_per_request_loop():
+def test_batched_decode_and_prefill_attention_equal_sglangs_per_request_loops():
     env = {**os.environ, "PYTHONPATH": str(CPU_COMPAT_SITE), "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -17,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlsys.actors.packed_attention import PACKED_SDPA
+# SDPA attending within each sequence of a packed row (actors/packed_attention.py registers it);
+# named here so that choosing it needs no torch import.
+PACKED_SDPA = "rlsys_packed_sdpa"
 
 DeviceChoice = Literal["auto", "cuda", "cpu"]
 

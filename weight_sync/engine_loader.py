@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where the loader runs (the engine); its launcher needs only the names
+    import torch
 
 LOAD_FORMAT = "rlsys.weight_sync.engine_loader.load_bucket"
 LOAD_THREADS_ENV = "RLSYS_WEIGHT_LOAD_THREADS"
@@ -61,6 +63,8 @@ def _load_threads() -> int | None:
 
 @contextmanager
 def _intra_op_threads(threads: int | None):
+    import torch
+
     previous = torch.get_num_threads()
     if threads is None or threads == previous:
         yield

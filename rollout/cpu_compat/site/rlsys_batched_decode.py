@@ -1,14 +1,15 @@
-"""One SDPA call per decode step and layer for SGLang's torch_native attention backend (CPU).
+"""One SDPA call per layer for a whole batch in SGLang's torch_native attention backend (CPU).
 
-SGLang's `TorchNativeAttnBackend._run_sdpa_forward_decode` loops over the batch in Python, one
-SDPA call per request: with 64 requests, a 6-layer model makes ~400 tiny calls per generated
-token, and on a CPU that loop is most of the time of a decode step. Here the batch's keys and
-values are gathered from the KV cache into [B, max_len] (positions past a request's length
-masked out) and attended in one call. Masked positions get zero weight, so the result is each
-request's own attention (up to summation order).
+SGLang's `TorchNativeAttnBackend._run_sdpa_forward_decode` and `_run_sdpa_forward_extend` loop
+over the batch in Python, one SDPA call per request: with 64 requests, a 6-layer model makes ~400
+tiny calls per forward, and on a CPU that loop is most of the time of a decode step. Here the
+batch's keys and values are gathered from the KV cache into [B, max_len] (positions past a
+request's length, or after a query's own position, masked out) and attended in one call. Masked
+positions get zero weight, so the result is each request's own attention (up to summation order).
 
-Applied by `sitecustomize` when SGLang imports the backend, on CPU servers only; cases the
-batched form does not cover (cross-attention, encoder lengths, sliding windows) keep the loop.
+Applied by `sitecustomize` when SGLang imports the backend, on CPU servers only. Cases the batched
+form does not cover (cross-attention, encoder lengths, sliding windows, non-causal prefill) and
+prefills whose padded batch would be large keep SGLang's loop.
 """
 
 from __future__ import annotations
@@ -41,7 +42,51 @@ def batched_decode(original):
     return _run_sdpa_forward_decode
 
 
+# A padded prefill's attention weights (batch x heads x queries x keys, fp32) above this many
+# elements take SGLang's per-request loop instead: padding must not cost more than the loop saves.
+MAX_PADDED_SCORES = 2**24
+
+
+def batched_extend(original):
+    def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                 extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
+                                 enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None):
+        batch, max_q, max_kv = seq_lens.shape[0], int(extend_seq_lens.max()), int(seq_lens.max())
+        if (encoder_lens is not None or is_cross_attn or not causal
+                or (sliding_window_size is not None and sliding_window_size > -1)
+                or batch * query.shape[1] * max_q * max_kv > MAX_PADDED_SCORES):
+            return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                            extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling,
+                            enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
+                            sliding_window_size=sliding_window_size)
+        device = query.device
+        offsets = torch.arange(max_q, device=device)
+        first_token = torch.cumsum(extend_seq_lens, 0) - extend_seq_lens  # where each request's queries start
+        is_query = offsets[None, :] < extend_seq_lens[:, None]  # [B, max_q]
+        rows = (first_token[:, None] + offsets[None, :]).clamp(max=query.shape[0] - 1)  # padding reads a real row
+        padded_query = query[rows].transpose(1, 2)  # [B, H, max_q, D]
+        slots = req_to_token[req_pool_indices, :max_kv].long()
+        key = k_cache[slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
+        value = v_cache[slots].transpose(1, 2)
+        if key.dtype != query.dtype:
+            key, value = key.to(query.dtype), value.to(query.dtype)
+        # Query i of a request sits at position prefix + i and sees keys 0..prefix + i (causal).
+        position = extend_prefix_lens[:, None] + offsets[None, :]  # [B, max_q]
+        keys = torch.arange(max_kv, device=device)
+        visible = (keys[None, None, :] <= position[:, :, None]) & (keys[None, None, :] < seq_lens[:, None, None])
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            padded_query, key, value, attn_mask=visible[:, None], scale=scaling, enable_gqa=enable_gqa,
+        ).transpose(1, 2)  # [B, max_q, H, Dv]
+        output[rows[is_query]] = attended[is_query]
+        return output
+
+    _run_sdpa_forward_extend.rlsys_original = original
+    return _run_sdpa_forward_extend
+
+
 def patch(module) -> None:
     backend = module.TorchNativeAttnBackend
     if not hasattr(backend._run_sdpa_forward_decode, "rlsys_original"):
         backend._run_sdpa_forward_decode = batched_decode(backend._run_sdpa_forward_decode)
+    if not hasattr(backend._run_sdpa_forward_extend, "rlsys_original"):
+        backend._run_sdpa_forward_extend = batched_extend(backend._run_sdpa_forward_extend)
