@@ -2,7 +2,7 @@
 
 Colocated: bundle i holds trainer rank i and engine i (on a GPU node they share its GPU, half each);
 rank i hands its weights to engine i by IPC handle; ranks beyond the last engine only join the
-gathers; trainers sleep between train phases so the engines get the device. Disaggregated:
+gathers; on GPUs trainers sleep between train phases so the engines get the device. Disaggregated:
 trainers and engines own separate bundles (separate GPUs, possibly nodes), trainer rank 0
 broadcasts to every engine, and the trainers never sleep. Pure: computable without Ray.
 """
