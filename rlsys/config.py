@@ -107,6 +107,8 @@ class SamplingConfig(_Section):
     def _top_k(self):
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1 (got {self.top_k})")
+        if any(token < 0 for token in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0 (got {self.stop_token_ids})")
         return self
 
 
@@ -159,10 +161,6 @@ class TrainerConfig(_Section):
         "engines get the device. Default: on when the run uses GPUs; off on CPU, where the trainer and the engines "
         "share host memory either way and the hand-off only costs time (set true to exercise it there).",
     )
-
-    def sleeps_between_steps(self, colocated: bool, has_gpu: bool) -> bool:
-        """Whether trainer ranks offload between train phases (only colocated ones can)."""
-        return colocated and (self.offload_between_steps if self.offload_between_steps is not None else has_gpu)
     threads_per_rank: int | None = Field(
         None, ge=1, description="CPU threads of each rank's math. Default: its node's cores divided among the run's "
         "processes that compute at the same time on that node (colocated: the trainer ranks while they train; "
@@ -173,6 +171,10 @@ class TrainerConfig(_Section):
         "tokens at a time, never keeping full-vocabulary logits for backward (0: one unchunked pass that keeps "
         "them, as plain autograd does; only for comparison).",
     )
+
+    def sleeps_between_steps(self, colocated: bool, has_gpu: bool) -> bool:
+        """Whether trainer ranks offload between train phases (only colocated ones can)."""
+        return colocated and (self.offload_between_steps if self.offload_between_steps is not None else has_gpu)
 
     @model_validator(mode="after")
     def _betas(self):

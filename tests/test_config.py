@@ -106,6 +106,7 @@ def test_sampling_options_reach_the_engine_request_and_bad_ones_are_refused(tmp_
     assert not {"top_k", "min_p", "repetition_penalty", "min_new_tokens", "ignore_eos"} & plain.keys()
     for bad, reason in [("rollout.sampling.top_k=0", "top_k must be -1"),
                         ("rollout.sampling.min_new_tokens=64", "exceeds max_new_tokens"),
-                        ("rollout.sampling.min_new_tokens=1", "needs the engine's tokenizer")]:
+                        ("rollout.sampling.min_new_tokens=1", "needs the engine's tokenizer"),
+                        ("rollout.sampling.stop_token_ids=[-1]", "token ids >= 0")]:
         with pytest.raises(ConfigError, match=reason):
             load_config(path, [bad])

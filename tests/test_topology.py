@@ -80,6 +80,20 @@ def test_threads_divide_the_nodes_cores_unless_set():
     assert ServerSpec(model, EngineConfig(threads=1), cpu_sharers=1).threads(node_cores=2) == 1
 
 
+def test_a_cpu_engine_server_starts_with_its_thread_budget():
+    import os
+
+    from rlsys.config import ModelConfig
+    from rlsys.rollout.server import ServerSpec, build_env
+    from rlsys.weight_sync.backend import make_backend
+
+    cores = len(os.sched_getaffinity(0))
+    env = build_env(ServerSpec(ModelConfig(path="unused"), cpu_sharers=1), make_backend(False))
+    assert env["OMP_NUM_THREADS"] == str(cores)  # SGLang's scheduler takes its torch threads from here
+    env = build_env(ServerSpec(ModelConfig(path="unused")), make_backend(False))
+    assert env["OMP_NUM_THREADS"] == "1"  # a standalone engine: one thread
+
+
 def test_colocated_trainers_sleep_by_default_only_on_gpus():
     assert Topology.from_config(_config("colocated", 2, 1), has_gpu=True).trainers_sleep
     assert not Topology.from_config(_config("colocated", 2, 1), has_gpu=False).trainers_sleep  # one memory
