@@ -22,10 +22,20 @@ class TrainSequence:
     prompt_len: int
     advantage: float = 0.0
     engine_logprobs: list[float] = field(default_factory=list)  # one per response token
+    # Per response token: 1 = the loss counts it, 0 = it does not (e.g. a truncated response with
+    # algorithm.mask_truncated). None: every response token counts.
+    loss_mask: list[int] | None = None
+    # w of each loss token in its mini-batch's loss, sum_i w_i sum_t l_it (algorithms/grpo.py
+    # `sequence_loss_weights`); set by TrainerGroup for each global mini-batch.
+    loss_weight: float | None = None
 
     @property
     def response_len(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def loss_tokens(self) -> int:
+        return self.response_len if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
 
 
 @dataclass
@@ -34,10 +44,11 @@ class MicroBatch:
     position_ids: torch.Tensor  # [B, T]
     attention_mask: torch.Tensor | None  # [B, T] for padded rows; None when packed
     targets: torch.Tensor  # [B, T-1]
-    response_mask: torch.Tensor  # [B, T-1] float
+    response_mask: torch.Tensor  # [B, T-1] float: the tokens the loss counts (response tokens, loss mask 1)
+    loss_weights: torch.Tensor  # [B, T-1]: each such token's weight in the mini-batch loss, 0 elsewhere
     advantages: torch.Tensor  # [B, T-1] per token
     engine_logprobs: torch.Tensor  # [B, T-1], 0 outside the response
-    engine_mask: torch.Tensor  # [B, T-1] float: response tokens that have an engine log-prob
+    engine_mask: torch.Tensor  # [B, T-1] float: loss tokens that have an engine log-prob
     indices: list[int]  # positions of these sequences in the caller's list
     spans: list[tuple[int, int, int]]  # per sequence: (row, first, end) target positions
     # Filled by the trainer before its optimizer steps: log-probs of the weights that generated
@@ -61,6 +72,8 @@ def _check(seq: TrainSequence) -> None:
         raise ValueError(f"a training sequence needs 1..{len(seq.token_ids)} prompt tokens (got {seq.prompt_len})")
     if seq.engine_logprobs and len(seq.engine_logprobs) != seq.response_len:
         raise ValueError(f"{len(seq.engine_logprobs)} engine log-probs for {seq.response_len} response tokens")
+    if seq.loss_mask is not None and len(seq.loss_mask) != seq.response_len:
+        raise ValueError(f"a loss mask of {len(seq.loss_mask)} values for {seq.response_len} response tokens")
 
 
 def build_micro_batch(
@@ -69,11 +82,11 @@ def build_micro_batch(
     """Lay sequences out packed (one row) or padded (one row each).
 
     An empty list gives a two-token dummy row with an all-zero mask: a rank with no data still
-    joins FSDP's collectives.
+    joins FSDP's collectives. Sequences without a `loss_weight` weigh 1 per loss token.
     """
     is_dummy = not sequences
     if is_dummy:
-        sequences, indices = [TrainSequence(token_ids=[pad_id, pad_id], prompt_len=2)], []
+        sequences, indices = [TrainSequence(token_ids=[pad_id, pad_id], prompt_len=2, loss_weight=0.0)], []
     for seq in sequences:
         _check(seq)
     if packed:
@@ -86,7 +99,8 @@ def build_micro_batch(
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
     attention_mask = torch.zeros(shape, dtype=torch.long)
-    per_token = {name: torch.zeros((len(rows), width - 1)) for name in ("mask", "adv", "engine", "engine_mask")}
+    per_token = {name: torch.zeros((len(rows), width - 1))
+                 for name in ("mask", "weight", "adv", "engine", "engine_mask")}
     spans = []
     for row, row_sequences in enumerate(rows):
         offset = 0
@@ -97,14 +111,17 @@ def build_micro_batch(
             attention_mask[row, offset:offset + length] = 1
             first, end = offset + seq.prompt_len - 1, offset + length - 1
             spans.append((row, first, end))
-            per_token["mask"][row, first:end] = 1.0
+            loss_mask = torch.ones(end - first) if seq.loss_mask is None else torch.tensor(seq.loss_mask).float()
+            per_token["mask"][row, first:end] = loss_mask
+            per_token["weight"][row, first:end] = loss_mask * (1.0 if seq.loss_weight is None else seq.loss_weight)
             per_token["adv"][row, first:end] = seq.advantage
             if seq.engine_logprobs:
                 per_token["engine"][row, first:end] = torch.tensor(seq.engine_logprobs)
-                per_token["engine_mask"][row, first:end] = 1.0
+                per_token["engine_mask"][row, first:end] = loss_mask
             offset += length
     if is_dummy:
         per_token["mask"].zero_()
+        per_token["weight"].zero_()
         per_token["engine_mask"].zero_()
         spans = []
     return MicroBatch(
@@ -113,6 +130,7 @@ def build_micro_batch(
         attention_mask=None if packed else attention_mask.to(device),
         targets=input_ids[:, 1:].to(device),
         response_mask=per_token["mask"].to(device),
+        loss_weights=per_token["weight"].to(device),
         advantages=per_token["adv"].to(device),
         engine_logprobs=per_token["engine"].to(device),
         engine_mask=per_token["engine_mask"].to(device),

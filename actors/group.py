@@ -8,6 +8,7 @@ import ray
 
 from rlsys.actors.batching import TrainSequence, split_evenly
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker
+from rlsys.algorithms.grpo import sequence_loss_weights
 from rlsys.topology import Topology
 
 
@@ -37,9 +38,16 @@ class TrainerGroup:
         results = ray.get([w.compute_log_probs.remote(s) for w, s in zip(self.workers, shares, strict=False)])
         return [logprobs for share in results for logprobs in share]
 
+    def _weighed(self, mini_batch: list[TrainSequence]) -> list[TrainSequence]:
+        """Copies carrying each sequence's token weight in this global mini-batch's loss."""
+        algorithm = self.spec.algorithm
+        weights = sequence_loss_weights([s.loss_tokens for s in mini_batch], algorithm.loss_agg_mode,
+                                        algorithm.loss_norm_tokens)
+        return [replace(s, loss_weight=w) for s, w in zip(mini_batch, weights, strict=True)]
+
     def train_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
         """Split into `mini_batches_per_step` global mini-batches, then each over the ranks."""
-        minis = split_evenly(sequences, self.spec.trainer.mini_batches_per_step)
+        minis = [self._weighed(mini) for mini in split_evenly(sequences, self.spec.trainer.mini_batches_per_step)]
         per_rank = [[split_evenly(mini, self.num_ranks)[rank] for mini in minis] for rank in range(self.num_ranks)]
         results = ray.get([w.train_step.remote(parts) for w, parts in zip(self.workers, per_rank, strict=True)])
         return results[0]  # metrics are all-reduced: every rank returns the same
@@ -53,7 +61,8 @@ class TrainerGroup:
         return ray.get([w.sync_weights.remote(bucket_bytes, weight_version) for w in self.workers])
 
     def loss_gradients(self, sequences: list[TrainSequence]) -> dict:
-        shares = self._shares(sequences)
+        """Gradients of the loss of `sequences` as one mini-batch (tests)."""
+        shares = self._shares(self._weighed(sequences))
         return ray.get([w.loss_gradients.remote(s) for w, s in zip(self.workers, shares, strict=True)])[0]
 
     def compute_sequence_kl(self, sequences: list[TrainSequence]) -> list[float]:

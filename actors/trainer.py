@@ -1,8 +1,9 @@
 """The FSDP2 trainer: one instance per rank, each inside a Ray actor (see actors/group.py).
 
 Data parallel over the ranks' shares of the batch; parameters sharded with `fully_shard` per
-decoder layer and then the root. The loss is normalised by the global number of response tokens
-in the mini-batch, so any split over ranks and micro-batches gives the same gradient.
+decoder layer and then the root. Every loss token carries its weight in the global mini-batch's
+loss (set by TrainerGroup from algorithm.loss_agg_mode), so any split over ranks and micro-batches
+gives the same gradient.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rlsys.actors.logprob_head import install_logprob_head
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize
 from rlsys.actors.schedule import build_lr_scheduler
-from rlsys.algorithms.grpo import clipped_policy_loss, kl_estimate, masked_sum
+from rlsys.algorithms.grpo import clipped_policy_loss, kl_estimate, masked_sum, truncated_importance_weights
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from rlsys.rollout.client import SGLangClient
 from rlsys.topology import Topology
@@ -67,13 +68,16 @@ class TrainerSpec:
 class LossSums:
     """Token sums of one rank's micro-batches; all-reduced, then divided into per-token metrics."""
 
-    loss: float = 0.0  # policy loss incl. KL and entropy terms
+    objective: float = 0.0  # sum of w * token loss (policy incl. KL and entropy terms): the loss minimised
     kl: float = 0.0
     clipped: float = 0.0
     entropy: float = 0.0
     logprob_mismatch: float = 0.0  # |old - engine| over tokens with an engine log-prob
+    tis_weight: float = 0.0  # truncated importance weights, over tokens with an engine log-prob
+    tis_clipped: float = 0.0
     tokens: float = 0.0
     engine_tokens: float = 0.0
+    mini_batches: float = 0.0
 
     def __iadd__(self, other: LossSums) -> LossSums:
         for name, value in asdict(other).items():
@@ -85,16 +89,21 @@ class LossSums:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         return LossSums(*values.cpu().tolist())
 
-    def metrics(self) -> dict[str, float]:
-        tokens = max(self.tokens, 1.0)
-        return {
-            "loss": self.loss / tokens,
+    def metrics(self, with_tis: bool) -> dict[str, float]:
+        """The loss per mini-batch; the rest per loss token (per engine-scored token for the last two)."""
+        tokens, engine_tokens = max(self.tokens, 1.0), max(self.engine_tokens, 1.0)
+        metrics = {
+            "loss": self.objective / max(self.mini_batches, 1.0),
             "kl": self.kl / tokens,
             "clip_fraction": self.clipped / tokens,
             "entropy": self.entropy / tokens,
-            "logprob_mismatch": self.logprob_mismatch / max(self.engine_tokens, 1.0),
+            "logprob_mismatch": self.logprob_mismatch / engine_tokens,
             "train_tokens": self.tokens,
         }
+        if with_tis:
+            metrics.update(tis_weight_mean=self.tis_weight / engine_tokens,
+                           tis_clipped_fraction=self.tis_clipped / engine_tokens)
+        return metrics
 
 
 class TrainerWorker:
@@ -180,11 +189,6 @@ class TrainerWorker:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return int(tensor.item())
 
-    def _global_sum(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return float(tensor.item())
-
     def _micro_batches(self, sequences: list[TrainSequence], indices: list[int]) -> list[MicroBatch]:
         """This rank's micro-batches for `indices`, padded with dummies to the ranks' maximum
         count so every rank runs the same number of FSDP forward/backward passes."""
@@ -253,8 +257,7 @@ class TrainerWorker:
     def _backward_mini_batch(self, batches: list[MicroBatch]) -> LossSums:
         """Accumulate the mini-batch's gradient; returns this rank's token sums."""
         algorithm = self.spec.algorithm
-        normaliser = max(self._global_sum(sum(b.num_tokens for b in batches)), 1.0)
-        sums = LossSums()
+        sums = LossSums(mini_batches=1.0 if self.rank == 0 else 0.0)
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             logprobs, entropy = self._forward(self.model, batch, with_entropy=True)
@@ -262,6 +265,11 @@ class TrainerWorker:
             terms = clipped_policy_loss(logprobs, old_logprobs, batch.advantages,
                                         algorithm.clip_eps_low, algorithm.clip_eps_high)
             token_loss = terms.loss
+            tis = None
+            if algorithm.tis.enabled:  # the samples came from the engine's distribution, not the trainer's
+                tis = truncated_importance_weights(old_logprobs, batch.engine_logprobs, batch.engine_mask,
+                                                   algorithm.tis.cap, algorithm.tis.level, batch.spans)
+                token_loss = token_loss * tis.weights
             kl = torch.zeros_like(logprobs)
             if self.ref_model is not None:
                 kl = kl_estimate(logprobs, batch.ref_logprobs, algorithm.kl_estimator)
@@ -270,16 +278,19 @@ class TrainerWorker:
             if algorithm.entropy_coef:
                 token_loss = token_loss - algorithm.entropy_coef * entropy
             mask = batch.response_mask
-            # Normalised by the global token count; FSDP averages over ranks, hence world_size.
-            (masked_sum(token_loss, mask) / normaliser * self.world_size).backward()
+            # The weights hold the global mini-batch's normaliser; FSDP averages over ranks, hence world_size.
+            objective = masked_sum(token_loss, batch.loss_weights)
+            (objective * self.world_size).backward()
             with torch.no_grad():
                 sums += LossSums(
-                    loss=masked_sum(token_loss, mask).item(),
+                    objective=objective.item(),
                     kl=masked_sum(kl, mask).item(),
                     clipped=masked_sum(terms.clipped, mask).item(),
                     entropy=masked_sum(entropy, mask).item(),
                     logprob_mismatch=masked_sum((old_logprobs - batch.engine_logprobs).abs(),
                                                 batch.engine_mask).item(),
+                    tis_weight=masked_sum(tis.weights, batch.engine_mask).item() if tis is not None else 0.0,
+                    tis_clipped=masked_sum(tis.clipped, batch.engine_mask).item() if tis is not None else 0.0,
                     tokens=mask.sum().item(),
                     engine_tokens=batch.engine_mask.sum().item(),
                 )
@@ -317,7 +328,7 @@ class TrainerWorker:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # no gradients held between steps
         return {
-            **sums.all_reduced(self.device).metrics(),
+            **sums.all_reduced(self.device).metrics(with_tis=self.spec.algorithm.tis.enabled),
             "grad_norm": max(grad_norms),
             "nonfinite_grad_steps": float(sum(not math.isfinite(g) for g in grad_norms)),
             "lr": self.scheduler.get_last_lr()[0],

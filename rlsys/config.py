@@ -183,16 +183,66 @@ class TrainerConfig(_Section):
         return self
 
 
+class OverlongPenaltyConfig(_Section):
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_new_tokens - buffer_tokens,
+    then falling linearly to -factor at max_new_tokens."""
+
+    buffer_tokens: int = Field(ge=1)
+    factor: float = Field(1.0, ge=0.0)
+
+
+class TISConfig(_Section):
+    """Truncated importance sampling against the engine/trainer mismatch: the policy loss of each
+    token is weighted by min(exp(trainer_old_logprob - engine_logprob), cap)."""
+
+    enabled: bool = False
+    cap: float = Field(2.0, gt=0.0)
+    level: Literal["token", "sequence"] = Field(
+        "token", description="token: one ratio per token; sequence: the product of a response's token ratios.",
+    )
+
+
 class AlgorithmConfig(_Section):
     name: Literal["grpo"] = "grpo"
     clip_eps_low: float = Field(0.2, ge=0.0)
     clip_eps_high: float = Field(0.2, ge=0.0)
-    normalize_adv_by_std: bool = True
+    adv_norm: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage = reward - group mean, divided by the group's reward std (group), the "
+        "batch's reward std (batch) or nothing (none, Dr. GRPO).",
+    )
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses add up to a mini-batch's loss: mean over all tokens; mean over "
+        "sequences of each sequence's token mean; or mean over sequences of token sums / loss_norm_tokens (Dr. GRPO).",
+    )
+    loss_norm_tokens: int | None = Field(
+        None, ge=1, description="The constant of seq-mean-token-sum-norm; default rollout.max_new_tokens.",
+    )
     use_kl_loss: bool = Field(False, description="KL to the frozen reference as a loss term.")
     kl_in_reward: bool = Field(False, description="Subtract kl_coef * sequence KL from the reward instead.")
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0.0)
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal (no gradient) and sample more prompts "
+        "until the step has data.prompts_per_step groups or max_sampling_rounds is reached.",
+    )
+    max_sampling_rounds: int = Field(
+        4, ge=1, description="Generation rounds per step with dynamic_sampling; then the step trains on what it has.",
+    )
+    mask_truncated: bool = Field(
+        False, description="A response cut off by max_new_tokens contributes no loss (its reward still counts in "
+        "its group's advantages).",
+    )
+    overlong_penalty: OverlongPenaltyConfig | None = None
+    tis: TISConfig = Field(default_factory=TISConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, values):
+        if isinstance(values, dict) and "normalize_adv_by_std" in values:
+            raise ValueError("normalize_adv_by_std was replaced by adv_norm: true -> adv_norm: group, "
+                             "false -> adv_norm: none")
+        return values
 
     @model_validator(mode="after")
     def _kl(self):
@@ -280,6 +330,19 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     status: StatusConfig = Field(default_factory=StatusConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _algorithm_fits_rollout(self):
+        algorithm, rollout = self.algorithm, self.rollout
+        if algorithm.loss_norm_tokens is None:
+            algorithm.loss_norm_tokens = rollout.max_new_tokens
+        if algorithm.overlong_penalty and algorithm.overlong_penalty.buffer_tokens > rollout.max_new_tokens:
+            raise ValueError(f"algorithm.overlong_penalty.buffer_tokens ({algorithm.overlong_penalty.buffer_tokens}) "
+                             f"exceeds rollout.max_new_tokens ({rollout.max_new_tokens})")
+        if algorithm.mask_truncated and rollout.sampling.ignore_eos:
+            raise ValueError("algorithm.mask_truncated with rollout.sampling.ignore_eos would mask every response "
+                             "(all of them reach max_new_tokens); use one or the other")
+        return self
 
     @model_validator(mode="after")
     def _placement_fits(self):

@@ -42,7 +42,14 @@ from rlsys.reaper import start_reaper
 from rlsys.reward_pool import RewardPool
 from rlsys.rollout.manager import EngineRestartLimit
 from rlsys.run_lock import RunDirLock
-from rlsys.samples import ScoredBatch, assign_advantages, check_reward_errors, score_groups, to_train_sequences
+from rlsys.samples import (
+    ScoredBatch,
+    assign_advantages,
+    check_reward_errors,
+    score_groups,
+    to_train_sequences,
+    truncated_fraction,
+)
 from rlsys.shm_sweep import sweep_shared_memory
 from rlsys.status.reporting import HealthMonitor, new_status, status_server
 from rlsys.status.state import RunStatus
@@ -109,7 +116,6 @@ class Run:
 def train_loop(run: Run) -> None:
     config, parts, state = run.config, run.parts, run.state
     sampling = sampling_params(config, run.assets, config.rollout.temperature, config.rollout.top_p)
-    group_size = config.rollout.n_samples_per_prompt
     for step in run.steps():
         row: dict = {"step": step, "data_epoch": run.sampler.epoch, "data_index": run.sampler.index}
         step_start = time.perf_counter()
@@ -117,13 +123,8 @@ def train_loop(run: Run) -> None:
             with run.phase(row, "evaluating", "eval"):
                 row.update(run.evaluator.evaluate())
 
-        prompts = run.sampler.next_batch()
-        with run.phase(row, "rollout", "generate"):
-            generations = parts.rollout.generate([p.token_ids for p in prompts], sampling, group_size)
-        scored = score_groups([p.record for p in prompts], generations, group_size, run.assets.tokenizer,
-                              run.rewards.score)
-        check_reward_errors(scored, config.reward.max_error_fraction, step)
-        row.update(scored.reward_metrics())  # task rewards, before any KL penalty
+        scored, generations = _collect_groups(run, row, sampling, step)
+        row.update(scored.reward_metrics())  # task rewards, before any penalty
 
         if parts.handoff.enabled:
             with run.phase(row, "training", "offload"):
@@ -147,6 +148,35 @@ def train_loop(run: Run) -> None:
         _record(run, row, last_step=step + 1 == config.trainer.total_steps)
     if run.status.stop_requested:
         _checkpoint_before_stopping(run)
+
+
+def _collect_groups(run: Run, row: dict, sampling, step: int) -> tuple[ScoredBatch, list]:
+    """Prompts -> engine samples -> rewards, one round of data.prompts_per_step prompts. With
+    algorithm.dynamic_sampling, groups whose scores are all equal are dropped and more rounds run
+    until the step has prompts_per_step groups (surplus groups are dropped too) or
+    algorithm.max_sampling_rounds is reached. Returns the kept groups and every generation."""
+    config, algorithm = run.config, run.config.algorithm
+    group_size, wanted = config.rollout.n_samples_per_prompt, config.data.prompts_per_step
+    batch, generations = ScoredBatch(samples=[], sampling_rounds=0), []
+    while batch.sampling_rounds < (algorithm.max_sampling_rounds if algorithm.dynamic_sampling else 1):
+        prompts = run.sampler.next_batch()
+        with run.phase(row, "rollout", "generate"):
+            round_generations = run.parts.rollout.generate([p.token_ids for p in prompts], sampling, group_size)
+        scored = score_groups([p.record for p in prompts], round_generations, group_size, run.assets.tokenizer,
+                              run.rewards.score, algorithm.overlong_penalty, config.rollout.max_new_tokens)
+        check_reward_errors(scored, config.reward.max_error_fraction, step)
+        if algorithm.dynamic_sampling:
+            scored.filter_uniform_groups(group_size)
+        batch.merge(scored)
+        batch.sampling_rounds += 1
+        generations += round_generations
+        if len(batch.samples) >= wanted * group_size:
+            break
+    batch.samples = batch.samples[:wanted * group_size]
+    if algorithm.dynamic_sampling:
+        row.update(filtered_groups=batch.filtered_groups, sampling_rounds=batch.sampling_rounds,
+                   train_groups=len(batch.samples) // group_size)
+    return batch, generations
 
 
 def _checkpoint_before_stopping(run: Run) -> None:
@@ -179,22 +209,29 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
 
 
 def _train(config: RunConfig, parts: Components, scored: ScoredBatch) -> dict:
-    """Optional KL-in-reward, group advantages, then the trainer's step; its metrics."""
-    metrics = {}
-    if config.algorithm.kl_in_reward:
-        # reward -= kl_coef * sum_t KL_t(policy || reference)
+    """Optional KL-in-reward, group advantages, then the trainer's step; its metrics. A step left
+    with no group to train on (every group's reward failed, or dynamic sampling found none
+    informative) makes no optimizer step: Adam would still move the weights on a zero gradient."""
+    algorithm, metrics = config.algorithm, {}
+    if not scored.samples:
+        print("rlsys: no group to train on this step; the optimizer step is skipped", flush=True)
+        return {"train_tokens": 0.0, "skipped_train_steps": 1}
+    if algorithm.kl_in_reward:
+        # score -= kl_coef * sum_t KL_t(policy || reference)
         kls = parts.trainer.compute_sequence_kl(to_train_sequences(scored.samples))
         for sample, kl in zip(scored.samples, kls, strict=True):
-            sample.reward -= config.algorithm.kl_coef * kl
-        metrics["kl_reward_penalty"] = config.algorithm.kl_coef * sum(kls) / max(len(kls), 1)
-    assign_advantages(scored.samples, config.rollout.n_samples_per_prompt, config.algorithm.normalize_adv_by_std)
-    return {**metrics, **parts.trainer.train_step(to_train_sequences(scored.samples))}
+            sample.shaping -= algorithm.kl_coef * kl
+        metrics["kl_reward_penalty"] = algorithm.kl_coef * sum(kls) / max(len(kls), 1)
+    metrics.update(assign_advantages(scored.samples, config.rollout.n_samples_per_prompt, algorithm.adv_norm))
+    sequences = to_train_sequences(scored.samples, algorithm.mask_truncated)
+    return {**metrics, **parts.trainer.train_step(sequences)}
 
 
 def _rollout_metrics(generations: list, step_seconds: float) -> dict:
     tokens = sum(len(g.prompt_ids) + len(g.response_ids) for g in generations)
     return {
         "response_len_mean": sum(len(g.response_ids) for g in generations) / max(len(generations), 1),
+        "truncated_fraction": truncated_fraction(generations),
         "weight_version": generations[0].weight_version if generations else None,  # what sampled them
         "tokens_per_s": tokens / step_seconds,
     }

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rlsys.actors.batching import TrainSequence
-from rlsys.algorithms.grpo import group_advantages
+from rlsys.algorithms.grpo import group_advantages, overlong_penalty
+from rlsys.config import OverlongPenaltyConfig
 from rlsys.data import PromptRecord
 from rlsys.errors import RunFailed
 from rlsys.reward_pool import RewardCall, RewardOutcome
@@ -20,28 +21,69 @@ class Sample:
     record: PromptRecord
     generation: Generation
     response_text: str
-    reward: float = 0.0
+    reward: float = 0.0  # the task's reward
+    shaping: float = 0.0  # what the algorithm adds to it (overlong penalty, KL in reward)
     advantage: float = 0.0
+
+    @property
+    def score(self) -> float:
+        """The reward advantages are computed from."""
+        return self.reward + self.shaping
+
+    @property
+    def truncated(self) -> bool:
+        """Cut off by max_new_tokens (or the context window) rather than ended by a stop token."""
+        return self.generation.finish_reason == "length"
 
 
 @dataclass
 class ScoredBatch:
-    samples: list[Sample]  # only complete groups whose rewards all computed
+    samples: list[Sample]  # complete groups whose rewards all computed (and, with dynamic sampling, informative)
     num_generations: int = 0  # every generation scored, kept or not
     reward_errors: int = 0
     first_error: str | None = None
-    dropped_groups: int = 0
+    dropped_groups: int = 0  # groups with a failed reward call
+    filtered_groups: int = 0  # groups whose scores were all equal, dropped by dynamic sampling
+    sampling_rounds: int = 1
+    task_rewards: list[float] = field(default_factory=list)  # of every scored group, filtered or not
+    penalties: list[float] = field(default_factory=list)  # overlong penalties of the same samples
+
+    def merge(self, other: ScoredBatch) -> None:
+        """Add another sampling round's groups and counts to this step's."""
+        self.samples += other.samples
+        self.num_generations += other.num_generations
+        self.reward_errors += other.reward_errors
+        self.first_error = self.first_error or other.first_error
+        self.dropped_groups += other.dropped_groups
+        self.filtered_groups += other.filtered_groups
+        self.task_rewards += other.task_rewards
+        self.penalties += other.penalties
+
+    def filter_uniform_groups(self, group_size: int) -> None:
+        """Dynamic sampling: drop the groups whose scores are all equal (all their advantages are 0)."""
+        kept = []
+        for start in range(0, len(self.samples), group_size):
+            group = self.samples[start:start + group_size]
+            if len({sample.score for sample in group}) > 1:
+                kept += group
+            else:
+                self.filtered_groups += 1
+        self.samples = kept
 
     def reward_metrics(self) -> dict:
-        """Task rewards of the samples kept, and what the reward function failed on."""
-        rewards = [s.reward for s in self.samples]
+        """Task rewards of every sample scored this step (before dynamic sampling drops any), and
+        what the reward function failed on."""
+        rewards = self.task_rewards
         mean = sum(rewards) / max(len(rewards), 1)
-        return {
+        metrics = {
             "reward_mean": mean,
             "reward_std": (sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1)) ** 0.5,
             "reward_errors": self.reward_errors,
             "dropped_groups": self.dropped_groups,
         }
+        if self.penalties:
+            metrics["overlong_penalty_mean"] = sum(self.penalties) / len(self.penalties)
+        return metrics
 
 
 def response_text(tokenizer, response_ids: list[int]) -> str:
@@ -57,8 +99,10 @@ Scorer = Callable[[list[RewardCall]], list[RewardOutcome]]  # e.g. RewardPool.sc
 
 def score_groups(
     records: list[PromptRecord], generations: list[Generation], group_size: int, tokenizer, scorer: Scorer,
+    overlong: OverlongPenaltyConfig | None = None, max_new_tokens: int = 0,
 ) -> ScoredBatch:
-    """Reward every sample; a group with any failing reward is dropped (and counted)."""
+    """Reward every sample (plus DAPO's overlong penalty when configured); a group with any
+    failing reward is dropped (and counted)."""
     texts = [response_text(tokenizer, g.response_ids) for g in generations]
     calls = [RewardCall(records[i // group_size].prompt, text, records[i // group_size].label,
                         records[i // group_size].metadata) for i, text in enumerate(texts)]
@@ -72,7 +116,15 @@ def score_groups(
             batch.dropped_groups += 1
             batch.first_error = batch.first_error or failed[0]
             continue
-        batch.samples.extend(Sample(record, generations[i], texts[i], reward=outcomes[i].value) for i in group)
+        for i in group:
+            sample = Sample(record, generations[i], texts[i], reward=outcomes[i].value)
+            if overlong is not None:
+                penalty = overlong_penalty(len(sample.generation.response_ids), max_new_tokens,
+                                           overlong.buffer_tokens, overlong.factor)
+                sample.shaping += penalty
+                batch.penalties.append(penalty)
+            batch.samples.append(sample)
+            batch.task_rewards.append(sample.reward)
     return batch
 
 
@@ -85,21 +137,31 @@ def check_reward_errors(scored: ScoredBatch, max_error_fraction: float, step: in
         )
 
 
-def assign_advantages(samples: list[Sample], group_size: int, normalize_by_std: bool) -> None:
+def assign_advantages(samples: list[Sample], group_size: int, norm: str) -> dict:
+    """Advantages from the samples' scores (algorithms/grpo.py `group_advantages`); their metrics."""
     if not samples:
-        return
-    rewards = torch.tensor([s.reward for s in samples])
-    for sample, advantage in zip(samples, group_advantages(rewards, group_size, normalize_by_std).tolist(), strict=False):
+        return {}
+    scores = torch.tensor([s.score for s in samples])
+    advantages = group_advantages(scores, group_size, norm)
+    for sample, advantage in zip(samples, advantages.tolist(), strict=True):
         sample.advantage = advantage
+    return {"advantage_abs_mean": advantages.abs().mean().item()}
 
 
-def to_train_sequences(samples: list[Sample]) -> list[TrainSequence]:
+def to_train_sequences(samples: list[Sample], mask_truncated: bool = False) -> list[TrainSequence]:
+    """Prompt + response token ids with their advantage; a truncated response's tokens leave the
+    loss when `mask_truncated`."""
     return [
         TrainSequence(
             token_ids=s.generation.prompt_ids + s.generation.response_ids,
             prompt_len=len(s.generation.prompt_ids),
             advantage=s.advantage,
             engine_logprobs=s.generation.logprobs,
+            loss_mask=[0] * len(s.generation.response_ids) if mask_truncated and s.truncated else None,
         )
         for s in samples
     ]
+
+
+def truncated_fraction(generations: list[Generation]) -> float:
+    return sum(g.finish_reason == "length" for g in generations) / max(len(generations), 1)

@@ -223,3 +223,28 @@ def test_token_budget_groups_stay_within_budget_unless_single(max_tokens):
     # greedy: the first sequence of the next group would not have fit into this one
     for group, following in zip(groups, groups[1:], strict=False):
         assert sum(lengths[i] for i in group) + lengths[following[0]] > max_tokens
+
+
+# ---------------------------------------------------------------- loss mask and weights
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_loss_mask_and_weights_sit_on_the_response_targets(packed):
+    sequences = _sequences()
+    sequences[0].loss_mask, sequences[0].loss_weight = [1, 0], 0.25
+    sequences[2].loss_mask, sequences[2].loss_weight = [0, 0], 0.5
+    batch = build_micro_batch(sequences, [0, 1, 2], PAD, CPU, packed)
+    for (row, first, end), seq in zip(batch.spans, sequences, strict=True):
+        mask = [1.0] * seq.response_len if seq.loss_mask is None else [float(m) for m in seq.loss_mask]
+        assert batch.response_mask[row, first:end].tolist() == mask
+        weight = 1.0 if seq.loss_weight is None else seq.loss_weight
+        assert batch.loss_weights[row, first:end].tolist() == [weight * m for m in mask]
+        if seq.engine_logprobs:  # engine tokens are loss tokens only
+            assert batch.engine_mask[row, first:end].tolist() == mask
+    assert batch.num_tokens == 1 + 2 + 0
+    assert batch.loss_weights.sum().item() == pytest.approx(0.25 + 2.0)  # unweighted sequences weigh 1
+
+
+def test_loss_mask_of_the_wrong_length_is_rejected():
+    with pytest.raises(ValueError, match="loss mask of 1 values for 2 response tokens"):
+        build_micro_batch([TrainSequence([1, 2, 3], prompt_len=1, loss_mask=[1])], [0], PAD, CPU, packed=True)

@@ -98,3 +98,29 @@ def test_two_fsdp_ranks_compute_the_gradient_of_one_process(trainers, tmp_path):
     worst_name = max(grads_a, key=lambda k: (grads_a[k] - grads_b[k]).abs().max().item())
     worst = (grads_a[worst_name] - grads_b[worst_name]).abs().max().item()
     assert worst <= GRADIENT_RTOL * scale, f"{worst_name}: gradients differ by {worst} (scale {scale})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_every_loss_aggregation_gives_the_gradient_of_one_process(trainers, tmp_path, mode):
+    """The mode lives in the driver-side TrainerGroup: it turns each global mini-batch into token
+    weights, so the ranks' split (over 2 ranks and 24-token micro-batches here) cannot change it."""
+    sharded, single, spec = trainers
+    _copy_state(sharded, single, tmp_path / "state")
+    batch = _sequences(102, count=13, vocab=80)
+    batch[3].loss_mask = [0] * batch[3].response_len  # e.g. a truncated response under mask_truncated
+    batch[8].loss_mask = [1] + [0] * (batch[8].response_len - 1)
+    token_mean = single.loss_gradients(batch)
+    algorithm = spec.algorithm.model_copy(update={"loss_agg_mode": mode, "loss_norm_tokens": 8})
+    try:
+        for group in (sharded, single):
+            group.spec = replace(group.spec, algorithm=algorithm)
+        grads_a, grads_b = sharded.loss_gradients(batch), single.loss_gradients(batch)
+    finally:
+        for group in (sharded, single):
+            group.spec = replace(group.spec, algorithm=spec.algorithm)
+    scale = max(g.abs().max().item() for g in grads_b.values())
+    worst = max((grads_a[k] - grads_b[k]).abs().max().item() for k in grads_a)
+    assert worst <= GRADIENT_RTOL * scale, f"{mode}: gradients differ by {worst} (scale {scale})"
+    # and the mode changed the gradient (by far more than rounding), so the comparison means something
+    assert max((grads_b[k] - token_mean[k]).abs().max().item() for k in grads_b) > 0.01 * scale

@@ -10,7 +10,10 @@ from rlsys.algorithms.grpo import (
     group_advantages,
     kl_estimate,
     masked_sum,
+    overlong_penalty,
+    sequence_loss_weights,
     token_entropy,
+    truncated_importance_weights,
 )
 
 
@@ -29,7 +32,7 @@ def test_group_advantages_match_hand_computation():
 
 
 def test_advantages_without_std_normalisation_are_centred_rewards():
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, normalize_by_std=False)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, norm="none")
     assert torch.allclose(adv, torch.tensor([0.75, -0.25, -0.25, -0.25]))
 
 
@@ -88,3 +91,66 @@ def test_kl_estimators_on_hand_values():
 
 def test_entropy_of_uniform_distribution_is_log_vocab():
     assert token_entropy(torch.zeros(1, 8)).item() == pytest.approx(math.log(8))
+
+
+# ---- GRPO toolkit: advantage scaling, loss aggregation, overlong penalty, TIS --------------------
+
+def test_batch_advantage_norm_uses_group_baseline_and_batch_std():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    # group means 0.5 and 3 -> centred [0.5, -0.5, 0, 0]; batch std of [1, 0, 3, 3] = sqrt(11/4 - ...)
+    batch_std = torch.tensor([1.0, 0.0, 3.0, 3.0]).std(unbiased=True).item()  # 1.5
+    assert batch_std == pytest.approx(1.5)
+    adv = group_advantages(rewards, group_size=2, norm="batch", eps=0.0)
+    assert torch.allclose(adv, torch.tensor([0.5 / 1.5, -0.5 / 1.5, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="unknown advantage normalisation"):
+        group_advantages(rewards, group_size=2, norm="rank")
+
+
+def test_loss_weights_for_each_aggregation_mode():
+    tokens = [2, 4, 0, 6]  # the third sequence is masked out entirely
+    assert sequence_loss_weights(tokens, "token-mean") == pytest.approx([1 / 12, 1 / 12, 0.0, 1 / 12])
+    # three sequences count: each weighs 1/3, spread over its own tokens
+    assert sequence_loss_weights(tokens, "seq-mean-token-mean") == pytest.approx([1 / 6, 1 / 12, 0.0, 1 / 18])
+    assert sequence_loss_weights(tokens, "seq-mean-token-sum-norm", norm_tokens=8) == pytest.approx(
+        [1 / 24, 1 / 24, 0.0, 1 / 24])
+    with pytest.raises(ValueError, match="norm_tokens"):
+        sequence_loss_weights(tokens, "seq-mean-token-sum-norm")
+    assert sequence_loss_weights([0, 0], "token-mean") == [0.0, 0.0]
+
+
+def test_aggregated_loss_matches_hand_computed_means():
+    # Token losses of two sequences: [1, 3] and [2, 2, 2, 6]
+    losses = [[1.0, 3.0], [2.0, 2.0, 2.0, 6.0]]
+    def total(mode, norm=None):
+        weights = sequence_loss_weights([len(seq) for seq in losses], mode, norm)
+        return sum(w * sum(seq) for w, seq in zip(weights, losses, strict=True))
+    assert total("token-mean") == pytest.approx(16 / 6)
+    assert total("seq-mean-token-mean") == pytest.approx((2 + 3) / 2)
+    assert total("seq-mean-token-sum-norm", 10) == pytest.approx((4 / 10 + 12 / 10) / 2)
+
+
+def test_overlong_penalty_is_dapo_soft_punishment():
+    # max 10 tokens, buffer 4: free up to 6, then -factor * (len - 6) / 4
+    assert overlong_penalty(6, 10, 4, 1.0) == 0.0
+    assert overlong_penalty(7, 10, 4, 1.0) == pytest.approx(-0.25)
+    assert overlong_penalty(10, 10, 4, 0.5) == pytest.approx(-0.5)
+    assert overlong_penalty(3, 10, 4, 1.0) == 0.0
+
+
+def test_token_level_tis_weights_are_capped_ratios():
+    old = torch.log(torch.tensor([[0.5, 0.4, 0.9, 0.3]]))
+    engine = torch.log(torch.tensor([[0.25, 0.4, 0.3, 0.6]]))  # ratios 2, 1, 3, 0.5
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token has no engine log-prob
+    tis = truncated_importance_weights(old, engine, mask, cap=2.5, level="token")
+    assert torch.allclose(tis.weights, torch.tensor([[2.0, 1.0, 2.5, 1.0]]))
+    assert tis.clipped.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+
+
+def test_sequence_level_tis_weight_is_the_capped_product_over_the_response():
+    old = torch.log(torch.tensor([[0.5, 0.4, 0.9, 0.6, 0.6]]))
+    engine = torch.log(torch.tensor([[0.25, 0.8, 0.3, 0.2, 0.6]]))  # ratios 2, 0.5 | 3, 3 | -
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    spans = [(0, 0, 2), (0, 2, 4)]  # two packed sequences
+    tis = truncated_importance_weights(old, engine, mask, cap=5.0, level="sequence", spans=spans)
+    assert torch.allclose(tis.weights, torch.tensor([[1.0, 1.0, 5.0, 5.0, 1.0]]))  # 2*0.5 = 1; 3*3 = 9 -> 5
+    assert tis.clipped.tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
