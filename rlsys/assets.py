@@ -67,7 +67,8 @@ def load_assets(config: RunConfig) -> RunAssets:
             "point it at a complete Hugging Face checkpoint"
         )
     tokenizer = load_tokenizer(model_dir)
-    load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
+    if config.reward.url is None:
+        load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
     splits = load_splits(config.data, config.seed)
     budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
     if budget < 1:

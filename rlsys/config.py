@@ -59,6 +59,23 @@ class RewardConfig(_Section):
         60.0, gt=0.0, description="A reward call running longer than this is stopped and counted as an error.",
     )
     num_workers: int = Field(1, ge=1, description="Processes that compute rewards (side by side).")
+    url: str | None = Field(
+        None, description="A reward service instead of reward.function: batches are POSTed here as "
+        '{"items": [{prompt, response, label, metadata}]} and {"scores": [...]} comes back (rlsys/remote_reward.py).',
+    )
+    batch_size: int = Field(64, ge=1, description="reward.url: items per request.")
+    max_concurrency: int = Field(4, ge=1, description="reward.url: requests in flight at once.")
+    max_retries: int = Field(3, ge=0, description="reward.url: retries of a failed or timed-out request.")
+    retry_backoff_s: float = Field(0.5, ge=0.0, description="reward.url: first retry delay, doubled on each retry.")
+
+    @model_validator(mode="after")
+    def _one_reward(self):
+        if self.url is not None:
+            if "function" in self.model_fields_set:
+                raise ValueError("set reward.function or reward.url, not both")
+            if not self.url.startswith(("http://", "https://")):
+                raise ValueError(f"reward.url must be an http:// or https:// URL (got {self.url!r})")
+        return self
 
 
 class EngineConfig(_Section):

@@ -39,7 +39,8 @@ from rlsys.lifecycle import (
 from rlsys.memory_plan import check_memory_plan
 from rlsys.metrics import MetricsLog
 from rlsys.reaper import start_reaper
-from rlsys.reward_pool import RewardPool
+from rlsys.remote_reward import RemoteReward
+from rlsys.reward_pool import RewardPool, make_reward_scorer
 from rlsys.rollout.manager import EngineRestartLimit
 from rlsys.run_lock import RunDirLock
 from rlsys.samples import (
@@ -73,7 +74,7 @@ class Run:
     evaluator: Evaluator
     checkpointer: Checkpointer
     health: HealthMonitor
-    rewards: RewardPool
+    rewards: RewardPool | RemoteReward
     trainer_restarts: int = 0  # automatic resumes after a trainer rank died
 
     @contextmanager
@@ -355,7 +356,7 @@ def run(config: RunConfig) -> Path:
         _stop_on_sigterm(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
         topology = Topology.from_config(config, _run_uses_gpus(config, layout))
-        rewards = RewardPool(config.reward.function, config.reward.num_workers, config.reward.timeout_s)
+        rewards = make_reward_scorer(config.reward)
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack)

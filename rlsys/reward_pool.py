@@ -147,3 +147,14 @@ class RewardPool:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+
+
+def make_reward_scorer(config):
+    """The run's scorer from its `reward` section: the reward service at reward.url, or
+    reward.function in worker processes."""
+    if config.url is not None:
+        from rlsys.remote_reward import RemoteReward
+
+        return RemoteReward(config.url, config.batch_size, config.timeout_s, config.max_retries,
+                            config.retry_backoff_s, config.max_concurrency)
+    return RewardPool(config.function, config.num_workers, config.timeout_s)
