@@ -41,8 +41,17 @@ class Placement:
         table = placement_group_table(self.group)["bundles_to_node_id"]
         return [table[index] for index in range(len(table))]
 
-    def remove(self) -> None:
-        remove_placement_group(self.group)
+    def remove(self, timeout_s: float = 30.0) -> None:
+        """Give the placement group back. Bounded: when Ray's own processes are gone (a SIGTERM
+        sent to the whole process group reaches them too) the call would wait forever."""
+        import threading
+
+        remover = threading.Thread(target=remove_placement_group, args=(self.group,), daemon=True)
+        remover.start()
+        remover.join(timeout_s)
+        if remover.is_alive():
+            print(f"rlsys: the Ray cluster did not remove the placement group within {timeout_s:.0f}s "
+                  "(is Ray still running?); going on with the shutdown", flush=True)
 
 
 def create_placement(topology: Topology, timeout_s: float = 120.0) -> Placement:

@@ -11,6 +11,13 @@ const CHARTS = [
   { id: "chart-response-len", series: [["response_len_mean", "mean length", "#00897b"]] },
   { id: "chart-tokens-per-s", series: [["tokens_per_s", "tokens/s", "#3949ab"]] },
   { id: "chart-mismatch", series: [["logprob_mismatch", "mismatch", "#6d4c41"]] },
+  // Algorithm options (algorithm.*): empty until the option that fills them is on.
+  { id: "chart-sampling", series: [["filtered_groups", "filtered groups", "#e53935"],
+                                   ["sampling_rounds", "sampling rounds", "#1e88e5"]] },
+  { id: "chart-truncation", series: [["truncated_fraction", "truncated fraction", "#fb8c00"],
+                                     ["overlong_penalty_mean", "overlong penalty", "#8e24aa"]] },
+  { id: "chart-tis", series: [["tis_weight_mean", "TIS weight mean", "#00897b"],
+                              ["tis_clipped_fraction", "TIS clipped fraction", "#e53935"]] },
   // Colocated hand-off: what each side holds per phase (device memory on GPU, process RSS on CPU), MiB.
   { id: "chart-memory", scale: 2 ** -20, series: [
     ["memory_engine_serving_bytes", "engine generating", "#1e88e5"],
