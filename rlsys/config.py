@@ -60,7 +60,7 @@ class RewardConfig(_Section):
     )
     num_workers: int = Field(1, ge=1, description="Processes that compute rewards (side by side).")
     url: str | None = Field(
-        None, description="A reward service instead of reward.function: batches are POSTed here as "
+        None, description="A reward service; when set, reward.function is not used. Batches are POSTed here as "
         '{"items": [{prompt, response, label, metadata}]} and {"scores": [...]} comes back (rlsys/remote_reward.py).',
     )
     batch_size: int = Field(64, ge=1, description="reward.url: items per request.")
@@ -70,11 +70,8 @@ class RewardConfig(_Section):
 
     @model_validator(mode="after")
     def _one_reward(self):
-        if self.url is not None:
-            if "function" in self.model_fields_set:
-                raise ValueError("set reward.function or reward.url, not both")
-            if not self.url.startswith(("http://", "https://")):
-                raise ValueError(f"reward.url must be an http:// or https:// URL (got {self.url!r})")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"reward.url must be an http:// or https:// URL (got {self.url!r})")
         return self
 
 

@@ -321,6 +321,12 @@ def _describe_data(assets: RunAssets) -> str:
     return f"{len(assets.train)} train and {len(assets.eval)} eval prompts" + (f" ({', '.join(dropped)})" if dropped else "")
 
 
+def _describe_rewards(config: RunConfig) -> str:
+    if config.reward.url:
+        return f"the reward service at {config.reward.url} (reward.function is not used)"
+    return f"{config.reward.function} in {config.reward.num_workers} worker process(es)"
+
+
 def run(config: RunConfig) -> Path:
     """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
     assets = load_assets(config)  # every input check happens before any actor starts
@@ -357,6 +363,7 @@ def run(config: RunConfig) -> Path:
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
         topology = Topology.from_config(config, _run_uses_gpus(config, layout))
         rewards = make_reward_scorer(config.reward)
+        print(f"rlsys: rewards from {_describe_rewards(config)}", flush=True)
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack)

@@ -8,7 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlsys.config import ConfigError, RewardConfig
+from rlsys.config import RewardConfig
+from rlsys.errors import RunFailed
 from rlsys.remote_reward import RemoteReward, RewardServiceError
 from rlsys.reward_pool import RewardCall, RewardPool, make_reward_scorer
 
@@ -52,6 +53,7 @@ class RewardService:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.handle_error = lambda request, address: None  # a client that timed out closed its socket
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -132,8 +134,6 @@ def test_protocol_errors_stop_the_run(service, mode, message):
 def test_config_chooses_the_service_or_the_function():
     assert isinstance(make_reward_scorer(RewardConfig(url="http://127.0.0.1:9/score")), RemoteReward)
     assert isinstance(make_reward_scorer(RewardConfig()), RewardPool)
-    with pytest.raises(ValueError, match="not both"):
-        RewardConfig(url="http://127.0.0.1:9/score", function="rlsys.rewards:exact_match")
     with pytest.raises(ValueError, match="http:// or https://"):
         RewardConfig(url="127.0.0.1:9/score")
-    assert issubclass(RewardServiceError, Exception) and not issubclass(ConfigError, RewardServiceError)
+    assert issubclass(RewardServiceError, RunFailed)  # the CLI prints it without a traceback
