@@ -100,6 +100,12 @@ def contains_label(prompt: str, response: str, label: str, metadata: dict) -> fl
     return 1.0 if label.strip() and label.strip() in response else 0.0
 
 
+def prefix_match(prompt: str, response: str, label: str, metadata: dict) -> float:
+    """1.0 when the response, leading whitespace stripped, starts with the label (an answer first,
+    then anything: "B) because ...")."""
+    return 1.0 if label.strip() and response.lstrip().startswith(label.strip()) else 0.0
+
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 

@@ -1,10 +1,7 @@
 """reward.url against a real HTTP reward service started here (the standard library's server)."""
 
-import json
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -12,54 +9,7 @@ from rlsys.config import RewardConfig
 from rlsys.errors import RunFailed
 from rlsys.remote_reward import RemoteReward, RewardServiceError
 from rlsys.reward_pool import RewardCall, RewardPool, make_reward_scorer
-
-
-class RewardService:
-    """Scores 1.0 when response == label. `fail_next` requests get HTTP 503; `hang_s` delays every
-    answer; `mode` switches to protocol errors."""
-
-    def __init__(self):
-        self.requests: list[list[dict]] = []
-        self.fail_next = 0
-        self.hang_s = 0.0
-        self.mode = "ok"
-        service = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
-                service.requests.append(items)
-                if service.fail_next > 0:
-                    service.fail_next -= 1
-                    return self._answer(503, {"detail": "warming up"})
-                time.sleep(service.hang_s)
-                if service.mode == "short":
-                    return self._answer(200, {"scores": [1.0]})
-                if service.mode == "bad_request":
-                    return self._answer(422, {"detail": "items[0].label missing"})
-                scores = [None if item["label"] == "?" else {"error": "cannot grade"} if item["label"] == "!"
-                          else float(item["response"] == item["label"]) for item in items]
-                self._answer(200, {"scores": scores})
-
-            def _answer(self, status, body):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.handle_error = lambda request, address: None  # a client that timed out closed its socket
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+from tests.conftest import RewardService
 
 
 @pytest.fixture
