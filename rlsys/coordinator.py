@@ -211,11 +211,12 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
 
 def _train(config: RunConfig, parts: Components, scored: ScoredBatch) -> dict:
     """Optional KL-in-reward, group advantages, then the trainer's step; its metrics. A step left
-    with no group to train on (every group's reward failed, or dynamic sampling found none
-    informative) makes no optimizer step: Adam would still move the weights on a zero gradient."""
+    with no token to train on (every group's reward failed, dynamic sampling found no informative
+    group, or mask_truncated masked every response) makes no optimizer step: Adam would still move
+    the weights on a zero gradient."""
     algorithm, metrics = config.algorithm, {}
-    if not scored.samples:
-        print("rlsys: no group to train on this step; the optimizer step is skipped", flush=True)
+    if not any(s.loss_tokens for s in to_train_sequences(scored.samples, algorithm.mask_truncated)):
+        print("rlsys: no token to train on this step; its optimizer step is skipped", flush=True)
         return {"train_tokens": 0.0, "skipped_train_steps": 1}
     if algorithm.kl_in_reward:
         # score -= kl_coef * sum_t KL_t(policy || reference)

@@ -75,3 +75,34 @@ def test_tis_weights_each_sequence_by_its_capped_engine_ratio(groups):
     assert metrics["tis_weight_mean"] == pytest.approx(expected_mean, rel=1e-4)
     assert metrics["tis_clipped_fraction"] == pytest.approx(expected_clipped)
     assert "tis_weight_mean" not in plain.train_step(batch)
+
+
+@pytest.mark.slow
+def test_truncation_options_and_tis_run_end_to_end_against_a_bf16_engine(tmp_path, tiny_model_dir):
+    """Responses of up to 3 tokens from an untrained model nearly all run to max_new_tokens: the
+    engine's finish reason masks them (mask_truncated) and the overlong penalty scores them. The
+    engine runs in bf16 against the fp32 trainer, so its log-probs differ (a deliberately
+    perturbed behaviour policy) and TIS weights are not all 1."""
+    import subprocess
+
+    from rlsys.metrics import read_metrics
+    from tests.conftest import REPO, train_command
+
+    run_dir = tmp_path / "run"
+    result = subprocess.run(train_command(
+        "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=4", "rollout.max_new_tokens=3",
+        "algorithm.mask_truncated=true", "algorithm.overlong_penalty={buffer_tokens: 1, factor: 0.5}",
+        "algorithm.tis.enabled=true", "rollout.engine.extra_args=[--dtype, bfloat16]"),
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    samples = 32 * 8
+    for row in rows:
+        assert row["truncated_fraction"] > 0.5
+        # only responses that ended before max_new_tokens train: at most 3 tokens each
+        assert row["train_tokens"] <= round((1 - row["truncated_fraction"]) * samples) * 3
+        # a 3-token response loses 0.5; 2 tokens or fewer, nothing
+        assert row["overlong_penalty_mean"] <= -0.5 * row["truncated_fraction"] + 1e-9
+        assert row["logprob_mismatch"] > 1e-4  # bf16 engine; an fp32 one agrees to ~1e-7
+        assert 0.9 < row["tis_weight_mean"] < 1.1 and row["tis_clipped_fraction"] < 0.5
+    assert any(row["tis_weight_mean"] != 1.0 for row in rows)
