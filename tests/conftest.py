@@ -52,6 +52,23 @@ def trainer_spec(model_dir: Path, *, shard: bool = True, dtype: str = "float32",
                        AlgorithmConfig(**algorithm), shard=shard)
 
 
+def random_sequences(seed: int, count: int, prompt_lens: tuple[int, int] = (2, 9),
+                     response_lens: tuple[int, int] = (1, 12), vocab: int = 80) -> list:
+    """`count` TrainSequences of random tokens (ids 3..vocab-1), lengths drawn from the inclusive
+    ranges, advantages uniform in [-1.5, 1.5]; the same for the same seed."""
+    import random
+
+    from rlsys.actors.batching import TrainSequence
+
+    rng = random.Random(seed)
+    sequences = []
+    for _ in range(count):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lens))]
+        response = [rng.randrange(3, vocab) for _ in range(rng.randint(*response_lens))]
+        sequences.append(TrainSequence(prompt + response, len(prompt), advantage=rng.uniform(-1.5, 1.5)))
+    return sequences
+
+
 def train_command(config: str, model_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
     """`rlsys train` of a config in configs/ on the tiny model, quietly, on a free status port."""
     return [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs" / config),

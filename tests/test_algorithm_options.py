@@ -2,7 +2,6 @@
 truncated importance sampling weighs each token's policy loss by its capped engine ratio."""
 
 import math
-import random
 from dataclasses import replace
 
 import pytest
@@ -10,19 +9,13 @@ import torch
 
 from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
-from tests.conftest import trainer_spec
+from tests.conftest import random_sequences, trainer_spec
 
 CAP = 1.5
 
 
 def _batch(seed: int, count: int = 10) -> list[TrainSequence]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        prompt = [rng.randrange(3, 80) for _ in range(rng.randint(2, 6))]
-        response = [rng.randrange(3, 80) for _ in range(rng.randint(2, 8))]
-        out.append(TrainSequence(prompt + response, len(prompt), advantage=rng.uniform(-1.5, 1.5)))
-    return out
+    return random_sequences(seed, count, prompt_lens=(2, 6), response_lens=(2, 8))
 
 
 @pytest.fixture(scope="module")

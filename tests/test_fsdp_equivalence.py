@@ -15,7 +15,6 @@ Why the bounds are what they are:
   2-rank checkpoint restores into one process) and checks Adam's own promise on the parameters.
 """
 
-import random
 from dataclasses import replace
 
 import pytest
@@ -23,20 +22,14 @@ import torch
 
 from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
-from tests.conftest import trainer_spec
+from tests.conftest import random_sequences, trainer_spec
 
 GRADIENT_RTOL = 1e-4  # of the gradient's scale (max |g| over the model); see the module docstring
 METRIC_ATOL = 1e-4  # token means of O(1) values, from states equal up to Adam's noise steps
 
 
 def _sequences(seed: int, count: int, vocab: int) -> list[TrainSequence]:
-    rng = random.Random(seed)
-    sequences = []
-    for _ in range(count):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
-        response = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 5))]
-        sequences.append(TrainSequence(prompt + response, len(prompt), advantage=rng.uniform(-1.5, 1.5)))
-    return sequences
+    return random_sequences(seed, count, prompt_lens=(2, 6), response_lens=(1, 5), vocab=vocab)
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,16 @@
 """Trainer depth: sleep/wake_up, packing, micro-batch invariance, KL, checkpoints and resume."""
 
-import random
 
 import pytest
 import torch
 
 from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
-from tests.conftest import trainer_spec
+from tests.conftest import random_sequences, trainer_spec
 
 
 def _batch(seed: int, count: int = 12) -> list[TrainSequence]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        prompt = [rng.randrange(3, 80) for _ in range(rng.randint(2, 9))]
-        response = [rng.randrange(3, 80) for _ in range(rng.randint(1, 12))]
-        out.append(TrainSequence(prompt + response, len(prompt), advantage=rng.uniform(-1.5, 1.5)))
-    return out
+    return random_sequences(seed, count)
 
 
 def _identical(a: dict, b: dict) -> bool:
