@@ -71,6 +71,10 @@ def _module_from_file(path: Path) -> ModuleType:
     path = path.expanduser().resolve()
     if not path.is_file():
         raise RewardFunctionError(f"reward.function: no such file {str(path)!r}")
+    # Its own folder goes on the import path (as `python path/to/file.py` would put it), so the
+    # file can import modules beside it, at load time or later inside the function.
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(f"rlsys_user_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:

@@ -7,7 +7,7 @@ import pytest
 
 from rlsys.config import ConfigError, DataConfig, SyntheticTaskConfig
 from rlsys.data import DatasetError, PromptSampler, load_splits, read_jsonl
-from rlsys.reward_pool import score_calls
+from rlsys.reward_pool import RewardCall, score_calls
 from rlsys.rewards import RewardFunctionError, exact_match, last_number_match, load_reward_function
 from rlsys.rollout.engine import Generation
 from rlsys.samples import response_text, score_groups
@@ -146,6 +146,25 @@ def test_reward_function_from_a_file_or_the_working_directory(tmp_path, monkeypa
         load_reward_function("missing.py:score")
     with pytest.raises(RewardFunctionError, match="bad import"):
         load_reward_function("broken_reward.py:score")
+
+
+def test_a_reward_file_imports_modules_beside_it(tmp_path, monkeypatch):
+    """Named by path from another working directory, at load time and inside the call."""
+    task = tmp_path / "my_task"
+    task.mkdir()
+    (task / "grading_helpers.py").write_text("def normalise(text):\n    return text.strip().lower()\n")
+    (task / "answers_table.py").write_text("ALIASES = {'seven': '7'}\n")
+    (task / "my_reward.py").write_text(
+        "from grading_helpers import normalise\n\n"
+        "def score(prompt, response, label, metadata):\n"
+        "    from answers_table import ALIASES  # imported lazily, in the reward worker\n"
+        "    return float(ALIASES.get(normalise(response), normalise(response)) == label)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    function = load_reward_function("my_task/my_reward.py:score")
+    assert function("p", " SEVEN ", "7", {}) == 1.0
+    assert score_calls(function, [RewardCall("p", "eight", "7", {})], timeout_s=10)[0].value == 0.0
 
 
 def test_builtin_rewards():
