@@ -1,4 +1,4 @@
-"""`rlsys` command line: train, plan, export, serve, status, make-tiny-model."""
+"""`rlsys` command line: train, plan, export, serve, status, runs, compare, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -112,6 +112,60 @@ def _describe_dataset(dataset: dict) -> str:
             f"{dataset['skipped_rows']} rows skipped, {dataset['too_long_prompts']} prompts too long")
 
 
+def _runs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from rlsys.runs import find_runs, runs_table
+
+    root = Path(args.dir)
+    try:
+        runs = find_runs(root)
+    except FileNotFoundError as error:
+        print(f"rlsys: error: {error}", file=sys.stderr)
+        return 2
+    if not runs:
+        print(f"rlsys: no runs under {root} (a run directory holds metrics.jsonl or status.json)")
+        return 0
+    Console(width=max(Console().width, 110)).print(runs_table(runs, f"runs under {root}"))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from rlsys.metrics import read_metrics
+    from rlsys.runs import compare_table, is_run_dir, plot_compare
+
+    runs = [Path(args.run_a), Path(args.run_b)]
+    for run in runs:
+        if not is_run_dir(run):
+            print(f"rlsys: error: {run} is not a run directory (no metrics.jsonl or status.json)", file=sys.stderr)
+            return 2
+    rows = [read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else [] for run in runs]
+    metrics = tuple(m.strip() for m in args.metrics.split(",") if m.strip())
+    known = {key for run_rows in rows for row in run_rows for key in row}
+    unknown = [m for m in metrics if m not in known]
+    if unknown:
+        print(f"rlsys: error: neither run logged {', '.join(unknown)}; some that they did: "
+              f"{', '.join(sorted(known)[:30])}", file=sys.stderr)
+        return 2
+    names = [run.name if run.name != runs[1 - i].name else str(run) for i, run in enumerate(runs)]
+    Console(width=max(Console().width, 40 + 24 * len(metrics))).print(
+        compare_table(names[0], rows[0], names[1], rows[1], metrics))
+    if args.plot:
+        try:
+            out = plot_compare(names[0], rows[0], names[1], rows[1], metrics, Path(args.plot))
+        except RuntimeError as error:
+            print(f"rlsys: error: {error}", file=sys.stderr)
+            return 2
+        print(f"rlsys: plot written to {out}")
+    return 0
+
+
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from rlsys.tiny_model import TinyModelSpec, make_tiny_model
 
@@ -148,6 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="print a running (or served) run's status as a table")
     status.add_argument("url", nargs="?", default="http://127.0.0.1:8470")
     status.set_defaults(handler=_status)
+
+    runs = commands.add_parser("runs", help="a table of the runs under a directory (state, steps, last rewards)")
+    runs.add_argument("dir", nargs="?", default="runs")
+    runs.set_defaults(handler=_runs)
+
+    compare = commands.add_parser("compare", help="two runs' metric curves side by side (and as a plot)")
+    compare.add_argument("run_a")
+    compare.add_argument("run_b")
+    compare.add_argument("--metrics", default="reward_mean,eval_reward_mean,response_len_mean",
+                         help="comma-separated metrics.jsonl keys (default: %(default)s)")
+    compare.add_argument("--plot", metavar="PNG", default=None, help="also write the curves to this PNG file")
+    compare.set_defaults(handler=_compare)
 
     plan = commands.add_parser("plan", help="print the memory each GPU will hold, per phase, and whether it fits")
     plan.add_argument("config", help="YAML config, e.g. configs/gpu_colocated.yaml")
