@@ -31,8 +31,15 @@ class SyntheticTaskConfig(_Section):
 
 
 class DataConfig(_Section):
-    train_path: str | None = Field(None, description="JSONL rows: prompt, label, optional metadata.")
+    train_path: str | None = Field(
+        None, description="Prompts: .jsonl, .parquet, .json, .csv, or a directory written by datasets' save_to_disk.",
+    )
     eval_path: str | None = None
+    prompt_key: str = Field("prompt", description="The field (column) holding the prompt text.")
+    label_key: str = Field("label", description="The field holding the label the reward function gets.")
+    metadata_keys: list[str] = Field(default_factory=list, description="Fields passed to the reward as metadata.")
+    train_split: str = Field("train", description="The split of a saved DatasetDict that train_path names.")
+    eval_split: str = Field("test", description="The split of a saved DatasetDict that eval_path names.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Held out of train_path when no eval_path.")
     synthetic: SyntheticTaskConfig | None = None
     prompts_per_step: int = Field(16, ge=1)
