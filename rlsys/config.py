@@ -334,6 +334,12 @@ class StatusConfig(_Section):
 
 class LoggingConfig(_Section):
     progress_bar: bool = True
+    backends: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Where metrics go besides RUN_DIR/metrics.jsonl (rlsys/tracking.py): "
+        "TensorBoard event files, wandb (offline unless configured), MLflow (a file store in the run directory).",
+    )
+    project: str = Field("rlsys", description="wandb project / MLflow experiment.")
+    run_name: str | None = Field(None, description="Run name in wandb/MLflow; default: the run directory's name.")
 
 
 class RunConfig(_Section):

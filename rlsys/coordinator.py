@@ -55,6 +55,7 @@ from rlsys.shm_sweep import sweep_shared_memory
 from rlsys.status.reporting import HealthMonitor, new_status, status_server
 from rlsys.status.state import RunStatus
 from rlsys.topology import Topology
+from rlsys.tracking import Trackers, check_backends_installed
 from rlsys.weight_sync.backend import BackendError, cluster_gpus, decide_has_gpu
 
 __all__ = ["RunFailed", "run"]
@@ -75,6 +76,7 @@ class Run:
     checkpointer: Checkpointer
     health: HealthMonitor
     rewards: RewardPool | RemoteReward
+    trackers: Trackers
     trainer_restarts: int = 0  # automatic resumes after a trainer rank died
 
     @contextmanager
@@ -241,6 +243,7 @@ def _rollout_metrics(generations: list, step_seconds: float) -> dict:
 
 def _record(run: Run, row: dict, last_step: bool) -> None:
     run.log.append(row)
+    run.trackers.log(row)
     run.status.record_step(row)
     if run.health.due(last_step):
         run.health.refresh(run.status)
@@ -330,6 +333,7 @@ def _describe_rewards(config: RunConfig) -> str:
 
 def run(config: RunConfig) -> Path:
     """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
+    check_backends_installed(config.logging.backends)
     assets = load_assets(config)  # every input check happens before any actor starts
     print(f"rlsys: memory plan: peak {check_memory_plan(config).per_gpu_bytes / 2**30:.2f} GiB per device "
           "(rlsys plan CONFIG for every term)", flush=True)
@@ -357,6 +361,9 @@ def run(config: RunConfig) -> Path:
         stack.callback(sweep_shared_memory)  # and, at the end, what a killed engine left of this run
         stack.callback(start_reaper(run_dir).terminate)  # cleans up if this process is killed
         stack.enter_context(status_server(config, status))
+        trackers = Trackers(config.logging.backends, run_dir, config.model_dump(mode="json"), config.logging.project,
+                            config.logging.run_name or run_dir.resolve().name)
+        stack.callback(trackers.close)
         ray_start = time.perf_counter()
         stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or layout.local_cpus()))
         print(f"rlsys: Ray cluster up in {time.perf_counter() - ray_start:.1f} s", flush=True)
@@ -372,7 +379,7 @@ def run(config: RunConfig) -> Path:
                   PromptSampler(assets.train, config.data.prompts_per_step, config.seed),
                   Evaluator(config, assets, parts.rollout, rewards.score),
                   Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts),
-                  HealthMonitor(parts), rewards)
+                  HealthMonitor(parts), rewards, trackers)
         parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.state.weight_version)
         sync_start = time.perf_counter()
         run.continue_from(checkpoint)

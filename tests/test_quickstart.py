@@ -22,8 +22,10 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
     run_dir = tmp_path / "run"
     # Colocated, the GPU's memory hand-off runs on CPU too when asked: its order of calls is checked.
     handoff = ["trainer.offload_between_steps=true"] if config == "quickstart.yaml" else []
+    # Disaggregated, the run also logs to every tracking backend (read back below).
+    tracking = [] if config == "quickstart.yaml" else ["logging.backends=[tensorboard,wandb,mlflow]"]
     result = subprocess.run(
-        train_command(config, tiny_model_dir, run_dir, "trainer.total_steps=130", *handoff),  # eval 1.0 by ~step 90
+        train_command(config, tiny_model_dir, run_dir, "trainer.total_steps=130", *handoff, *tracking),  # eval 1.0 by ~step 90
         capture_output=True, text=True, timeout=1200, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -47,6 +49,7 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
         _check_device_handoff(run_dir, rows)
     else:
         assert not (run_dir / "logs" / "device_handoff.jsonl").exists()  # trainers keep their devices
+        _check_tracking(run_dir, rows)
 
     assert leftovers.processes() == []
     assert leftovers.shm_files() == []
@@ -71,3 +74,19 @@ def _check_device_handoff(run_dir, rows):
     for key in ("memory_engine_serving_bytes", "memory_engine_released_bytes", "memory_trainer_awake_bytes",
                 "memory_trainer_asleep_bytes", "offload_bytes"):
         assert all(row[key] > 0 for row in rows), key
+
+
+def _check_tracking(run_dir, rows):
+    """TensorBoard and MLflow got every step's metrics under metrics.jsonl's names; wandb ran offline."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [r["step"] for r in rows]
+    assert [e.value for e in events.Scalars("reward_mean")] == pytest.approx([r["reward_mean"] for r in rows])
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("rlsys").experiment_id])
+    evals = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_reward_mean")]
+    assert sorted(evals) == [(r["step"], r["eval_reward_mean"]) for r in rows if r.get("eval_reward_mean") is not None]
+    assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1

@@ -1,0 +1,178 @@
+"""Experiment tracking: every metrics.jsonl row also goes to TensorBoard, wandb and/or MLflow.
+
+`logging.backends` picks any subset. Each backend gets the same metric names as metrics.jsonl
+(numbers only), the run's config once at the start, and step = the training step.
+- tensorboard: event files in RUN_DIR/tensorboard (`tensorboard --logdir runs`).
+- wandb: offline, into RUN_DIR/wandb, unless the user configured it (WANDB_MODE, or
+  WANDB_API_KEY for online); `wandb sync RUN_DIR/wandb/offline-run-*` uploads later.
+- mlflow: a local file store in RUN_DIR/mlruns unless MLFLOW_TRACKING_URI says otherwise
+  (mlflow-skinny is enough).
+Each is an optional extra (`pip install 'rlsys[tensorboard]'` etc.); a missing one is named
+before anything starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import suppress
+from pathlib import Path
+
+from rlsys.errors import RunFailed
+
+EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+_NOT_METRICS = {"step", "timestamp"}
+
+
+class TrackingError(RunFailed):
+    """A tracking backend cannot be used (its package is missing, or it refused to start)."""
+
+
+def numeric_metrics(row: dict) -> dict[str, float]:
+    """The row's finite numbers (bools excluded), keyed as in metrics.jsonl."""
+    return {key: float(value) for key, value in row.items()
+            if key not in _NOT_METRICS and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)}
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: the config as the dotted names a command line overrides."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _require(module: str, backend: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise TrackingError(f"logging.backends has {backend!r} but its package is not installed: "
+                            f"pip install 'rlsys[{EXTRAS[backend]}]'") from None
+
+
+class TensorBoardTracker:
+    def __init__(self, run_dir: Path, config: dict, run_name: str):
+        _require("tensorboard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        import yaml
+
+        # Markdown code block: TensorBoard's text panel keeps the YAML's layout.
+        self.writer.add_text("config", "```\n" + yaml.safe_dump(config, sort_keys=False) + "```", global_step=0)
+
+    def log(self, row: dict) -> None:
+        for key, value in numeric_metrics(row).items():
+            self.writer.add_scalar(key, value, global_step=row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, run_dir: Path, config: dict, run_name: str, project: str):
+        wandb = _require("wandb", "wandb")
+        configured = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else None)
+        try:
+            self.run = wandb.init(project=project, name=run_name, id=_wandb_id(run_name), resume="allow",
+                                  dir=str(run_dir), config=config, mode=configured or "offline",
+                                  settings=wandb.Settings(console="off", silent=True))
+        except Exception as error:  # noqa: BLE001 - wandb raises many kinds (auth, network, settings)
+            raise TrackingError(f"wandb did not start: {error}") from error
+
+    def log(self, row: dict) -> None:
+        self.run.log(numeric_metrics(row), step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflowTracker:
+    """Through MlflowClient (no process-global active run)."""
+
+    def __init__(self, run_dir: Path, config: dict, run_name: str, project: str):
+        _require("mlflow", "mlflow")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if uri is None:
+            uri = (run_dir / "mlruns").resolve().as_uri()
+            # MLflow 3 keeps the file store (no database needed; `mlflow ui --backend-store-uri
+            # RUN_DIR/mlruns` reads it) behind this opt-in.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        # MLflow params are short strings, at most 100 per batch: the flat config in batches.
+        params = [Param(key, str(value)[:500]) for key, value in flatten(config).items()]
+        for start in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+
+    def log(self, row: dict) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, row["step"]) for key, value in numeric_metrics(row).items()]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _wandb_id(run_name: str) -> str:
+    """A stable id per run directory name, so a resumed run continues the same wandb run."""
+    allowed = "".join(c if c.isalnum() or c in "-_" else "-" for c in run_name)
+    return allowed[:64] or "rlsys-run"
+
+
+class Trackers:
+    """The run's backends, as one: `log(row)` after each step, `close()` at the end."""
+
+    def __init__(self, backends: list[str], run_dir: Path, config: dict, project: str, run_name: str):
+        self.trackers = []
+        try:
+            for backend in dict.fromkeys(backends):  # each once, in the order given
+                if backend == "tensorboard":
+                    self.trackers.append(TensorBoardTracker(run_dir, config, run_name))
+                elif backend == "wandb":
+                    self.trackers.append(WandbTracker(run_dir, config, run_name, project))
+                elif backend == "mlflow":
+                    self.trackers.append(MLflowTracker(run_dir, config, run_name, project))
+                else:
+                    raise TrackingError(f"unknown logging backend {backend!r} (tensorboard, wandb, mlflow)")
+        except BaseException:
+            self.close()
+            raise
+
+    def log(self, row: dict) -> None:
+        for tracker in self.trackers:
+            tracker.log(row)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            with suppress(Exception):  # closing one must not keep the others open
+                tracker.close()
+        self.trackers = []
+
+
+def check_backends_installed(backends: list[str]) -> None:
+    """Raise TrackingError naming the extra of the first backend whose package is missing."""
+    import importlib.util
+
+    for backend in backends:
+        if backend in EXTRAS and importlib.util.find_spec(EXTRAS[backend]) is None:
+            raise TrackingError(f"logging.backends has {backend!r} but its package is not installed: "
+                                f"pip install 'rlsys[{EXTRAS[backend]}]'")
