@@ -24,8 +24,8 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
     handoff = ["trainer.offload_between_steps=true"] if config == "quickstart.yaml" else []
     # Disaggregated, the run also logs to every tracking backend (read back below).
     tracking = [] if config == "quickstart.yaml" else ["logging.backends=[tensorboard,wandb,mlflow]"]
-    result = subprocess.run(
-        train_command(config, tiny_model_dir, run_dir, "trainer.total_steps=130", *handoff, *tracking),  # eval 1.0 by ~step 90
+    result = subprocess.run(  # eval 1.0 by ~step 90
+        train_command(config, tiny_model_dir, run_dir, "trainer.total_steps=130", *handoff, *tracking),
         capture_output=True, text=True, timeout=1200, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
