@@ -30,11 +30,14 @@ class RunAssets:
     too_long_prompts: int
 
 
-def _encode(tokenizer, record: PromptRecord, chat: bool) -> list[int]:
+def _encode(tokenizer, record: PromptRecord, chat: bool, system_prompt: str | None = None) -> list[int]:
     if chat:
-        return list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": record.prompt}], add_generation_prompt=True, tokenize=True
-        ))
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        messages.append({"role": "user", "content": record.prompt})
+        # Rendered to text, then tokenised without added special tokens (the template holds them
+        # all): the same ids whatever apply_chat_template(tokenize=True) returns in a given version.
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(record.prompt, add_special_tokens=True)["input_ids"]
 
 
@@ -66,7 +69,14 @@ def load_assets(config: RunConfig) -> RunAssets:
             f"invalid config: model.path {model_dir} holds no weight files ({', '.join(_WEIGHT_FILES)}); "
             "point it at a complete Hugging Face checkpoint"
         )
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer_dir = Path(config.model.tokenizer_dir)
+    if not (tokenizer_dir / "tokenizer_config.json").is_file():
+        raise ConfigError(f"invalid config: no tokenizer in {tokenizer_dir} (no tokenizer_config.json); "
+                          "set model.tokenizer_path to the tokenizer's directory")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if config.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"invalid config: data.apply_chat_template is on but the tokenizer in {tokenizer_dir} "
+                          "has no chat template")
     if config.reward.url is None:
         load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
     splits = load_splits(config.data, config.seed)
@@ -77,7 +87,8 @@ def load_assets(config: RunConfig) -> RunAssets:
         )
 
     def encode_all(records: list[PromptRecord]) -> tuple[list[EncodedPrompt], int]:
-        encoded = [EncodedPrompt(r, _encode(tokenizer, r, config.data.apply_chat_template)) for r in records]
+        data = config.data
+        encoded = [EncodedPrompt(r, _encode(tokenizer, r, data.apply_chat_template, data.system_prompt)) for r in records]
         kept = [e for e in encoded if 0 < len(e.token_ids) <= budget]
         return kept, len(encoded) - len(kept)
 

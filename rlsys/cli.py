@@ -170,7 +170,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     from rlsys.tiny_model import TinyModelSpec, make_tiny_model
 
     spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
-    print(f"rlsys: tiny model written to {make_tiny_model(args.out_dir, spec)}")
+    print(f"rlsys: tiny model written to {make_tiny_model(args.out_dir, spec, chat=args.chat)}")
     return 0
 
 
@@ -226,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--num-layers", type=int, default=2)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--chat", action="store_true", help="a tokenizer with a Qwen-style chat template")
     tiny.set_defaults(handler=_make_tiny_model)
     return parser
 

@@ -20,6 +20,14 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     path: str = Field(description="Local directory of a Hugging Face checkpoint (never a hub id).")
     dtype: Literal["float32", "bfloat16"] = "float32"
+    tokenizer_path: str | None = Field(
+        None, description="Local directory of the tokenizer when it is not model.path's (the engine gets it as "
+        "--tokenizer-path).",
+    )
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer_path or self.path
 
 
 class SyntheticTaskConfig(_Section):
@@ -43,13 +51,19 @@ class DataConfig(_Section):
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Held out of train_path when no eval_path.")
     synthetic: SyntheticTaskConfig | None = None
     prompts_per_step: int = Field(16, ge=1)
-    apply_chat_template: bool = False
+    apply_chat_template: bool = Field(
+        False, description="Wrap each prompt as a user turn of the tokenizer's chat template (with the "
+        "assistant turn opened).",
+    )
+    system_prompt: str | None = Field(None, description="A system turn before each prompt (needs apply_chat_template).")
     skip_invalid_rows: bool = Field(False, description="Skip (and count) malformed rows instead of failing.")
 
     @model_validator(mode="after")
     def _one_source(self):
         if (self.train_path is None) == (self.synthetic is None):
             raise ValueError("set exactly one of data.train_path or data.synthetic")
+        if self.system_prompt is not None and not self.apply_chat_template:
+            raise ValueError("data.system_prompt needs data.apply_chat_template: true (it is a turn of the chat template)")
         return self
 
 

@@ -35,7 +35,9 @@ def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path) -> Pat
     model.load_state_dict(state["model"])
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer_dir = Path(config.model.tokenizer_dir)
     for name in _TOKENIZER_FILES:
-        if (base / name).is_file():
-            shutil.copy2(base / name, out_dir / name)
+        source = tokenizer_dir / name if (tokenizer_dir / name).is_file() else base / name
+        if source.is_file():
+            shutil.copy2(source, out_dir / name)
     return out_dir

@@ -30,18 +30,35 @@ class TinyModelSpec:
     seed: int = 0
 
 
-def build_tokenizer():
-    """A character-level tokenizer: every character is one token; decoding concatenates."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+# Chat variant: Qwen's turn markers (special tokens at the end of the vocabulary, so the plain
+# ids do not move), a newline token, and Qwen's ChatML layout as a Jinja template.
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(chat: bool = False):
+    """A character-level tokenizer: every character is one token; decoding concatenates. With
+    `chat`, also "\n", Qwen's <|im_start|>/<|im_end|> and its chat template, <|im_end|> as EOS."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS + (["\n"] if chat else []))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # "[\s\S]": every character, the newline too ("." would leave it out)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]" if chat else "."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
+    if not chat:
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+        )
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<pad>",
+                                   unk_token="<unk>", additional_special_tokens=CHAT_TOKENS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -59,20 +76,21 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write a tokenizer and a random-init Qwen2ForCausalLM (fp32, untied head) to `out_dir`."""
+def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), chat: bool = False) -> Path:
+    """Write a tokenizer and a random-init Qwen2ForCausalLM (fp32, untied head) to `out_dir`;
+    `chat`: the tokenizer has a chat template in its tokenizer_config, as Qwen's instruct models do."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(str(out_dir))
-    # Make the tokenizer class explicit so every loader (SGLang's included) takes tokenizer.json.
-    config_path = out_dir / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(tokenizer_config, indent=2))
+    tokenizer = build_tokenizer(chat)
+    # Twice: beside the model (rlsys loads it from there), and alone in tokenizer/. transformers'
+    # AutoTokenizer (SGLang's loader) builds a Qwen2 BPE tokenizer for a directory whose config.json
+    # says qwen2, whatever tokenizer_config names; without a config.json it takes tokenizer.json.
+    # So an engine that runs with its tokenizer gets model.tokenizer_path=DIR/tokenizer.
+    for directory in (out_dir, out_dir / "tokenizer"):
+        _save_tokenizer(tokenizer, directory)
 
     # Exactly the tokenizer's size: an unused id could be sampled and would decode to nothing.
     vocab_size = len(tokenizer)
@@ -97,6 +115,20 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     ).save_pretrained(str(out_dir))
     return out_dir
+
+
+def _save_tokenizer(tokenizer, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(directory))
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    # The class explicit, so every loader that reads it takes tokenizer.json.
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    template = directory / "chat_template.jinja"
+    if template.is_file():  # inside tokenizer_config.json, where Qwen's releases keep it
+        tokenizer_config["chat_template"] = template.read_text()
+        template.unlink()
+    config_path.write_text(json.dumps(tokenizer_config, indent=2))
 
 
 # Published Hugging Face config.json values (shapes only) of models the memory tools are checked on.

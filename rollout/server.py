@@ -96,6 +96,8 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> l
     ]
     if engine.skip_tokenizer_init:
         command.append("--skip-tokenizer-init")
+    elif spec.model.tokenizer_path:
+        command += ["--tokenizer-path", spec.model.tokenizer_path]
     if spec.memory_saver and backend.has_gpu:
         # torch_memory_saver (CUDA only) makes /release_memory_occupation really return the
         # weights' and KV cache's memory to the GPU while the colocated trainer trains. On CPU the
