@@ -4,19 +4,36 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL_DIR := .cache/tiny-model
 STAMP := $(VENV)/.rlsys-installed
+# -qq: errors only (pip's warnings include the machine's index notes and, for an editable install,
+# setuptools' build notes; neither asks anything of the user). PYTHONWARNINGS=ignore on the last
+# step keeps setuptools' "editable installation" note out of the build output.
+PIP := $(BIN)/pip install -qq
 
-.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium bench
+.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium bench check-install
 
 # torch first (2.14.1 lies on local disk), then SGLang's pure-Python runtime deps, then sglang
 # itself without its CUDA-only kernel packages, then rlsys. See requirements/sglang-cpu.txt.
+# sglang's own requirements name CUDA-only packages (its kernels, torchaudio, ...) that a CPU
+# install leaves out on purpose, so pip's "sglang requires X, which is not installed" check is
+# silenced (--no-warn-conflicts) from the sglang step on; `make check-install` runs pip check.
 $(STAMP): pyproject.toml requirements/sglang-cpu.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -r requirements/sglang-cpu.txt
-	$(BIN)/pip install -q --no-deps sglang==0.5.23
-	$(BIN)/pip install -q -e '.[test]'
-	touch $(STAMP)
+	@echo "rlsys: [1/5] virtualenv $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP) --upgrade pip
+	@echo "rlsys: [2/5] torch 2.14.1 (from local disk)"
+	@$(PIP) torch==2.14.1 torchvision==0.29.1
+	@echo "rlsys: [3/5] SGLang's runtime dependencies (CPU: no CUDA kernels)"
+	@$(PIP) --no-warn-conflicts -r requirements/sglang-cpu.txt
+	@echo "rlsys: [4/5] sglang 0.5.23 (without its dependency list)"
+	@$(PIP) --no-warn-conflicts --no-deps sglang==0.5.23
+	@echo "rlsys: [5/5] rlsys and its test, data, plot and tracking extras"
+	@PYTHONWARNINGS=ignore $(PIP) --no-warn-conflicts -e '.[test]'
+	@touch $(STAMP)
+	@echo "rlsys: installed into $(VENV)"
+
+# What pip's resolver would say about the install (only sglang's CUDA-only packages should be missing).
+check-install: $(STAMP)
+	-$(BIN)/pip check
 
 install: $(STAMP)
 

@@ -22,8 +22,25 @@ def ray_cluster(address: str | None, local_num_cpus: int):
         # per-actor env vars are set where the actors are created.
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=local_num_cpus, include_dashboard=False, runtime_env={"env_vars": ACTOR_ENV}, **kwargs)
+        # A local cluster keeps Ray's default token authentication; its start-up warning that token
+        # auth is on (RAY_AUTH_MODE unset) asks nothing of a user of this one-process cluster.
+        with _quiet(_RAY_AUTH_LOGGER):
+            ray.init(num_cpus=local_num_cpus, include_dashboard=False, runtime_env={"env_vars": ACTOR_ENV}, **kwargs)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextmanager
+def _quiet(logger_name: str):
+    logger = logging.getLogger(logger_name)
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
