@@ -334,6 +334,7 @@ def _describe_rewards(config: RunConfig) -> str:
 def run(config: RunConfig) -> Path:
     """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
     check_backends_installed(config.logging.backends)
+    run_start = time.perf_counter()
     assets = load_assets(config)  # every input check happens before any actor starts
     print(f"rlsys: memory plan: peak {check_memory_plan(config).per_gpu_bytes / 2**30:.2f} GiB per device "
           "(rlsys plan CONFIG for every term)", flush=True)
@@ -360,7 +361,7 @@ def run(config: RunConfig) -> Path:
         sweep_shared_memory()  # what runs killed without warning left on this machine
         stack.callback(sweep_shared_memory)  # and, at the end, what a killed engine left of this run
         stack.callback(start_reaper(run_dir).terminate)  # cleans up if this process is killed
-        stack.enter_context(status_server(config, status))
+        dashboard = stack.enter_context(status_server(config, status))
         trackers = Trackers(config.logging.backends, run_dir, config.model_dump(mode="json"), config.logging.project,
                             config.logging.run_name or run_dir.resolve().name)
         stack.callback(trackers.close)
@@ -384,7 +385,9 @@ def run(config: RunConfig) -> Path:
         sync_start = time.perf_counter()
         run.continue_from(checkpoint)
         print(f"rlsys: engines hold the trainer's weights (version {run.state.weight_version}) after "
-              f"{time.perf_counter() - sync_start:.1f} s; training", flush=True)
+              f"{time.perf_counter() - sync_start:.1f} s", flush=True)
+        print(f"rlsys: training (started in {time.perf_counter() - run_start:.0f} s)"
+              + (f"; dashboard at {dashboard}/" if dashboard else ""), flush=True)
         _train_resuming_dead_trainers(run, store)
         status.set_state("stopped" if status.stop_requested else "finished")
         status.save_snapshot()
