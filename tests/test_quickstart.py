@@ -1,6 +1,7 @@
 """End to end: the CPU quickstart learns, logs what a user reads, and leaves nothing behind."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -85,6 +86,7 @@ def _check_tracking(run_dir, rows):
     events.Reload()
     assert [e.step for e in events.Scalars("reward_mean")] == [r["step"] for r in rows]
     assert [e.value for e in events.Scalars("reward_mean")] == pytest.approx([r["reward_mean"] for r in rows])
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 opens file stores only when asked
     client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
     [run] = client.search_runs([client.get_experiment_by_name("rlsys").experiment_id])
     evals = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_reward_mean")]
