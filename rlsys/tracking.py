@@ -47,14 +47,18 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+def _missing(backend: str) -> TrackingError:
+    return TrackingError(f"logging.backends has {backend!r} but its package is not installed: "
+                         f"pip install 'rlsys[{EXTRAS[backend]}]'")
+
+
 def _require(module: str, backend: str):
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise TrackingError(f"logging.backends has {backend!r} but its package is not installed: "
-                            f"pip install 'rlsys[{EXTRAS[backend]}]'") from None
+        raise _missing(backend) from None
 
 
 class TensorBoardTracker:
@@ -174,5 +178,4 @@ def check_backends_installed(backends: list[str]) -> None:
 
     for backend in backends:
         if backend in EXTRAS and importlib.util.find_spec(EXTRAS[backend]) is None:
-            raise TrackingError(f"logging.backends has {backend!r} but its package is not installed: "
-                                f"pip install 'rlsys[{EXTRAS[backend]}]'")
+            raise _missing(backend)
