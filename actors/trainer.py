@@ -24,7 +24,13 @@ from rlsys.actors.logprob_head import install_logprob_head
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize
 from rlsys.actors.schedule import build_lr_scheduler
-from rlsys.algorithms.grpo import clipped_policy_loss, kl_estimate, masked_sum, truncated_importance_weights
+from rlsys.algorithms.grpo import (
+    ImportanceWeights,
+    clipped_policy_loss,
+    kl_estimate,
+    masked_sum,
+    truncated_importance_weights,
+)
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from rlsys.rollout.client import SGLangClient
 from rlsys.topology import Topology
@@ -62,6 +68,41 @@ class TrainerSpec:
     @property
     def needs_reference(self) -> bool:
         return self.algorithm.use_kl_loss or self.algorithm.kl_in_reward
+
+
+@dataclass
+class MicroBatchLoss:
+    objective: torch.Tensor  # scalar: sum over loss tokens of weight * token loss
+    old_logprobs: torch.Tensor
+    kl: torch.Tensor  # per token
+    clipped: torch.Tensor  # per token
+    tis: ImportanceWeights | None
+
+
+def micro_batch_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch: MicroBatch,
+                     algorithm: AlgorithmConfig) -> MicroBatchLoss:
+    """The GRPO objective of one micro-batch: clipped policy loss (times the TIS weights), plus
+    the KL loss and minus the entropy bonus when configured, each token weighed by
+    `batch.loss_weights`, which are 0 outside the loss mask (prompt, injected tool output, masked
+    responses): those tokens get exactly zero gradient."""
+    old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+    terms = clipped_policy_loss(logprobs, old_logprobs, batch.advantages, algorithm.clip_eps_low,
+                                algorithm.clip_eps_high)
+    token_loss, tis = terms.loss, None
+    if algorithm.tis.enabled:  # the samples came from the engine's distribution, not the trainer's
+        tis = truncated_importance_weights(old_logprobs, batch.engine_logprobs, batch.engine_mask,
+                                           algorithm.tis.cap, algorithm.tis.level, batch.spans)
+        token_loss = token_loss * tis.weights
+    kl = torch.zeros_like(logprobs)
+    if batch.ref_logprobs is not None:
+        kl = kl_estimate(logprobs, batch.ref_logprobs, algorithm.kl_estimator)
+        if algorithm.use_kl_loss:
+            token_loss = token_loss + algorithm.kl_coef * kl
+    if algorithm.entropy_coef:
+        token_loss = token_loss - algorithm.entropy_coef * entropy
+    # masked_sum multiplies: a token outside the mask adds 0 * (its loss), whose gradient is 0 as
+    # long as the loss is finite there (it is: log-probs of real tokens, clipped ratios).
+    return MicroBatchLoss(masked_sum(token_loss, batch.loss_weights), old_logprobs, kl, terms.clipped, tis)
 
 
 @dataclass
@@ -261,33 +302,17 @@ class TrainerWorker:
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             logprobs, entropy = self._forward(self.model, batch, with_entropy=True)
-            old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-            terms = clipped_policy_loss(logprobs, old_logprobs, batch.advantages,
-                                        algorithm.clip_eps_low, algorithm.clip_eps_high)
-            token_loss = terms.loss
-            tis = None
-            if algorithm.tis.enabled:  # the samples came from the engine's distribution, not the trainer's
-                tis = truncated_importance_weights(old_logprobs, batch.engine_logprobs, batch.engine_mask,
-                                                   algorithm.tis.cap, algorithm.tis.level, batch.spans)
-                token_loss = token_loss * tis.weights
-            kl = torch.zeros_like(logprobs)
-            if self.ref_model is not None:
-                kl = kl_estimate(logprobs, batch.ref_logprobs, algorithm.kl_estimator)
-                if algorithm.use_kl_loss:
-                    token_loss = token_loss + algorithm.kl_coef * kl
-            if algorithm.entropy_coef:
-                token_loss = token_loss - algorithm.entropy_coef * entropy
-            mask = batch.response_mask
+            loss = micro_batch_loss(logprobs, entropy, batch, algorithm)
             # The weights hold the global mini-batch's normaliser; FSDP averages over ranks, hence world_size.
-            objective = masked_sum(token_loss, batch.loss_weights)
-            (objective * self.world_size).backward()
+            (loss.objective * self.world_size).backward()
             with torch.no_grad():
+                mask, tis = batch.response_mask, loss.tis
                 sums += LossSums(
-                    objective=objective.item(),
-                    kl=masked_sum(kl, mask).item(),
-                    clipped=masked_sum(terms.clipped, mask).item(),
+                    objective=loss.objective.item(),
+                    kl=masked_sum(loss.kl, mask).item(),
+                    clipped=masked_sum(loss.clipped, mask).item(),
                     entropy=masked_sum(entropy, mask).item(),
-                    logprob_mismatch=masked_sum((old_logprobs - batch.engine_logprobs).abs(),
+                    logprob_mismatch=masked_sum((loss.old_logprobs - batch.engine_logprobs).abs(),
                                                 batch.engine_mask).item(),
                     tis_weight=masked_sum(tis.weights, batch.engine_mask).item() if tis is not None else 0.0,
                     tis_clipped=masked_sum(tis.clipped, batch.engine_mask).item() if tis is not None else 0.0,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -31,8 +31,8 @@ class ModelConfig(_Section):
 
 
 class SyntheticTaskConfig(_Section):
-    task: Literal["max_digit", "first_digit", "last_digit", "sum_mod10"] = "max_digit"
-    num_digits: int = Field(3, ge=1, le=12)
+    task: Literal["max_digit", "first_digit", "last_digit", "sum_mod10", "calculator"] = "max_digit"
+    num_digits: int = Field(3, ge=1, le=12, description="Digits per prompt (the digit tasks).")
     num_train: int = Field(2000, ge=1)
     num_eval: int = Field(128, ge=1)
     seed: int = 0
@@ -156,6 +156,23 @@ class RolloutConfig(_Section):
     stop: list[str] = Field(default_factory=list)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    generate_function: str | None = Field(
+        None, description="An async function (path/to/file.py:fn or package.module:fn) that builds one sample: "
+        "it may call the engine several times and run tools in between (rlsys.rollout.trajectory). "
+        "Default: one engine call per sample.",
+    )
+    tool_timeout_s: float = Field(30.0, gt=0.0, description="A tool call running longer ends its trajectory.")
+
+    @field_validator("generate_function")
+    @classmethod
+    def _import_path(cls, value):
+        if value is not None and (":" not in value or not value.rpartition(":")[0] or not value.rpartition(":")[2]):
+            raise ValueError(f"{value!r} must look like 'path/to/file.py:function' or 'package.module:function'")
+        return value
+    max_staleness: Literal[0, 1] = Field(
+        0, description="1: the engines generate the next step's samples while the trainer trains on this "
+        "step's (one-step off-policy; placement.mode disaggregated only).",
+    )
 
     @model_validator(mode="after")
     def _group_size(self):
@@ -383,6 +400,10 @@ class RunConfig(_Section):
         if algorithm.mask_truncated and rollout.sampling.ignore_eos:
             raise ValueError("algorithm.mask_truncated with rollout.sampling.ignore_eos would mask every response "
                              "(all of them reach max_new_tokens); use one or the other")
+        if rollout.max_staleness and "enabled" not in algorithm.tis.model_fields_set:
+            # One step off-policy: the samples come from the previous weights; TIS reweighs them
+            # from those (the engine's log-probs) to the trainer's (unless the config says no).
+            algorithm.tis.enabled = True
         return self
 
     @model_validator(mode="after")
@@ -392,6 +413,9 @@ class RunConfig(_Section):
                 f"colocated placement puts engine i beside trainer rank i, so rollout.num_engines "
                 f"({self.rollout.num_engines}) must be <= trainer.num_ranks ({self.trainer.num_ranks})"
             )
+        if self.placement.mode == "colocated" and self.rollout.max_staleness:
+            raise ValueError("rollout.max_staleness=1 overlaps generation with training, which needs engines and "
+                             "trainers on their own devices: set placement.mode=disaggregated")
         if self.placement.mode == "colocated" and self.rollout.engine.tp_size > 1:
             # Each trainer rank hands its weights to the engine on its own GPU by IPC handle; an
             # engine spread over several GPUs would need one handle per GPU, from the trainer rank

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,6 +29,7 @@ from rlsys.config import RunConfig, dump_config
 from rlsys.data import PromptSampler
 from rlsys.errors import RunFailed
 from rlsys.evaluation import Evaluator, sampling_params
+from rlsys.generation import SampleMaker, trajectory_metrics
 from rlsys.lifecycle import (
     Components,
     bring_engines_up_to_date,
@@ -41,7 +43,7 @@ from rlsys.metrics import MetricsLog
 from rlsys.reaper import start_reaper
 from rlsys.remote_reward import RemoteReward
 from rlsys.reward_pool import RewardPool, make_reward_scorer
-from rlsys.rollout.manager import EngineRestartLimit
+from rlsys.rollout.manager import EngineCallFailed, EngineRestartLimit, is_engine_death
 from rlsys.run_lock import RunDirLock
 from rlsys.samples import (
     ScoredBatch,
@@ -77,6 +79,7 @@ class Run:
     health: HealthMonitor
     rewards: RewardPool | RemoteReward
     trackers: Trackers
+    maker: SampleMaker
     trainer_restarts: int = 0  # automatic resumes after a trainer rank died
 
     @contextmanager
@@ -119,52 +122,75 @@ class Run:
 def train_loop(run: Run) -> None:
     config, parts, state = run.config, run.parts, run.state
     sampling = sampling_params(config, run.assets, config.rollout.temperature, config.rollout.top_p)
-    for step in run.steps():
-        row: dict = {"step": step, "data_epoch": run.sampler.epoch, "data_index": run.sampler.index}
-        step_start = time.perf_counter()
-        if run.evaluator.due(step):
-            with run.phase(row, "evaluating", "eval"):
-                row.update(run.evaluator.evaluate())
+    next_batch = NextBatch(run, sampling) if config.rollout.max_staleness else None
+    try:
+        for step in run.steps():
+            row: dict = {"step": step}
+            step_start = time.perf_counter()
+            batch = next_batch.take(row) if next_batch else None
+            if batch is None:
+                with run.phase(row, "rollout", "generate"):
+                    batch = collect_step_batch(run, sampling, step)
+            row.update(batch.metrics, data_epoch=batch.start[0], data_index=batch.start[1])
+            row.update(batch.scored.reward_metrics())  # task rewards, before any penalty
+            if run.evaluator.due(step):  # the engines are idle here and hold this step's weights
+                with run.phase(row, "evaluating", "eval"):
+                    row.update(run.evaluator.evaluate())
+            if next_batch and step + 1 < config.trainer.total_steps:
+                next_batch.start(step + 1, step_start)  # generates while this step trains
 
-        scored, generations = _collect_groups(run, row, sampling, step)
-        row.update(scored.reward_metrics())  # task rewards, before any penalty
+            if parts.handoff.enabled:
+                with run.phase(row, "training", "offload"):
+                    parts.handoff.to_trainer(row)  # engines release their memory, the trainer wakes
+            with run.phase(row, "training", "train"):
+                row.update(_train(config, parts, batch.scored))
+            with run.phase(row, "syncing", "sync"), parts.rollout.weights_updating():
+                sync_engines(config, parts, state.weight_version + 1)
+            if next_batch:
+                row["staleness_mean"] = _staleness(batch.generations, state.weight_version)
+            state.finish_step(step, *batch.end)  # an in-flight next batch is generated again after a resume
+            if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
+                with run.phase(row, "checkpointing", "checkpoint"):
+                    run.checkpointer.save(state)
+            if parts.handoff.enabled:
+                with run.phase(row, "training", "offload"):
+                    parts.handoff.to_engines(row)  # the trainer sleeps, the engines take their memory back
 
-        if parts.handoff.enabled:
-            with run.phase(row, "training", "offload"):
-                parts.handoff.to_trainer(row)  # engines release their memory, the trainer wakes
-        with run.phase(row, "training", "train"):
-            row.update(_train(config, parts, scored))
-        with run.phase(row, "syncing", "sync"):
-            sync_engines(config, parts, state.weight_version + 1)
-        state.finish_step(step, run.sampler.epoch, run.sampler.index)
-        if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
-            with run.phase(row, "checkpointing", "checkpoint"):
-                run.checkpointer.save(state)
-        if parts.handoff.enabled:
-            with run.phase(row, "training", "offload"):
-                parts.handoff.to_engines(row)  # the trainer sleeps, the engines take their memory back
-
-        row["time_step_s"] = time.perf_counter() - step_start
-        row["timestamp"] = time.time()  # wall clock when the step ended (unix seconds)
-        row.update(_rollout_metrics(generations, row["time_step_s"]), synced_weight_version=state.weight_version,
-                   engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
-        _record(run, row, last_step=step + 1 == config.trainer.total_steps)
+            row["time_step_s"] = time.perf_counter() - step_start
+            row["timestamp"] = time.time()  # wall clock when the step ended (unix seconds)
+            row.update(_rollout_metrics(batch.generations, row["time_step_s"]), synced_weight_version=state.weight_version,
+                       engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
+            _record(run, row, last_step=step + 1 == config.trainer.total_steps)
+    finally:
+        if next_batch:
+            next_batch.close()
     if run.status.stop_requested:
         _checkpoint_before_stopping(run)
 
 
-def _collect_groups(run: Run, row: dict, sampling, step: int) -> tuple[ScoredBatch, list]:
+@dataclass
+class StepBatch:
+    """One step's scored groups, every generation made for it, and where the data stood."""
+
+    scored: ScoredBatch
+    generations: list
+    metrics: dict
+    start: tuple[int, int]  # (data epoch, index) before its prompts were drawn
+    end: tuple[int, int]  # and after
+
+
+def collect_step_batch(run: Run, sampling, step: int, recover: bool = True) -> StepBatch:
     """Prompts -> engine samples -> rewards, one round of data.prompts_per_step prompts. With
     algorithm.dynamic_sampling, groups whose scores are all equal are dropped and more rounds run
     until the step has prompts_per_step groups (surplus groups are dropped too) or
-    algorithm.max_sampling_rounds is reached. Returns the kept groups and every generation."""
+    algorithm.max_sampling_rounds is reached."""
     config, algorithm = run.config, run.config.algorithm
     group_size, wanted = config.rollout.n_samples_per_prompt, config.data.prompts_per_step
-    batch, generations = ScoredBatch(samples=[], sampling_rounds=0), []
+    batch, generations, metrics = ScoredBatch(samples=[], sampling_rounds=0), [], {}
+    start = (run.sampler.epoch, run.sampler.index)
     while batch.sampling_rounds < (algorithm.max_sampling_rounds if algorithm.dynamic_sampling else 1):
         prompts = run.sampler.next_batch()
-        with run.phase(row, "rollout", "generate"):
-            round_generations = run.parts.rollout.generate([p.token_ids for p in prompts], sampling, group_size)
+        round_generations = run.maker.samples(run.parts.rollout, prompts, sampling, group_size, recover=recover)
         scored = score_groups([p.record for p in prompts], round_generations, group_size, run.assets.tokenizer,
                               run.rewards.score, algorithm.overlong_penalty, config.rollout.max_new_tokens)
         check_reward_errors(scored, config.reward.max_error_fraction, step)
@@ -177,9 +203,67 @@ def _collect_groups(run: Run, row: dict, sampling, step: int) -> tuple[ScoredBat
             break
     batch.samples = batch.samples[:wanted * group_size]
     if algorithm.dynamic_sampling:
-        row.update(filtered_groups=batch.filtered_groups, sampling_rounds=batch.sampling_rounds,
-                   train_groups=len(batch.samples) // group_size)
-    return batch, generations
+        metrics.update(filtered_groups=batch.filtered_groups, sampling_rounds=batch.sampling_rounds,
+                       train_groups=len(batch.samples) // group_size)
+    return StepBatch(batch, generations, metrics, start, (run.sampler.epoch, run.sampler.index))
+
+
+class NextBatch:
+    """rollout.max_staleness=1: the next step's batch is generated and scored in a background
+    thread while this step trains (one step off-policy). The engines take the new weights between
+    requests (`RolloutManager.weights_updating`), so a sample's tokens all come from one version.
+    If an engine dies meanwhile, the batch is drawn again and generated in the loop's thread,
+    which restarts the engine; a batch still in flight when the run stops or checkpoints is not
+    saved: its prompts are drawn again after a resume (the checkpoint's data position is the one
+    after the batch just trained)."""
+
+    def __init__(self, run: Run, sampling):
+        self.run, self.sampling = run, sampling
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="next-batch")
+        self._pending: tuple[Future, tuple[int, int], float] | None = None
+
+    def start(self, step: int, step_start: float) -> None:
+        position = (self.run.sampler.epoch, self.run.sampler.index)
+        future = self._executor.submit(self._collect, step, step_start)
+        self._pending = (future, position, step_start)
+
+    def _collect(self, step: int, step_start: float) -> StepBatch:
+        began = time.perf_counter()
+        batch = collect_step_batch(self.run, self.sampling, step, recover=False)
+        batch.metrics.update(prefetch_start_s=began - step_start, time_prefetch_s=time.perf_counter() - began)
+        return batch
+
+    def take(self, row: dict) -> StepBatch | None:
+        """The batch generated during the previous step (waiting for it counts as `generate`), or
+        None when there is none or its generation hit a dead engine."""
+        if self._pending is None:
+            return None
+        future, position, _ = self._pending
+        self._pending = None
+        try:
+            with self.run.phase(row, "rollout", "generate"):
+                return future.result()
+        except (RayError, EngineCallFailed) as error:
+            if not is_engine_death(getattr(error, "error", error)):
+                raise
+            self.run.sampler.restore(*position)
+            return None
+
+    def close(self) -> None:
+        """Wait for a batch in flight (it is dropped) and stop the thread."""
+        if self._pending is not None:
+            try:
+                self._pending[0].result()
+            except BaseException:  # noqa: BLE001 - the batch is dropped either way
+                pass
+            self.run.sampler.restore(*self._pending[1])
+            self._pending = None
+        self._executor.shutdown(wait=True)
+
+
+def _staleness(generations: list, trainer_version: int) -> float:
+    """How many weight versions behind the trainer the trained samples were, on average."""
+    return sum(trainer_version - g.weight_version for g in generations) / max(len(generations), 1)
 
 
 def _checkpoint_before_stopping(run: Run) -> None:
@@ -236,8 +320,9 @@ def _rollout_metrics(generations: list, step_seconds: float) -> dict:
     return {
         "response_len_mean": sum(len(g.response_ids) for g in generations) / max(len(generations), 1),
         "truncated_fraction": truncated_fraction(generations),
-        "weight_version": generations[0].weight_version if generations else None,  # what sampled them
+        "weight_version": min((g.weight_version for g in generations), default=None),  # what sampled them
         "tokens_per_s": tokens / step_seconds,
+        **trajectory_metrics(generations),
     }
 
 
@@ -336,6 +421,7 @@ def run(config: RunConfig) -> Path:
     check_backends_installed(config.logging.backends)
     run_start = time.perf_counter()
     assets = load_assets(config)  # every input check happens before any actor starts
+    maker = SampleMaker(config, assets.tokenizer)  # loads rollout.generate_function, if any
     print(f"rlsys: memory plan: peak {check_memory_plan(config).per_gpu_bytes / 2**30:.2f} GiB per device "
           "(rlsys plan CONFIG for every term)", flush=True)
     random.seed(config.seed)
@@ -378,9 +464,9 @@ def run(config: RunConfig) -> Path:
         parts = start_components(config, topology, run_dir, stack)
         run = Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
                   PromptSampler(assets.train, config.data.prompts_per_step, config.seed),
-                  Evaluator(config, assets, parts.rollout, rewards.score),
+                  Evaluator(config, assets, parts.rollout, rewards.score, maker),
                   Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts),
-                  HealthMonitor(parts), rewards, trackers)
+                  HealthMonitor(parts), rewards, trackers, maker)
         parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.state.weight_version)
         sync_start = time.perf_counter()
         run.continue_from(checkpoint)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from rlsys.assets import RunAssets
 from rlsys.config import RunConfig
-from rlsys.reward_pool import RewardCall
+from rlsys.generation import SampleMaker
 from rlsys.rollout.engine import SamplingParams
 from rlsys.rollout.manager import RolloutManager
-from rlsys.samples import Scorer, response_text
+from rlsys.samples import Scorer, generation_text, reward_call
 
 
 def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, top_p: float) -> SamplingParams:
@@ -23,7 +23,8 @@ def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, to
 
 
 class Evaluator:
-    def __init__(self, config: RunConfig, assets: RunAssets, rollout: RolloutManager, scorer: Scorer):
+    def __init__(self, config: RunConfig, assets: RunAssets, rollout: RolloutManager, scorer: Scorer,
+                 maker: SampleMaker):
         self.interval = config.eval.interval
         self.last_step = config.trainer.total_steps - 1
         self.prompts = assets.eval[: config.eval.max_prompts] if config.eval.max_prompts else assets.eval
@@ -31,6 +32,7 @@ class Evaluator:
         self.tokenizer = assets.tokenizer
         self.rollout = rollout
         self.scorer = scorer
+        self.maker = maker
 
     def due(self, step: int) -> bool:
         return bool(self.prompts) and (step % self.interval == 0 or step == self.last_step)
@@ -38,9 +40,9 @@ class Evaluator:
     def evaluate(self) -> dict[str, float]:
         """Mean reward of one greedy (eval.temperature) answer per eval prompt. A prompt whose
         reward fails scores 0 and is counted in `eval_reward_errors`."""
-        generations = self.rollout.generate([p.token_ids for p in self.prompts], self.sampling, n=1)
-        calls = [RewardCall(p.record.prompt, response_text(self.tokenizer, g.response_ids), p.record.label,
-                            p.record.metadata) for p, g in zip(self.prompts, generations, strict=True)]
+        generations = self.maker.samples(self.rollout, self.prompts, self.sampling, n=1)
+        calls = [reward_call(p.record, g, generation_text(self.tokenizer, g))
+                 for p, g in zip(self.prompts, generations, strict=True)]
         outcomes = self.scorer(calls)
         rewards = [o.value if o.error is None else 0.0 for o in outcomes]
         return {"eval_reward_mean": sum(rewards) / max(len(rewards), 1),

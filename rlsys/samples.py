@@ -94,6 +94,20 @@ def response_text(tokenizer, response_ids: list[int]) -> str:
     return tokenizer.decode(response_ids, skip_special_tokens=False)
 
 
+def generation_text(tokenizer, generation: Generation) -> str:
+    """What the reward reads: a single response up to its end-of-sequence token; a multi-turn
+    trajectory whole (each turn may end with one), special tokens kept."""
+    if generation.multi_turn:
+        return tokenizer.decode(generation.response_ids, skip_special_tokens=False)
+    return response_text(tokenizer, generation.response_ids)
+
+
+def reward_call(record: PromptRecord, generation: Generation, text: str) -> RewardCall:
+    """The reward function's arguments; a trajectory's `info` joins the record's metadata."""
+    metadata = {**record.metadata, **generation.info} if generation.info else record.metadata
+    return RewardCall(record.prompt, text, record.label, metadata)
+
+
 Scorer = Callable[[list[RewardCall]], list[RewardOutcome]]  # e.g. RewardPool.score
 
 
@@ -103,9 +117,9 @@ def score_groups(
 ) -> ScoredBatch:
     """Reward every sample (plus DAPO's overlong penalty when configured); a group with any
     failing reward is dropped (and counted)."""
-    texts = [response_text(tokenizer, g.response_ids) for g in generations]
-    calls = [RewardCall(records[i // group_size].prompt, text, records[i // group_size].label,
-                        records[i // group_size].metadata) for i, text in enumerate(texts)]
+    texts = [generation_text(tokenizer, g) for g in generations]
+    calls = [reward_call(records[i // group_size], g, text)
+             for i, (g, text) in enumerate(zip(generations, texts, strict=True))]
     outcomes = scorer(calls)
     batch = ScoredBatch(samples=[], num_generations=len(generations))
     for group_index, record in enumerate(records):
@@ -149,15 +163,17 @@ def assign_advantages(samples: list[Sample], group_size: int, norm: str) -> dict
 
 
 def to_train_sequences(samples: list[Sample], mask_truncated: bool = False) -> list[TrainSequence]:
-    """Prompt + response token ids with their advantage; a truncated response's tokens leave the
-    loss when `mask_truncated`."""
+    """Prompt + response token ids with their advantage. The loss counts the policy's tokens
+    (a trajectory's injected tool output is masked) and, with `mask_truncated`, none of a
+    truncated response's."""
     return [
         TrainSequence(
             token_ids=s.generation.prompt_ids + s.generation.response_ids,
             prompt_len=len(s.generation.prompt_ids),
             advantage=s.advantage,
             engine_logprobs=s.generation.logprobs,
-            loss_mask=[0] * len(s.generation.response_ids) if mask_truncated and s.truncated else None,
+            loss_mask=[0] * len(s.generation.response_ids) if mask_truncated and s.truncated
+            else s.generation.loss_mask,
         )
         for s in samples
     ]

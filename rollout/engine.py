@@ -53,8 +53,16 @@ class Generation:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]  # engine log-prob of each response token
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" (| "tool_error" for a trajectory)
     weight_version: int
+    # Multi-turn trajectories (rollout.generate_function): per response token 1 = sampled by the
+    # policy, 0 = injected (tool output); None = every token is the policy's.
+    loss_mask: list[int] | None = None
+    turns: int = 1
+    tool_calls: int = 0
+    stop_reason: str | None = None  # why a trajectory ended early (a tool's error)
+    info: dict = field(default_factory=dict)  # from the generate function, for the reward
+    multi_turn: bool = False  # built by a generate function: its response spans turns
 
 
 class RolloutEngine:

@@ -1,29 +1,46 @@
-"""`RolloutManager`: the set of engines, spreading generation requests over them."""
+"""`RolloutManager`: the set of engines, dealing generation requests to them."""
 
 from __future__ import annotations
 
+import asyncio
+import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from rlsys.errors import RunFailed
 from rlsys.rollout.client import EngineAddress, EngineDied
+from rlsys.rollout.dispatch import Dispatcher, LoopThread, RequestBatcher
 from rlsys.rollout.engine import Generation, RolloutEngine, SamplingParams
 from rlsys.rollout.server import ServerSpec
+from rlsys.rollout.trajectory import GenerateFunction, RolloutContext, RolloutPrompt, run_generate_function
+
+# Requests an engine actor serves at once (threads blocked on its SGLang server, which batches them).
+ENGINE_ACTOR_CONCURRENCY = 256
 
 
-def deal_prompts(prompts: list, num_engines: int) -> list[list]:
-    """Prompt p goes to engine p % E, at slot p // E of that engine's block."""
-    return [prompts[i::num_engines] for i in range(num_engines)]
+def split_into_chunks(num_prompts: int, num_engines: int) -> list[range]:
+    """Contiguous runs of prompts, one request each: the whole batch for one engine; four per
+    engine otherwise, so a fast engine can take more of them than a slow one."""
+    count = 1 if num_engines == 1 else min(num_prompts, 4 * num_engines)
+    bounds = [round(i * num_prompts / count) for i in range(count + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(count) if bounds[i] < bounds[i + 1]]
 
 
-def collect_in_prompt_order(answers: list[list], num_prompts: int, n: int) -> list:
-    """Undo `deal_prompts`: engine blocks of n answers per prompt back into the caller's order."""
-    ordered = []
-    for p in range(num_prompts):
-        engine, slot = p % len(answers), p // len(answers)
-        ordered.extend(answers[engine][slot * n:(slot + 1) * n])
-    return ordered
+@dataclass
+class EngineCallFailed(Exception):
+    """A request to engine `index` failed with `error` (the caller decides whether to restart it)."""
+
+    index: int
+    error: BaseException
+
+
+class GenerateFunctionError(RunFailed):
+    """rollout.generate_function raised something other than a ToolError: a bug to fix, not a
+    sample to skip."""
 
 
 class EngineRestartLimit(RuntimeError):
@@ -54,9 +71,16 @@ class RolloutManager:
         # Servers start in the background; call wait_ready() before using them.
         self._starting = [e.start.remote(spec.engine.startup_timeout_s) for e in self.engines]
         self.addresses: list[EngineAddress] = []
+        self._loop = LoopThread()
+        self.dispatcher = Dispatcher(num_engines)
+        self.batcher = RequestBatcher(self._send)
+
+    async def _send(self, index: int, prompts: list[list[int]], sampling: SamplingParams) -> list[Generation]:
+        return await self.engines[index].generate.remote(prompts, sampling, 1)
 
     def _launch(self, index: int):
-        return ray.remote(RolloutEngine).options(**self.actor_options[index]).remote(
+        return ray.remote(RolloutEngine).options(max_concurrency=ENGINE_ACTOR_CONCURRENCY,
+                                                 **self.actor_options[index]).remote(
             self.spec, f"engine-{index}", f"{self.log_dir}/engine_{index}.log")
 
     def wait_ready(self) -> list[EngineAddress]:
@@ -64,25 +88,92 @@ class RolloutManager:
             self.addresses = ray.get(self._starting)
         return self.addresses
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int) -> list[Generation]:
-        """n samples per prompt, grouped prompt by prompt in the caller's order. The block of an
-        engine that dies is issued again once the engine has been restarted."""
-        blocks = deal_prompts(prompts, len(self.engines))
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
+                 recover: bool = True) -> list[Generation]:
+        """n samples per prompt, grouped prompt by prompt in the caller's order. Runs of prompts
+        go to the least busy engine; a run whose engine dies is issued again once the engine has
+        been restarted (with `recover`; otherwise the EngineCallFailed is raised)."""
+        chunks = split_into_chunks(len(prompts), len(self.engines))
+        # Two runs in flight per engine: its server batches them, and the rest wait for whichever
+        # engine frees up first.
+        limit = 2 * n * max(len(chunk) for chunk in chunks) if len(self.engines) > 1 else None
         answers: dict[int, list[Generation]] = {}
-        pending = dict(enumerate(blocks))
+        pending = list(range(len(chunks)))
         while pending:
-            calls = {i: self.engines[i].generate.remote(block, sampling, n) for i, block in pending.items()}
-            failed = {}
-            for index, call in calls.items():
+            calls = [self._generate_run([prompts[p] for p in chunks[c]], sampling, n, limit) for c in pending]
+            results = self._loop.submit(_gather(calls)).result()
+            failed = {c: result for c, result in zip(pending, results, strict=True)
+                      if isinstance(result, EngineCallFailed)}
+            answers.update({c: result for c, result in zip(pending, results, strict=True) if c not in failed})
+            self._recover_all(failed.values(), recover)
+            pending = list(failed)
+        return [generation for c in range(len(chunks)) for generation in answers[c]]
+
+    async def _generate_run(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
+                            limit: int | None) -> list[Generation] | EngineCallFailed:
+        async with self.dispatcher.engine(len(prompts) * n, limit) as index:
+            try:
+                return await self.engines[index].generate.remote(prompts, sampling, n)
+            except (RayActorError, RayTaskError) as error:
+                return EngineCallFailed(index, error)
+
+    def trajectories(self, prompts: list[RolloutPrompt], function: GenerateFunction, sampling: SamplingParams,
+                     n: int, tokenizer, tool_timeout_s: float, recover: bool = True) -> list[Generation]:
+        """n trajectories per prompt from `function` (rollout.generate_function), all running
+        at once; every engine call goes to the engine with the fewest requests outstanding. A
+        trajectory whose engine died runs again from its start once the engine is back."""
+        samples = [prompt for prompt in prompts for _ in range(n)]
+        answers: dict[int, Generation] = {}
+        pending = list(range(len(samples)))
+        while pending:
+            calls = [self._trajectory(samples[i], function, sampling, tokenizer, tool_timeout_s) for i in pending]
+            results = self._loop.submit(_gather(calls)).result()
+            failed = {i: result for i, result in zip(pending, results, strict=True)
+                      if isinstance(result, EngineCallFailed)}
+            for i, result in zip(pending, results, strict=True):
+                if isinstance(result, BaseException) and not isinstance(result, EngineCallFailed):
+                    raise GenerateFunctionError(
+                        f"rollout.generate_function raised on prompt {samples[i].text!r}:\n"
+                        + "".join(traceback.format_exception(result))[-3000:]
+                    ) from result
+                if i not in failed:
+                    answers[i] = result
+            self._recover_all(failed.values(), recover)
+            pending = list(failed)
+        return [answers[i] for i in range(len(samples))]
+
+    async def _trajectory(self, prompt: RolloutPrompt, function: GenerateFunction, sampling: SamplingParams,
+                          tokenizer, tool_timeout_s: float) -> Generation | EngineCallFailed:
+        async def engine_call(input_ids: list[int], params: SamplingParams) -> Generation:
+            async with self.dispatcher.engine() as index:
                 try:
-                    answers[index] = ray.get(call)
+                    return await self.batcher.generate(index, input_ids, params)
                 except (RayActorError, RayTaskError) as error:
-                    failed[index] = error
-            # Only once every engine is idle: a restart re-syncs weights into all of them.
-            for index, error in failed.items():
-                self.recover(index, error)
-            pending = {index: blocks[index] for index in failed}
-        return collect_in_prompt_order([answers[i] for i in range(len(blocks))], len(prompts), n)
+                    raise EngineCallFailed(index, error) from error
+
+        try:
+            return await run_generate_function(function, RolloutContext(prompt, engine_call, tokenizer, sampling,
+                                                                        tool_timeout_s))
+        except EngineCallFailed as failure:
+            return failure
+
+    def _recover_all(self, failures, recover: bool) -> None:
+        """Restart each engine that died (once, after every request has ended: a restart re-syncs
+        weights into all engines)."""
+        by_engine = {failure.index: failure for failure in failures}
+        for index, failure in by_engine.items():
+            if not recover or not is_engine_death(failure.error):
+                raise failure.error
+            self.recover(index, failure.error)
+
+    @contextmanager
+    def weights_updating(self):
+        """No request is in flight or starts inside the block (the engines' weights change)."""
+        self._loop.submit(self.dispatcher.close_gate()).result()
+        try:
+            yield
+        finally:
+            self._loop.submit(self.dispatcher.open_gate()).result()
 
     def recover(self, index: int, error: BaseException) -> None:
         """Restart engine `index` after `error` if that is what it was; otherwise re-raise."""
@@ -164,3 +255,9 @@ class RolloutManager:
         for engine in self.engines:
             self._stop(engine)
         self.engines = []
+        self._loop.close()
+
+
+async def _gather(calls: list) -> list:
+    """Every call's result or exception, in order."""
+    return await asyncio.gather(*calls, return_exceptions=True)

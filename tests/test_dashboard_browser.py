@@ -20,7 +20,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = REPO / "test-artifacts"
 CHARTS = ["chart-reward", "chart-kl", "chart-loss", "chart-entropy", "chart-response-len",
           "chart-tokens-per-s", "chart-mismatch", "chart-sampling", "chart-truncation", "chart-tis",
-          "chart-memory"]
+          "chart-tools", "chart-staleness", "chart-memory"]
 
 
 def _get(url: str) -> dict:

@@ -5,7 +5,6 @@ import pytest
 
 from rlsys.config import RunConfig
 from rlsys.rollout.client import EngineAddress
-from rlsys.rollout.manager import collect_in_prompt_order, deal_prompts
 from rlsys.topology import Topology
 
 
@@ -121,13 +120,3 @@ def test_slots_outside_the_layout_are_refused():
         topology.engine_slot(1)
     with pytest.raises(ValueError, match="engine per trainer rank"):
         Topology("colocated", num_ranks=1, num_engines=2, engine_tp_size=1, has_gpu=False, trainers_sleep=True)
-
-
-@pytest.mark.parametrize("engines", [1, 2, 3])
-def test_answers_come_back_in_prompt_order_whatever_the_engine_count(engines):
-    prompts = [f"p{i}" for i in range(7)]
-    n = 3
-    blocks = deal_prompts(prompts, engines)
-    assert sorted(p for block in blocks for p in block) == sorted(prompts)
-    answers = [[f"{p}/{k}" for p in block for k in range(n)] for block in blocks]  # n samples per prompt
-    assert collect_in_prompt_order(answers, len(prompts), n) == [f"{p}/{k}" for p in prompts for k in range(n)]

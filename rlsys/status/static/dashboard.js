@@ -18,6 +18,11 @@ const CHARTS = [
                                      ["overlong_penalty_mean", "overlong penalty", "#8e24aa"]] },
   { id: "chart-tis", series: [["tis_weight_mean", "TIS weight mean", "#00897b"],
                               ["tis_clipped_fraction", "TIS clipped fraction", "#e53935"]] },
+  // rollout.generate_function (multi-turn, tools) and rollout.max_staleness.
+  { id: "chart-tools", series: [["turns_mean", "turns", "#1e88e5"], ["tool_calls_mean", "tool calls", "#43a047"],
+                                ["tool_errors", "tool errors", "#e53935"],
+                                ["policy_tokens_fraction", "policy token fraction", "#8e24aa"]] },
+  { id: "chart-staleness", series: [["staleness_mean", "staleness (weight versions)", "#6d4c41"]] },
   // Colocated hand-off: what each side holds per phase (device memory on GPU, process RSS on CPU), MiB.
   { id: "chart-memory", scale: 2 ** -20, series: [
     ["memory_engine_serving_bytes", "engine generating", "#1e88e5"],
@@ -105,8 +110,15 @@ function redrawTimeline() {
       const width = Math.max((seconds / longest) * 600, 1);
       return `<div class="tl-seg" data-phase="${p}" title="${p}: ${seconds.toFixed(3)} s" style="width:${width}px;background:${color}"></div>`;
     }).join("");
+    // rollout.max_staleness=1: the next step's batch generates while this one trains; a second
+    // lane shows when it ran, on the same time scale.
+    const overlap = r.time_prefetch_s > 0 ? `<div class="tl-bar tl-lane"><div class="tl-seg" data-phase="next-batch" ` +
+      `title="next step's batch, generated during this step: ${r.time_prefetch_s.toFixed(3)} s" style="margin-left:` +
+      `${(r.prefetch_start_s / longest) * 600}px;width:${Math.max((r.time_prefetch_s / longest) * 600, 1)}px;` +
+      `background:${PHASE_COLORS.generate};opacity:0.55"></div></div>` : "";
     box.insertAdjacentHTML("beforeend",
-      `<div class="tl-row" data-step="${r.step}"><span class="tl-step">${r.step}</span><div class="tl-bar">${segments}</div>` +
+      `<div class="tl-row${overlap ? " tl-overlapped" : ""}" data-step="${r.step}"><span class="tl-step">${r.step}</span>` +
+      `<div class="tl-lanes"><div class="tl-bar">${segments}</div>${overlap}</div>` +
       `<span style="margin-left:6px">${(r.time_step_s || 0).toFixed(2)} s</span>` +
       (restarted ? `<span class="tl-event" data-event="engine-restart">engine restarted</span>` : "") + `</div>`);
   }
