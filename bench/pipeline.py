@@ -46,7 +46,7 @@ def summarize(rows: list[dict], warmup: int) -> dict:
 
     return {"steps_per_s": round(len(measured) / seconds, 3), "step_s": round(seconds / len(measured), 4),
             "generate_wait_s": mean("time_generate_s"), "train_s": mean("time_train_s"), "sync_s": mean("time_sync_s"),
-            "overlapped_generate_s": mean("time_prefetch_s"), "staleness_mean": mean("staleness_mean"),
+            "overlapped_generate_s": mean("prefetch_s"), "staleness_mean": mean("staleness_mean"),
             "final_eval": evals[-1] if evals else None,
             "first_eval_at_least_0.9": next((r["step"] for r in rows if r.get("eval_reward_mean", 0) >= 0.9), None)}
 

@@ -230,7 +230,9 @@ class NextBatch:
     def _collect(self, step: int, step_start: float) -> StepBatch:
         began = time.perf_counter()
         batch = collect_step_batch(self.run, self.sampling, step, recover=False)
-        batch.metrics.update(prefetch_start_s=began - step_start, time_prefetch_s=time.perf_counter() - began)
+        # On the row of the step that trains it: how long it generated, and when, from the start
+        # of the step before (the one it overlapped).
+        batch.metrics.update(prefetch_start_s=began - step_start, prefetch_s=time.perf_counter() - began)
         return batch
 
     def take(self, row: dict) -> StepBatch | None:

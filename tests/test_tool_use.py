@@ -21,7 +21,7 @@ def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir
     assert evals[0] <= 0.2, evals  # untrained: hardly ever calls, answers at chance
     assert evals[-1] >= 0.9, evals
     assert rows[0]["tool_calls_mean"] < 0.2 and rows[-1]["tool_calls_mean"] >= 0.9
-    # after a call, the tool's value (5 tokens) sits between two policy tokens
+    # after a call, the tool's value (4 tokens) sits between two policy tokens
     assert rows[-1]["policy_tokens_fraction"] < 0.5 and rows[-1]["turns_mean"] >= 1.9
     assert all(r["tool_errors"] == 0 for r in rows)
 

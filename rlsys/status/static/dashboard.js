@@ -98,6 +98,7 @@ function redrawTimeline() {
     }
   }
   const recent = rows.slice(-60);
+  const byStep = new Map(rows.map(r => [r.step, r]));
   const longest = Math.max(...recent.map(r => r.time_step_s || 0), 1e-9);
   const box = document.getElementById("timeline");
   box.innerHTML = "";
@@ -111,10 +112,11 @@ function redrawTimeline() {
       return `<div class="tl-seg" data-phase="${p}" title="${p}: ${seconds.toFixed(3)} s" style="width:${width}px;background:${color}"></div>`;
     }).join("");
     // rollout.max_staleness=1: the next step's batch generates while this one trains; a second
-    // lane shows when it ran, on the same time scale.
-    const overlap = r.time_prefetch_s > 0 ? `<div class="tl-bar tl-lane"><div class="tl-seg" data-phase="next-batch" ` +
-      `title="next step's batch, generated during this step: ${r.time_prefetch_s.toFixed(3)} s" style="margin-left:` +
-      `${(r.prefetch_start_s / longest) * 600}px;width:${Math.max((r.time_prefetch_s / longest) * 600, 1)}px;` +
+    // lane shows when it ran, on the same time scale (the next step's row carries its times).
+    const next = byStep.get(r.step + 1);
+    const overlap = next && next.prefetch_s > 0 ? `<div class="tl-bar tl-lane"><div class="tl-seg" data-phase="next-batch" ` +
+      `title="next step's batch, generated during this step: ${next.prefetch_s.toFixed(3)} s" style="margin-left:` +
+      `${(next.prefetch_start_s / longest) * 600}px;width:${Math.max((next.prefetch_s / longest) * 600, 1)}px;` +
       `background:${PHASE_COLORS.generate};opacity:0.55"></div></div>` : "";
     box.insertAdjacentHTML("beforeend",
       `<div class="tl-row${overlap ? " tl-overlapped" : ""}" data-step="${r.step}"><span class="tl-step">${r.step}</span>` +
