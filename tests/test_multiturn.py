@@ -163,3 +163,24 @@ def test_a_generate_function_must_return_a_trajectory():
 
     with pytest.raises(TypeError, match="must return a Trajectory"):
         asyncio.run(run_generate_function(wrong, context(FakeEngine([5]))))
+
+
+def test_a_generate_function_that_raises_stops_the_run_with_its_traceback():
+    """Not a ToolError: a bug in the function, reported with the prompt and the traceback (the
+    manager is built without engines: the function fails before it calls one)."""
+    from rlsys.errors import RunFailed
+    from rlsys.rollout.dispatch import Dispatcher, LoopThread
+    from rlsys.rollout.manager import GenerateFunctionError, RolloutManager
+
+    async def buggy(prompt, ctx):
+        return {"tokens": []}["missing"]
+
+    manager = RolloutManager.__new__(RolloutManager)
+    manager._loop, manager.dispatcher, manager.engines = LoopThread(), Dispatcher(1), []
+    try:
+        prompt = RolloutPrompt(PromptRecord("4 7 2>", "2"), [1, 2])
+        with pytest.raises(GenerateFunctionError, match="(?s)raised on prompt '4 7 2>'.*KeyError: 'missing'") as error:
+            manager.trajectories([prompt], buggy, SamplingParams(), 2, build_tokenizer(), 5.0)
+        assert isinstance(error.value, RunFailed)
+    finally:
+        manager._loop.close()
