@@ -188,11 +188,14 @@ def collect_step_batch(run: Run, sampling, step: int, recover: bool = True) -> S
     group_size, wanted = config.rollout.n_samples_per_prompt, config.data.prompts_per_step
     batch, generations, metrics = ScoredBatch(samples=[], sampling_rounds=0), [], {}
     start = (run.sampler.epoch, run.sampler.index)
+    reward_seconds = 0.0
     while batch.sampling_rounds < (algorithm.max_sampling_rounds if algorithm.dynamic_sampling else 1):
         prompts = run.sampler.next_batch()
         round_generations = run.maker.samples(run.parts.rollout, prompts, sampling, group_size, recover=recover)
+        reward_start = time.perf_counter()
         scored = score_groups([p.record for p in prompts], round_generations, group_size, run.assets.tokenizer,
                               run.rewards.score, algorithm.overlong_penalty, config.rollout.max_new_tokens)
+        reward_seconds += time.perf_counter() - reward_start
         check_reward_errors(scored, config.reward.max_error_fraction, step)
         if algorithm.dynamic_sampling:
             scored.filter_uniform_groups(group_size)
@@ -205,6 +208,7 @@ def collect_step_batch(run: Run, sampling, step: int, recover: bool = True) -> S
     if algorithm.dynamic_sampling:
         metrics.update(filtered_groups=batch.filtered_groups, sampling_rounds=batch.sampling_rounds,
                        train_groups=len(batch.samples) // group_size)
+    metrics["reward_s"] = reward_seconds  # of the generate phase (or of the overlapped batch), scoring
     return StepBatch(batch, generations, metrics, start, (run.sampler.epoch, run.sampler.index))
 
 
