@@ -46,10 +46,6 @@ class Dispatcher:
         self._changed = asyncio.Condition()
         self._open = True
 
-    def resize(self, num_engines: int) -> None:
-        self.outstanding = (self.outstanding + [0] * num_engines)[:num_engines]
-        self.served = (self.served + [0] * num_engines)[:num_engines]
-
     def _pick(self, weight: int, limit: int | None) -> int | None:
         if not self._open:
             return None

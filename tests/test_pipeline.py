@@ -2,13 +2,15 @@
 and resumes from a checkpoint taken with the next batch in flight without losing or repeating
 a prompt."""
 
+import os
 import shutil
 import subprocess
 
 import pytest
 
 from rlsys.metrics import read_metrics
-from tests.conftest import REPO, train_command
+from tests.conftest import REPO, served_run_dir, train_command
+from tests.test_dashboard_browser import CHROMIUM, _chromium
 
 
 @pytest.mark.slow
@@ -35,6 +37,13 @@ def test_staleness_one_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_
     assert positions == [step * per_step for step in range(100)]
     assert max(r["eval_reward_mean"] for r in rows if "eval_reward_mean" in r) >= 0.9
     assert rows[-1]["eval_reward_mean"] >= 0.9
+
+    # The dashboard's timeline draws each step's overlapped generation of the next batch as a
+    # second lane (the last 60 steps are shown; the newest has no next batch).
+    if CHROMIUM or os.environ.get("CI"):
+        with served_run_dir(run_dir) as url:
+            dom = _chromium("--dump-dom", f"{url}/")
+        assert dom.count('data-phase="next-batch"') == 59, dom[:2000]
 
     # Resume from the step-50 checkpoint (taken while step 50's batch was generating): steps 50..99
     # run again on exactly the prompts the uninterrupted run used.

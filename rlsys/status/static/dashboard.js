@@ -97,6 +97,10 @@ function redrawTimeline() {
       legend.insertAdjacentHTML("beforeend", `<span class="legend-item"><i style="background:${color}"></i>${phase}</span>`);
     }
   }
+  if (rows.some(r => r.prefetch_s > 0) && !legend.querySelector('[data-legend="next-batch"]')) {
+    legend.insertAdjacentHTML("beforeend", `<span class="legend-item" data-legend="next-batch"><i style="background:` +
+      `${PHASE_COLORS.generate};opacity:0.55"></i>next batch, generated meanwhile (rollout.max_staleness)</span>`);
+  }
   const recent = rows.slice(-60);
   const byStep = new Map(rows.map(r => [r.step, r]));
   const longest = Math.max(...recent.map(r => r.time_step_s || 0), 1e-9);
