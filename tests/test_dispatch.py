@@ -16,22 +16,30 @@ def test_runs_cover_every_prompt_once_in_order(prompts, engines):
 
 
 def test_a_slow_engine_gets_fewer_requests_than_a_fast_one():
-    """Two engines, one 4x slower: pulling work by least outstanding (at most 2 in flight each)
-    gives the fast one most of the 40 requests; round-robin would give each 20."""
+    """Two engines, at most 2 requests in flight each; engine 1 does not answer until everything
+    else is done. Pulling work by least outstanding gives it only the 2 it took first and engine 0
+    the other 38 (round-robin would have dealt each 20 and waited on the slow one). No wall-clock
+    timing: the slow engine is an event."""
     async def main():
         dispatcher = Dispatcher(2)
-        seconds = [0.002, 0.008]
+        slow_engine_may_answer = asyncio.Event()
+        answered = 0
 
         async def request():
+            nonlocal answered
             async with dispatcher.engine(1, limit=2) as index:
-                await asyncio.sleep(seconds[index])
+                if index == 1:
+                    await slow_engine_may_answer.wait()
+                else:
+                    await asyncio.sleep(0)
+                answered += 1
+                if answered == 38:
+                    slow_engine_may_answer.set()
 
-        await asyncio.gather(*(request() for _ in range(40)))
+        await asyncio.wait_for(asyncio.gather(*(request() for _ in range(40))), timeout=30)
         return dispatcher.served
 
-    fast, slow = asyncio.run(main())
-    assert fast + slow == 40
-    assert fast >= 2 * slow
+    assert asyncio.run(main()) == [38, 2]
 
 
 def test_without_a_limit_each_request_goes_to_the_least_loaded_engine():
