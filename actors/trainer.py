@@ -193,8 +193,11 @@ class TrainerWorker:
         self.model = self._build_model(trainable=True)
         self.load_memory = {"rss_before_bytes": rss_before, "peak_rss_bytes": _peak_resident_bytes(),
                             "model_bytes": sum(p.numel() * 4 for p in self.model.parameters())}
+        # fused: one kernel over all parameters (CPU and CUDA) instead of a dozen ops per parameter,
+        # each of which goes through DTensor's Python dispatch: 27 -> 24 ms of a 0.3M model's step.
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, eps=1e-8,
+            fused=True,
         )
         self.scheduler = build_lr_scheduler(
             self.optimizer, t.lr_schedule, t.warmup_steps, t.total_steps * t.mini_batches_per_step, t.min_lr_ratio,

@@ -121,6 +121,11 @@ class EngineConfig(_Section):
         description="CPU threads the engine copies a colocated weight sync with (default: every core of "
         "its node; the trainers wait during the load). No effect on GPU, where the copy is on device.",
     )
+    radix_cache: bool | None = Field(
+        None, description="SGLang's prefix (radix) cache. Default: on with a GPU or a rollout.generate_function "
+        "(each turn of a trajectory extends the last); off for single-turn rollouts on CPU, where the n samples of "
+        "a prompt arrive together and never hit it, and its bookkeeping costs a fifth of a small step.",
+    )
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -173,6 +178,12 @@ class RolloutConfig(_Section):
         0, description="1: the engines generate the next step's samples while the trainer trains on this "
         "step's (one-step off-policy; placement.mode disaggregated only).",
     )
+
+    def uses_radix_cache(self, has_gpu: bool) -> bool:
+        """Whether the engines keep SGLang's prefix cache (rollout.engine.radix_cache, or its default)."""
+        if self.engine.radix_cache is not None:
+            return self.engine.radix_cache
+        return has_gpu or self.generate_function is not None
 
     @model_validator(mode="after")
     def _group_size(self):

@@ -51,7 +51,8 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     stack.callback(parts.shutdown)
     parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
     server = ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
-                        memory_saver=topology.trainers_sleep, cpu_sharers=parts.cpu_sharers[1])
+                        memory_saver=topology.trainers_sleep, cpu_sharers=parts.cpu_sharers[1],
+                        radix_cache=config.rollout.uses_radix_cache(topology.has_gpu))
     parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
                                    parts.placement.engine_options())
     if topology.engines_start_first:

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
 
 from rlsys.weight_sync.buckets import WeightBucket
-from rlsys.weight_sync.engine_loader import LOAD_FORMAT
+from rlsys.weight_sync.engine_loader import END_OF_SYNC, LOAD_FORMAT
 
 
 class TensorUpdateEndpoints(Protocol):
@@ -72,6 +72,7 @@ class ColocatedWeightSender:
     tp_size: int = 1
     alignment: int = 16
     _staging: StagingBuffer = field(default_factory=lambda: StagingBuffer(share_memory=True))
+    _engine_maps_staging: bool = False  # the engine's loader still holds the staging buffer
 
     def staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return self._staging.get(nbytes, device)
@@ -83,13 +84,19 @@ class ColocatedWeightSender:
         self.engine.begin_weight_update()
 
     def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None:
-        """Returns once the engine has loaded the bucket, so the handle may then be released."""
+        """Returns once the engine has loaded the bucket, so the handle may then be released.
+        `flush_cache` marks the sync's last bucket: it also tells the engine's loader to let go of
+        the staging buffer's mapping once loaded (`END_OF_SYNC`, an empty view of the buffer)."""
+        tensors = bucket.tensors() + ([(END_OF_SYNC, bucket.buffer[:0])] if flush_cache else [])
         # One payload per TP rank: each rank maps the same full tensors and keeps its shard. Each
         # is pickled separately: pickling takes a reference on the handle that unpickling returns.
-        payloads = [serialize_named_tensors(bucket.tensors()) for _ in range(self.tp_size)]
+        payloads = [serialize_named_tensors(tensors) for _ in range(self.tp_size)]
+        self._engine_maps_staging = True
         self.engine.update_weights_from_tensor(payloads, LOAD_FORMAT, flush_cache, weight_version)
+        self._engine_maps_staging = not flush_cache
 
     def end(self) -> None:
-        # An empty bucket tells the engine's loader to let go of the staging buffer's mapping.
-        self.engine.update_weights_from_tensor([serialize_named_tensors([])] * self.tp_size, LOAD_FORMAT)
+        if self._engine_maps_staging:  # the sync failed before its last bucket was loaded
+            self.engine.update_weights_from_tensor([serialize_named_tensors([])] * self.tp_size, LOAD_FORMAT)
+            self._engine_maps_staging = False
         self.engine.end_weight_update()

@@ -11,9 +11,11 @@ Two things make it faster than SGLang's built-in `flattened_bucket` loader:
 1. Host staging memory stays mapped between the buckets of a sync. The trainer reuses one staging
    buffer, so the engine keeps a reference to it; the next bucket finds the mapping (and its
    populated page tables) in torch's handle cache instead of mapping the file again and faulting
-   every page in. An empty bucket (sent by `ColocatedWeightSender.end`) ends the sync and drops the reference:
-   torch's shared-memory files are refcounted across processes and removed when the last holder
-   lets go, so an engine holding one between syncs would leave it behind if it were killed.
+   every page in. The sync's last bucket ends with an `END_OF_SYNC` entry (an empty view of the
+   same buffer) and the reference is dropped once it is loaded; an empty bucket does the same
+   for a sync that failed before its last bucket (`ColocatedWeightSender.end`). torch's
+   shared-memory files are refcounted across processes and removed when the last holder lets go,
+   so an engine holding one between syncs would leave it behind if it were killed.
    Device (CUDA IPC) memory is not kept at all: that would pin GPU memory on the trainer's side.
 2. The copy into the parameters uses `RLSYS_WEIGHT_LOAD_THREADS` intra-op threads (set by the
    launcher to the cores of the engine's node). During a colocated sync the trainer ranks wait on
@@ -31,18 +33,23 @@ if TYPE_CHECKING:  # torch is imported where the loader runs (the engine); its l
 
 LOAD_FORMAT = "rlsys.weight_sync.engine_loader.load_bucket"
 LOAD_THREADS_ENV = "RLSYS_WEIGHT_LOAD_THREADS"
+# Name of the entry that closes a sync's last bucket: load it, then let go of the staging buffer
+# (one request fewer than a separate empty bucket: each costs a round trip through the scheduler).
+END_OF_SYNC = "rlsys.end_of_sync"
 _KEPT_STORAGE_ATTR = "_rlsys_kept_staging_storage"
 
 
 def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    if not named_tensors:  # the end of a sync
+    ends_sync = not named_tensors or named_tensors[-1][0] == END_OF_SYNC
+    weights = [(name, tensor) for name, tensor in named_tensors if name != END_OF_SYNC]
+    if weights:
+        first = weights[0][1]
+        _keep_host_staging_mapped(model, first)
+        # Host copies scale with threads; a device copy does not need (or want) a big host pool.
+        with _intra_op_threads(_load_threads() if first.device.type == "cpu" else None):
+            model.load_weights(weights)
+    if ends_sync:
         setattr(model, _KEPT_STORAGE_ATTR, None)
-        return
-    first = named_tensors[0][1]
-    _keep_host_staging_mapped(model, first)
-    # Host copies scale with threads; a device copy does not need (or want) a big host pool.
-    with _intra_op_threads(_load_threads() if first.device.type == "cpu" else None):
-        model.load_weights(named_tensors)
 
 
 def _keep_host_staging_mapped(model: torch.nn.Module, tensor: torch.Tensor) -> None:
