@@ -198,3 +198,26 @@ def test_fp32_weights_travel_in_the_engine_dtype_at_half_the_bytes():
     assert torch.equal(views["steps"], tensors[2][1])
     assert [g for g in group_into_buckets(tensors, bucket_bytes=24, engine_dtype=torch.bfloat16)] == \
         [tensors[:1], tensors[1:2], tensors[2:]]  # bucket sizes count wire bytes (24, 10, 16)
+
+
+def test_the_engine_loader_lets_go_of_the_staging_buffer_after_the_last_bucket():
+    from rlsys.weight_sync.engine_loader import _KEPT_STORAGE_ATTR, END_OF_SYNC, load_bucket
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.loaded: list[list[str]] = []
+
+        def load_weights(self, named_tensors):
+            self.loaded.append([name for name, _ in named_tensors])
+
+    staging = torch.zeros(16)
+    model = Model()
+    load_bucket(model, [("a", staging[:8]), ("b", staging[8:])])
+    assert getattr(model, _KEPT_STORAGE_ATTR) is not None  # mapped between the buckets of a sync
+    load_bucket(model, [("c", staging[:4]), (END_OF_SYNC, staging[:0])])
+    assert model.loaded == [["a", "b"], ["c"]]  # the marker is not a weight
+    assert getattr(model, _KEPT_STORAGE_ATTR) is None
+    load_bucket(model, [("d", staging[:4])])
+    load_bucket(model, [])  # a sync that failed before its last bucket ends with an empty one
+    assert getattr(model, _KEPT_STORAGE_ATTR) is None and model.loaded[-1] == ["d"]

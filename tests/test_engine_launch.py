@@ -1,0 +1,51 @@
+"""How a CPU engine's SGLang server is launched: the flags a CPU run gets (and a GPU run does
+not), and the CPU compatibility layer's fork start method. Fast: no server is started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlsys.config import EngineConfig, ModelConfig, RolloutConfig
+from rlsys.rollout.server import CPU_COMPAT_SITE, ServerSpec, build_command, build_env
+from rlsys.weight_sync.backend import Backend, make_backend
+
+
+def _command(has_gpu: bool, radix_cache: bool = True) -> list[str]:
+    spec = ServerSpec(ModelConfig(path="unused"), radix_cache=radix_cache)
+    # The backend as a GPU host would decide it (make_backend checks for a device, absent here).
+    backend = make_backend(False) if not has_gpu else Backend(has_gpu=True, device_type="cuda", dist_backend="nccl",
+                                                               attn_implementation="flash_attention_2")
+    return build_command(spec, backend, "127.0.0.1", 30000)
+
+
+def test_the_prefix_cache_is_kept_where_requests_share_prefixes():
+    single_turn = RolloutConfig()
+    assert single_turn.uses_radix_cache(has_gpu=True)
+    assert not single_turn.uses_radix_cache(has_gpu=False)  # n samples of a prompt arrive together
+    multi_turn = RolloutConfig(generate_function="tools.py:rollout")
+    assert multi_turn.uses_radix_cache(has_gpu=False)  # each turn extends the trajectory so far
+    assert RolloutConfig(engine=EngineConfig(radix_cache=True)).uses_radix_cache(has_gpu=False)
+    assert not RolloutConfig(engine=EngineConfig(radix_cache=False)).uses_radix_cache(has_gpu=True)
+
+
+def test_the_server_command_carries_the_cache_and_scheduler_choices():
+    assert "--disable-radix-cache" in _command(has_gpu=False, radix_cache=False)
+    assert "--disable-radix-cache" not in _command(has_gpu=False, radix_cache=True)
+    cpu, gpu = _command(has_gpu=False), _command(has_gpu=True)
+    assert "--disable-overlap-schedule" in cpu  # one set of cores: overlap only adds switching
+    assert "--disable-overlap-schedule" not in gpu and "--device" not in gpu
+
+
+@pytest.mark.parametrize("requested", ["spawn", "forkserver"])
+def test_the_cpu_compat_layer_forks_what_sglang_would_spawn(requested):
+    env = build_env(ServerSpec(ModelConfig(path="unused")), make_backend(False))
+    assert env["PYTHONPATH"].split(":")[0] == str(CPU_COMPAT_SITE)
+    probe = ("import multiprocessing as mp; "
+             f"mp.set_start_method({requested!r}, force=True); print(mp.get_start_method())")
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    # SGLang asks for "spawn" (a CUDA context cannot cross a fork); without a GPU it gets "fork".
+    assert result.stdout.strip() == ("fork" if requested == "spawn" else requested)
