@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -339,6 +340,7 @@ class TrainerWorker:
         batch into mini-batches first and then over ranks, so any rank count sees the same
         mini-batches).
         """
+        started = time.perf_counter()
         plan = self._plan(mini_batches)
         self._attach_old_and_ref_logprobs(plan)
         sums, grad_norms = LossSums(), []
@@ -360,6 +362,7 @@ class TrainerWorker:
             "grad_norm": max(grad_norms),
             "nonfinite_grad_steps": float(sum(not math.isfinite(g) for g in grad_norms)),
             "lr": self.scheduler.get_last_lr()[0],
+            "trainer_compute_s": time.perf_counter() - started,  # this rank's own seconds (time_train_s: the driver's)
         }
 
     def loss_gradients(self, sequences: list[TrainSequence]) -> dict[str, torch.Tensor]:
