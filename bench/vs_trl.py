@@ -15,9 +15,11 @@ Shapes (models and data built here, nothing downloaded):
   `rollout.sampling.ignore_eos`, TRL `min_new_tokens`).
 - `overhead_bound`: the quickstart's tiny model (~0.3 M params) and last-digit task, 8 x 8,
   at most 4 new tokens.
-Keys per shape: `trl_step_s` / `rlsys_step_s` (median over the steps after `warmup_steps`),
-`rlsys_over_trl`, and each side's generate/train split (`*_generate_s`, `*_train_s`: the rest of
-the step). `startup.*_first_step_s`: from launching the command to the end of its first step.
+Keys per shape: `trl_step_s` / `rlsys_step_s` (median over the steps after `warmup_steps`, of
+every round), `rlsys_over_trl` (and `rlsys_over_trl_per_round`), and each side's generate/train
+split (`*_generate_s`, `*_train_s`: the rest of the step). `startup.*_first_step_s`: from launching
+the command to the end of its first step (median over rounds). `--rounds` (default 2) pairs run
+in ABBA order, so a machine whose speed drifts weighs on both sides alike.
 """
 
 from __future__ import annotations
@@ -112,9 +114,9 @@ def rlsys_config(work: dict, run_dir: Path) -> dict:
     }
 
 
-def run_rlsys(work: dict, work_dir: Path) -> tuple[list[dict], float]:
-    run_dir = work_dir / "rlsys-run"
-    config_path = work_dir / "rlsys.yaml"
+def run_rlsys(work: dict, work_dir: Path, round_index: int = 0) -> tuple[list[dict], float]:
+    run_dir = work_dir / f"rlsys-run-{round_index}"
+    config_path = work_dir / f"rlsys-{round_index}.yaml"
     config_path.write_text(yaml.safe_dump(rlsys_config(work, run_dir)))
     started = time.time()
     result = subprocess.run([str(RLSYS), "train", str(config_path)], cwd=work_dir, capture_output=True, text=True)
@@ -154,30 +156,45 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     return summary
 
 
-def bench_shape(shape: Shape, root: Path) -> tuple[dict, dict]:
+def bench_shape(shape: Shape, root: Path, rounds: int) -> tuple[dict, dict]:
+    """`rounds` rounds in ABBA order (TRL first, then rlsys first, ...), so that a machine whose
+    speed drifts during the bench (shared machines do, by 30% within an hour here) weighs on both
+    sides alike; medians are over the measured steps of every round."""
     work_dir = root / shape.name
     work_dir.mkdir(parents=True)
     work = build_workload(shape, work_dir)
-    trl_steps, trl_started = run_trl(work, work_dir)
-    rlsys_steps, rlsys_started = run_rlsys(work, work_dir)
-    trl, rlsys = summarize(trl_steps, shape.warmup_steps), summarize(rlsys_steps, shape.warmup_steps)
+    trl_steps, rlsys_steps, per_round, startups = [], [], [], []
+    for index in range(rounds):
+        order = ["trl", "rlsys"] if index % 2 == 0 else ["rlsys", "trl"]
+        runs = {side: (run_trl(work, work_dir) if side == "trl" else run_rlsys(work, work_dir, index))
+                for side in order}
+        (trl_run, trl_started), (rlsys_run, rlsys_started) = runs["trl"], runs["rlsys"]
+        trl_steps += trl_run[shape.warmup_steps:]
+        rlsys_steps += rlsys_run[shape.warmup_steps:]
+        per_round.append(round(summarize(rlsys_run, shape.warmup_steps)["step_s"]
+                               / summarize(trl_run, shape.warmup_steps)["step_s"], 3))
+        startups.append((rlsys_run[0]["end_time"] - rlsys_started, trl_run[0]["end_time"] - trl_started))
+    trl, rlsys = summarize(trl_steps, 0), summarize(rlsys_steps, 0)
     result = {f"trl_{k}": v for k, v in trl.items()} | {f"rlsys_{k}": v for k, v in rlsys.items()}
     result["rlsys_over_trl"] = round(rlsys["step_s"] / trl["step_s"], 3)
-    result["measured_steps"] = shape.steps - shape.warmup_steps
-    startup = {"rlsys_first_step_s": round(rlsys_steps[0]["end_time"] - rlsys_started, 2),
-               "trl_first_step_s": round(trl_steps[0]["end_time"] - trl_started, 2)}
+    result["rlsys_over_trl_per_round"] = per_round
+    result["measured_steps"] = (shape.steps - shape.warmup_steps) * rounds
+    startup = {"rlsys_first_step_s": round(statistics.median(r for r, _ in startups), 2),
+               "trl_first_step_s": round(statistics.median(t for _, t in startups), 2),
+               "rlsys_first_step_s_per_round": [round(r, 2) for r, _ in startups]}
     return result, startup
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rounds", type=int, default=2, help="TRL/rlsys pairs per shape, in ABBA order")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    result: dict = {"machine": {"cpus": os.cpu_count()}, "startup": {}}
+    result: dict = {"machine": {"cpus": os.cpu_count()}, "rounds": args.rounds, "startup": {}}
     with tempfile.TemporaryDirectory(prefix="rlsys-vs-trl-") as root:
         for name in args.shapes.split(","):
-            result[name], startup = bench_shape(SHAPES[name], Path(root))
+            result[name], startup = bench_shape(SHAPES[name], Path(root), args.rounds)
             if name == "overhead_bound" or not result["startup"]:
                 result["startup"] = {**startup, "shape": name}
     text = json.dumps(result, indent=2)
