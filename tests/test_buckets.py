@@ -221,3 +221,54 @@ def test_the_engine_loader_lets_go_of_the_staging_buffer_after_the_last_bucket()
     load_bucket(model, [("d", staging[:4])])
     load_bucket(model, [])  # a sync that failed before its last bucket ends with an empty one
     assert getattr(model, _KEPT_STORAGE_ATTR) is None and model.loaded[-1] == ["d"]
+
+
+class _RecordingEngine:
+    """The colocated transport's endpoints, recording what each request carried."""
+
+    def __init__(self, fail_on_update: int | None = None):
+        self.calls: list[tuple[str, list[str], bool]] = []
+        self.fail_on_update = fail_on_update
+
+    def begin_weight_update(self) -> None:
+        self.calls.append(("begin", [], False))
+
+    def update_weights_from_tensor(self, serialized_named_tensors, load_format, flush_cache=False,
+                                   weight_version=None) -> None:
+        import base64
+        import pickle
+
+        names = [name for name, _ in pickle.loads(base64.b64decode(serialized_named_tensors[0]))]
+        self.calls.append(("update", names, flush_cache))
+        if self.fail_on_update is not None and len([c for c in self.calls if c[0] == "update"]) == self.fail_on_update:
+            raise RuntimeError("engine refused the bucket")
+
+    def end_weight_update(self) -> None:
+        self.calls.append(("end", [], False))
+
+
+def _sync(engine, bucket_bytes: int):
+    from rlsys.weight_sync.backend import make_backend
+    from rlsys.weight_sync.colocated import ColocatedWeightSender
+    from rlsys.weight_sync.sync import sync_weights
+
+    params = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(3)]  # 64 bytes each
+    return sync_weights(params, bucket_bytes, ColocatedWeightSender(engine), "7", make_backend(False))
+
+
+def test_a_colocated_sync_is_begin_one_request_per_bucket_and_end():
+    from rlsys.weight_sync.engine_loader import END_OF_SYNC
+
+    engine = _RecordingEngine()
+    _sync(engine, bucket_bytes=128)  # two buckets: w0+w1, w2
+    assert engine.calls == [("begin", [], False), ("update", ["w0", "w1"], False),
+                            ("update", ["w2", END_OF_SYNC], True), ("end", [], False)]
+
+
+def test_a_sync_that_fails_mid_way_still_releases_the_engines_mapping():
+    engine = _RecordingEngine(fail_on_update=1)
+    with pytest.raises(RuntimeError, match="refused"):
+        _sync(engine, bucket_bytes=128)
+    # The second bucket is not sent; an empty bucket tells the loader to let go, then the session ends.
+    assert [(kind, names) for kind, names, _ in engine.calls] == [("begin", []), ("update", ["w0", "w1"]),
+                                                                  ("update", []), ("end", [])]
