@@ -175,10 +175,14 @@ class SGLangServer:
                 )
             try:
                 self.client.model_info(timeout_s=2.0)
-                self._owned_shm = self._shared_memory_files()  # removed at stop, even after a crash
-                return
             except EngineError:
                 time.sleep(0.5)
+                continue
+            self._owned_shm = self._shared_memory_files()  # removed at stop, even after a crash
+            # Without it, full collections over the server's start-up objects pause it for ~0.5 s
+            # every few seconds under load (SGLangClient.freeze_gc).
+            self.client.freeze_gc()
+            return
         self.stop()
         raise TimeoutError(
             f"SGLang server at {self.url} was not healthy after {timeout_s:.0f}s "

@@ -49,3 +49,45 @@ def test_the_cpu_compat_layer_forks_what_sglang_would_spawn(requested):
     assert result.returncode == 0, result.stderr
     # SGLang asks for "spawn" (a CUDA context cannot cross a fork); without a GPU it gets "fork".
     assert result.stdout.strip() == ("fork" if requested == "spawn" else requested)
+
+
+STAND_IN_SERVER = '''
+import http.server, sys
+port, record = int(sys.argv[1]), sys.argv[2]
+class Handler(http.server.BaseHTTPRequestHandler):
+    def _answer(self, body: bytes, kind: str):
+        with open(record, "a") as out:
+            out.write(f"{self.command} {self.path}\\n")
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self._answer(b'{"weight_version": "0"}', "application/json")
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer(b"Garbage collection frozen.\\n", "text/plain")  # what SGLang answers /freeze_gc with
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_the_launcher_freezes_the_servers_gc_once_it_answers(tmp_path, monkeypatch):
+    """SGLang's own post-warm-up /freeze_gc fails when the warm-up is skipped (its HTTP server is
+    not listening yet); without it, full collections over the start-up objects pause the server
+    for ~0.5 s every few seconds. The launcher sends it once the server answers, and only then."""
+    from rlsys.rollout import server as server_module
+
+    script, record = tmp_path / "stand_in.py", tmp_path / "requests.log"
+    script.write_text(STAND_IN_SERVER)
+    monkeypatch.setattr(server_module, "build_command",
+                        lambda spec, backend, host, port: [sys.executable, str(script), str(port), str(record)])
+    server = server_module.SGLangServer(ServerSpec(ModelConfig(path="unused")), make_backend(False), "e0",
+                                        tmp_path / "engine.log")
+    try:
+        server.start(timeout_s=30)
+        assert record.read_text().splitlines() == ["GET /model_info", "POST /freeze_gc"]
+    finally:
+        server.stop()
