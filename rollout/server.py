@@ -176,7 +176,7 @@ class SGLangServer:
             try:
                 self.client.model_info(timeout_s=2.0)
             except EngineError:
-                time.sleep(0.5)
+                time.sleep(0.1)  # polls are cheap (a refused connection); the engine is the start-up's critical path
                 continue
             self._owned_shm = self._shared_memory_files()  # removed at stop, even after a crash
             # Without it, full collections over the server's start-up objects pause it for ~0.5 s
