@@ -179,9 +179,7 @@ class SGLangServer:
                 time.sleep(0.1)  # polls are cheap (a refused connection); the engine is the start-up's critical path
                 continue
             self._owned_shm = self._shared_memory_files()  # removed at stop, even after a crash
-            # Without it, full collections over the server's start-up objects pause it for ~0.5 s
-            # every few seconds under load (SGLangClient.freeze_gc).
-            self.client.freeze_gc()
+            self._freeze_gc()
             return
         self.stop()
         raise TimeoutError(
@@ -257,13 +255,26 @@ class SGLangServer:
                 continue
         return files
 
-    def kill(self, reason: str) -> None:
-        """Stop the server at once (it does not answer); the reason goes to its log."""
+    def _freeze_gc(self) -> None:
+        """Without it, full collections over the server's start-up objects pause it for ~0.5 s
+        every few seconds under load (SGLangClient.freeze_gc). Only a speed-up: a server that
+        refuses it (e.g. one started with an admin key in rollout.engine.extra_args) still serves,
+        and the refusal goes to its log."""
+        try:
+            self.client.freeze_gc()
+        except EngineError as error:
+            self._note(f"/freeze_gc was refused ({error.reason}); its garbage collector is not frozen")
+
+    def _note(self, text: str) -> None:
         try:
             with open(self.log_path, "a") as log:
-                log.write(f"\nrlsys: stopping this server: {reason}\n")
+                log.write(f"\nrlsys: {text}\n")
         except OSError:
             pass
+
+    def kill(self, reason: str) -> None:
+        """Stop the server at once (it does not answer); the reason goes to its log."""
+        self._note(f"stopping this server: {reason}")
         if self._process is not None and self._process.poll() is None:
             # The server alone (SIGKILL ends a stopped process too): its scheduler and detokenizer
             # die with it, and its resource tracker survives to unlink their semaphores; `stop`

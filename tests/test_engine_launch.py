@@ -67,6 +67,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._answer(b'{"weight_version": "0"}', "application/json")
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if len(sys.argv) > 3:  # a server that refuses the freeze (e.g. an admin key)
+            self.send_error(401, "Unauthorized")
+            return
         self._answer(b"Garbage collection frozen.\\n", "text/plain")  # what SGLang answers /freeze_gc with
     def log_message(self, *args):
         pass
@@ -74,20 +77,35 @@ http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
 
 
-def test_the_launcher_freezes_the_servers_gc_once_it_answers(tmp_path, monkeypatch):
-    """SGLang's own post-warm-up /freeze_gc fails when the warm-up is skipped (its HTTP server is
-    not listening yet); without it, full collections over the start-up objects pause the server
-    for ~0.5 s every few seconds. The launcher sends it once the server answers, and only then."""
+def _stand_in_server(tmp_path, monkeypatch, *extra: str):
     from rlsys.rollout import server as server_module
 
     script, record = tmp_path / "stand_in.py", tmp_path / "requests.log"
     script.write_text(STAND_IN_SERVER)
     monkeypatch.setattr(server_module, "build_command",
-                        lambda spec, backend, host, port: [sys.executable, str(script), str(port), str(record)])
+                        lambda spec, backend, host, port: [sys.executable, str(script), str(port), str(record), *extra])
     server = server_module.SGLangServer(ServerSpec(ModelConfig(path="unused")), make_backend(False), "e0",
                                         tmp_path / "engine.log")
+    return server, record
+
+
+def test_the_launcher_freezes_the_servers_gc_once_it_answers(tmp_path, monkeypatch):
+    """SGLang's own post-warm-up /freeze_gc fails when the warm-up is skipped (its HTTP server is
+    not listening yet); without it, full collections over the start-up objects pause the server
+    for ~0.5 s every few seconds. The launcher sends it once the server answers, and only then."""
+    server, record = _stand_in_server(tmp_path, monkeypatch)
     try:
         server.start(timeout_s=30)
         assert record.read_text().splitlines() == ["GET /model_info", "POST /freeze_gc"]
+    finally:
+        server.stop()
+
+
+def test_a_server_that_refuses_the_gc_freeze_still_starts_and_says_so_in_its_log(tmp_path, monkeypatch):
+    server, record = _stand_in_server(tmp_path, monkeypatch, "refuse")
+    try:
+        server.start(timeout_s=30)
+        assert server.client.model_info()["weight_version"] == "0"  # it serves
+        assert "/freeze_gc was refused (HTTP 401" in (tmp_path / "engine.log").read_text()
     finally:
         server.stop()
