@@ -296,6 +296,9 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
             cause = getattr(error, "cause", None) or error
             print(f"rlsys: a trainer rank died ({type(cause).__name__}); restarting the trainers from {checkpoint} "
                   f"({resumes + 1} of {run.config.checkpoint.max_auto_resumes})", flush=True)
+            # A rank killed between /begin_weight_update and /end_weight_update leaves the engines'
+            # session open, and they would refuse the next sync.
+            run.parts.rollout.end_abandoned_weight_updates()
             restart_trainers(run.config, run.parts)
             run.continue_from(checkpoint)
             run.trainer_restarts = resumes + 1

@@ -65,6 +65,10 @@ class Generation:
     multi_turn: bool = False  # built by a generate function: its response spans turns
 
 
+# SGLang's answer to /end_weight_update when no session is open (scheduler weight_updater.py).
+NO_OPEN_SESSION = "no weight-update session is open"
+
+
 class RolloutEngine:
     """Plain class, wrapped with `ray.remote` at the call site."""
 
@@ -146,6 +150,18 @@ class RolloutEngine:
             "logprob_start_len": 0,
         }))
         return [[float(lp) for lp, *_ in a["meta_info"]["input_token_logprobs"][1:]] for a in answers]
+
+    # ---- weights ---------------------------------------------------------------------------
+    def end_abandoned_weight_update(self) -> bool:
+        """Close a weight-update session a trainer died in the middle of (SGLang refuses the next
+        `/begin_weight_update` while one is open). True if one was open."""
+        try:
+            self._call(self.client.end_weight_update)
+        except EngineError as error:
+            if NO_OPEN_SESSION in error.reason:
+                return False
+            raise
+        return True
 
     # ---- device memory --------------------------------------------------------------------
     def release_memory(self, tags: list[str]) -> dict:

@@ -240,6 +240,10 @@ class RolloutManager:
                 answers.append(ray.get(getattr(self.engines[index], method).remote(*args)))
         return answers
 
+    def end_abandoned_weight_updates(self) -> list[bool]:
+        """After a trainer rank died mid-sync: close the weight-update session it left open."""
+        return self._on_every_engine("end_abandoned_weight_update")
+
     def weight_versions(self) -> list[int]:
         return ray.get([e.weight_version.remote() for e in self.engines])
 

@@ -221,3 +221,20 @@ def test_a_broadcast_nobody_receives_fails_on_the_host_within_the_timeout(group_
     answered.set()
     assert aborted == [True]
     assert time.monotonic() - start < (1.0 if engine_call_fails else 3.0)
+
+
+@pytest.mark.slow
+def test_a_session_left_open_by_a_dead_trainer_is_closed_and_the_next_sync_goes_through(two_engines_two_ranks):
+    """A trainer rank killed between /begin_weight_update and /end_weight_update leaves the engines'
+    session open; SGLang then refuses every later sync until it is closed."""
+    from rlsys.rollout.client import SGLangClient
+
+    rollout, trainer = two_engines_two_ranks
+    for address in rollout.addresses:
+        SGLangClient(address).begin_weight_update()  # what the dead rank got as far as
+    assert rollout.end_abandoned_weight_updates() == [True, True]
+    assert rollout.end_abandoned_weight_updates() == [False, False]  # nothing open: nothing to close
+    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)
+    version = max(rollout.weight_versions()) + 1
+    trainer.sync_weights(16 * 2**20, weight_version=version)
+    assert rollout.weight_versions() == [version, version]
