@@ -120,11 +120,13 @@ def started_run(config: str, model_dir: Path, run_dir: Path, *overrides: str):
             run.wait()
 
 
+# Shared-memory files a run makes: torch's, SGLang's and multiprocessing's semaphores.
+RUN_SHM_PREFIXES = ("torch_", "sglang_", "sgl_shm", "sem.mp-")
+
+
 class Leftovers:
     """What a run leaves behind: new SGLang/Ray processes outside this pytest's own tree, and new
     shared-memory files of torch, SGLang or multiprocessing. Snapshot before, check after."""
-
-    _SHM_PREFIXES = ("torch_", "sglang_", "sgl_shm", "sem.mp-")
 
     def __init__(self):
         import psutil
@@ -146,7 +148,7 @@ class Leftovers:
         return found
 
     def shm_files(self) -> list[str]:
-        return sorted(n for n in set(os.listdir("/dev/shm")) - self._shm if n.startswith(self._SHM_PREFIXES))
+        return sorted(n for n in set(os.listdir("/dev/shm")) - self._shm if n.startswith(RUN_SHM_PREFIXES))
 
     def new_pids(self, substring: str) -> list:
         """New processes whose command line contains `substring` (e.g. to kill one)."""

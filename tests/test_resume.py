@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlsys.metrics import read_metrics
-from tests.conftest import REPO
+from tests.conftest import REPO, RUN_SHM_PREFIXES
 
 
 def _command(run_dir, model_dir, *extra):
@@ -40,7 +40,7 @@ def _kill_run(process: subprocess.Popen, before_pids: set[int], before_shm: set[
                 pass
     time.sleep(1)
     for name in set(os.listdir("/dev/shm")) - before_shm:
-        if name.startswith(("torch_", "sglang_", "sgl_shm")):
+        if name.startswith(RUN_SHM_PREFIXES):  # multiprocessing's semaphores too: their tracker died
             os.unlink(f"/dev/shm/{name}")
 
 
