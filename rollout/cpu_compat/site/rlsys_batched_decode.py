@@ -7,7 +7,8 @@ batch's keys and values are gathered from the KV cache into [B, max_len] (positi
 request's length, or after a query's own position, masked out) and attended in one call. Masked
 positions get zero weight, so the result is each request's own attention (up to summation order).
 
-Applied by `sitecustomize` when SGLang imports the backend, on CPU servers only. Cases the batched
+Installed by `sitecustomize` (`batched_decode`, `batched_extend`) when SGLang imports the
+backend, on CPU servers only. Cases the batched
 form does not cover (cross-attention, encoder lengths, sliding windows, non-causal prefill) and
 prefills whose padded batch would be large keep SGLang's loop.
 """
@@ -50,7 +51,6 @@ def batched_decode(original):
         output.copy_(attended.squeeze(2))
         return output
 
-    _run_sdpa_forward_decode.rlsys_original = original
     return _run_sdpa_forward_decode
 
 
@@ -91,13 +91,5 @@ def batched_extend(original):
         output[rows[is_query]] = attended[is_query]
         return output
 
-    _run_sdpa_forward_extend.rlsys_original = original
     return _run_sdpa_forward_extend
 
-
-def patch(module) -> None:
-    backend = module.TorchNativeAttnBackend
-    if not hasattr(backend._run_sdpa_forward_decode, "rlsys_original"):
-        backend._run_sdpa_forward_decode = batched_decode(backend._run_sdpa_forward_decode)
-    if not hasattr(backend._run_sdpa_forward_extend, "rlsys_original"):
-        backend._run_sdpa_forward_extend = batched_extend(backend._run_sdpa_forward_extend)

@@ -7,7 +7,7 @@ so each stop waited 0-5 s for nothing: a standalone server took 6.4 s from SIGTE
 This waits for the flag in 0.1 s steps, then hands over to SGLang's own watchdog, whose wait then
 ends at once: the drain and shutdown are SGLang's, unchanged.
 
-Applied by `sitecustomize` when SGLang imports its tokenizer manager.
+Installed by `sitecustomize` (`watch_sigterm_often`) when SGLang imports its tokenizer manager.
 """
 
 from __future__ import annotations
@@ -23,11 +23,5 @@ def watch_sigterm_often(original):
             await asyncio.sleep(POLL_S)
         await original(self)
 
-    sigterm_watchdog.rlsys_original = original
     return sigterm_watchdog
 
-
-def patch(module) -> None:
-    manager = module.TokenizerManager
-    if not hasattr(manager.sigterm_watchdog, "rlsys_original"):
-        manager.sigterm_watchdog = watch_sigterm_often(manager.sigterm_watchdog)

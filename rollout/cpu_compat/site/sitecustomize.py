@@ -33,11 +33,29 @@ import sys
 import types
 
 _STANDIN_ROOT = "sgl_kernel"
-# SGLang modules patched once they have executed: module name -> the rlsys module patching it.
+# SGLang methods replaced once their module has executed: module name -> (class, method, rlsys
+# module, wrapper), where wrapper(original method) returns the replacement.
 _PATCHES = {
-    "sglang.srt.layers.attention.torch_native_backend": "rlsys_batched_decode",
-    "sglang.srt.managers.tokenizer_manager": "rlsys_prompt_shutdown",
+    "sglang.srt.layers.attention.torch_native_backend": [
+        ("TorchNativeAttnBackend", "_run_sdpa_forward_decode", "rlsys_batched_decode", "batched_decode"),
+        ("TorchNativeAttnBackend", "_run_sdpa_forward_extend", "rlsys_batched_decode", "batched_extend"),
+    ],
+    "sglang.srt.managers.tokenizer_manager": [
+        ("TokenizerManager", "sigterm_watchdog", "rlsys_prompt_shutdown", "watch_sigterm_often"),
+    ],
 }
+
+
+def _replace_once(module, class_name: str, method: str, patcher: str, wrapper: str) -> None:
+    """`class.method` = wrapper(original), keeping the original as `rlsys_original` (tests compare
+    against it); a method already replaced is left alone."""
+    owner = getattr(module, class_name)
+    original = getattr(owner, method)
+    if hasattr(original, "rlsys_original"):
+        return
+    replacement = getattr(importlib.import_module(patcher), wrapper)(original)
+    replacement.rlsys_original = original
+    setattr(owner, method, replacement)
 
 
 def _raise_not_available(qualified_name):
@@ -82,8 +100,6 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in _PATCHES:
             return None
-        patcher = importlib.import_module(_PATCHES[fullname])
-
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
@@ -91,7 +107,8 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            patcher.patch(module)
+            for replacement in _PATCHES[fullname]:
+                _replace_once(module, *replacement)
 
         spec.loader.exec_module = exec_module
         return spec
