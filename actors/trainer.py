@@ -1,9 +1,9 @@
 """The FSDP2 trainer: one instance per rank, each inside a Ray actor (see actors/group.py).
 
 Data parallel over the ranks' shares of the batch; parameters sharded with `fully_shard` per
-decoder layer and then the root. Every loss token carries its weight in the global mini-batch's
-loss (set by TrainerGroup from algorithm.loss_agg_mode), so any split over ranks and micro-batches
-gives the same gradient.
+decoder layer and then the root (a lone fp32 rank trains the model whole: `uses_fsdp`). Every
+loss token carries its weight in the global mini-batch's loss (set by TrainerGroup from
+algorithm.loss_agg_mode), so any split over ranks and micro-batches gives the same gradient.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkp
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint
 from rlsys.actors.logprob_head import install_logprob_head
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
-from rlsys.actors.parallelize import parallelize
+from rlsys.actors.parallelize import parallelize, uses_fsdp
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import (
     ImportanceWeights,
@@ -50,7 +50,6 @@ class TrainerSpec:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     temperature: float = 1.0  # the rollout's: trainer log-probs are of the distribution it sampled
     seed: int = 0
-    shard: bool = True  # False only for a single unsharded reference process (tests)
     has_gpu: bool = False  # decided by the driver from the cluster's resources (weight_sync/backend.py)
     # Processes of the run computing on a rank's node while it trains (Topology.cpu_sharers); the
     # rank's threads are its node's cores over this. None (standalone groups): one thread.
@@ -208,20 +207,19 @@ class TrainerWorker:
 
     def _build_model(self, trainable: bool) -> torch.nn.Module:
         """Built on the meta device, sharded, then each rank reads only its shards from the
-        checkpoint (actors/loading.py): no rank ever holds the whole model."""
+        checkpoint (actors/loading.py): no rank ever holds the whole model, unless it trains alone
+        in fp32 (`uses_fsdp`: then its shard is the whole model and FSDP has nothing to do)."""
         model = build_empty_model(self.spec.model.path, self.backend.attn_implementation)
         install_logprob_head(model)  # before sharding: it keeps lm_head's parameter and FSDP group
         mesh = None
-        if self.spec.shard:
+        if uses_fsdp(self.world_size, self.spec.model.dtype, trainable):
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(self.backend.device_type, (self.world_size,))
-        elif self.world_size != 1:
-            raise ValueError("an unsharded trainer (shard=False) must run alone (world_size=1)")
         model = parallelize(model, mesh, self.spec.model.dtype, trainable, self.spec.trainer.gradient_checkpointing,
                             pin_memory=self.backend.has_gpu)
         # The frozen reference stays on the host: FSDP streams it to the device layer by layer.
-        fill_from_checkpoint(model, self.spec.model.path, self.device if trainable or not self.spec.shard else "cpu")
+        fill_from_checkpoint(model, self.spec.model.path, self.device if trainable else "cpu")
         return model
 
     # ---- micro-batches and log-probs ----------------------------------------------------
@@ -440,7 +438,9 @@ class TrainerWorker:
 
     def describe(self) -> dict:
         """What this rank runs on, as its backend decided (printed at start-up)."""
+        sharded = any(hasattr(p, "device_mesh") for p in self.model.parameters())
         return {"device": str(self.device), "dist_backend": self.backend.dist_backend,
+                "layout": "FSDP2" if sharded else "whole model",
                 "attention": self.backend.attn_implementation, "compute_dtype": self.spec.model.dtype,
                 "threads": torch.get_num_threads()}
 

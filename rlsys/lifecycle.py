@@ -59,7 +59,7 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
         parts.rollout.wait_ready()
     parts.trainer = _trainer_group(config, parts)
     ranks = parts.trainer.describe()
-    print(f"rlsys: trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['dist_backend']}, "
+    print(f"rlsys: trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
           f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads each) "
           f"ready after {time.perf_counter() - start:.1f} s", flush=True)
     parts.topology = topology.with_engines(parts.rollout.wait_ready())

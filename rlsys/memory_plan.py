@@ -4,7 +4,8 @@ Read from the model's config.json (the model is built on the meta device: shapes
 config. Trainer terms are per rank (FSDP2 shards the fp32 master weights, gradients and AdamW's
 two moments over `trainer.num_ranks`; one decoder layer at a time is all-gathered in the compute
 dtype, plus the next one prefetched, while the root group — embeddings, final norm, output layer
-— stays gathered through forward and backward). Engine terms follow SGLang's sizing: its static
+— stays gathered through forward and backward; none of that when one fp32 rank trains the model
+whole, `uses_fsdp`). Engine terms follow SGLang's sizing: its static
 pool is `mem_fraction_static` of the GPU, the weights come out of it and the rest is KV cache
 (capped by `max_total_tokens`; sglang/srt/model_executor/model_runner.py, profile_max_num_token).
 
@@ -23,6 +24,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rlsys.actors.parallelize import uses_fsdp
 from rlsys.config import ConfigError, RunConfig
 
 GiB = 2**30
@@ -158,12 +160,13 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
     else:
         attention_scores = sequences * shape.heads * sequence**2 * 4 * scores_layers
     needs_reference = config.algorithm.use_kl_loss or config.algorithm.kl_in_reward
+    gathers = uses_fsdp(ranks, config.model.dtype, trainable=True)
     terms = {
         "trainer_params": 4 * shape.params // ranks,
         "trainer_grads": 4 * shape.params // ranks,
         "optimizer_states": 8 * shape.params // ranks,
-        "unsharded_layers": 2 * shape.layer_params * compute,
-        "unsharded_root": shape.root_params * compute,
+        "unsharded_layers": 2 * shape.layer_params * compute if gathers else 0,
+        "unsharded_root": shape.root_params * compute if gathers else 0,
         "activations": activations,
         "attention_scores": attention_scores,
         "logits_chunk": 3 * max(t.logprob_chunk_tokens or tokens, 1) * shape.vocab * 4,

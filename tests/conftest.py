@@ -37,7 +37,7 @@ def ray_cluster():
     ray.shutdown()
 
 
-def trainer_spec(model_dir: Path, *, shard: bool = True, dtype: str = "float32", **fields):
+def trainer_spec(model_dir: Path, *, dtype: str = "float32", **fields):
     """A TrainerSpec for `model_dir` (compute `dtype`); each keyword goes to the config section
     that has the field (trainer: lr, packing, ...; algorithm: use_kl_loss, clip_eps_low, ...)."""
     from rlsys.actors.trainer import TrainerSpec
@@ -49,7 +49,7 @@ def trainer_spec(model_dir: Path, *, shard: bool = True, dtype: str = "float32",
     if unknown:
         raise TypeError(f"no trainer or algorithm field named {sorted(unknown)}")
     return TrainerSpec(ModelConfig(path=str(model_dir), dtype=dtype), TrainerConfig(**trainer),
-                       AlgorithmConfig(**algorithm), shard=shard)
+                       AlgorithmConfig(**algorithm))
 
 
 def random_sequences(seed: int, count: int, prompt_lens: tuple[int, int] = (2, 9),

@@ -1,4 +1,5 @@
-"""2 FSDP2 ranks train exactly like one unsharded process (fp32), up to what fp32 can promise.
+"""2 FSDP2 ranks train exactly like one rank (which trains the model whole in fp32, without FSDP),
+up to what fp32 can promise.
 
 Why the bounds are what they are:
 - A gradient element is a sum of per-token terms; the two sides add them in different orders
@@ -22,6 +23,7 @@ import torch
 
 from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
+from rlsys.actors.parallelize import uses_fsdp
 from tests.conftest import random_sequences, trainer_spec
 
 GRADIENT_RTOL = 1e-4  # of the gradient's scale (max |g| over the model); see the module docstring
@@ -41,7 +43,7 @@ def trainers(ray_cluster, tiny_model_dir):
         use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, clip_eps_low=0.01, clip_eps_high=0.01,
     )
     sharded = TrainerGroup(spec, num_ranks=2)
-    single = TrainerGroup(replace(spec, shard=False), num_ranks=1)
+    single = TrainerGroup(spec, num_ranks=1)
     yield sharded, single, spec
     sharded.shutdown()
     single.shutdown()
@@ -117,3 +119,17 @@ def test_every_loss_aggregation_gives_the_gradient_of_one_process(trainers, tmp_
     assert worst <= GRADIENT_RTOL * scale, f"{mode}: gradients differ by {worst} (scale {scale})"
     # and the mode changed the gradient (by far more than rounding), so the comparison means something
     assert max((grads_b[k] - token_mean[k]).abs().max().item() for k in grads_b) > 0.01 * scale
+
+
+def test_fsdp_wraps_the_model_only_where_it_has_work():
+    assert uses_fsdp(world_size=2, dtype="float32", trainable=True)  # shards
+    assert uses_fsdp(world_size=1, dtype="bfloat16", trainable=True)  # casts to the compute dtype
+    assert uses_fsdp(world_size=1, dtype="float32", trainable=False)  # streams the frozen reference
+    assert not uses_fsdp(world_size=1, dtype="float32", trainable=True)  # would only copy
+
+
+@pytest.mark.slow
+def test_one_fp32_rank_trains_the_model_whole_and_two_ranks_shard_it(trainers):
+    sharded, single, _ = trainers
+    assert single.describe()["layout"] == "whole model"
+    assert sharded.describe()["layout"] == "FSDP2"

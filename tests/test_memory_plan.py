@@ -72,6 +72,16 @@ def test_trainer_and_engine_terms_equal_hand_sums(qwen):
     assert plan.per_gpu_bytes == max(plan.phases.values()) < sum(terms.values())
 
 
+def test_one_fp32_rank_plans_no_gathered_copies_and_bf16_still_does(qwen):
+    _, model_dir = qwen
+    shape = ModelShape.from_model_dir(model_dir)
+    one_gpu = {"trainer": {"num_ranks": 1}, "rollout": {"num_engines": 1}}
+    fp32 = plan_memory(_config(model_dir, model={"dtype": "float32"}, **one_gpu), shape, 80 * GiB)
+    assert fp32.terms["unsharded_layers"] == fp32.terms["unsharded_root"] == 0  # trained whole, no FSDP
+    bf16 = plan_memory(_config(model_dir, **one_gpu), shape, 80 * GiB)
+    assert bf16.terms["unsharded_layers"] == 2 * shape.layer_params * 2  # FSDP's bf16 compute copies
+
+
 def test_disaggregated_puts_trainers_and_engines_on_separate_gpus(qwen):
     _, model_dir = qwen
     config = _config(model_dir, placement={"mode": "disaggregated"}, rollout={"num_engines": 2})

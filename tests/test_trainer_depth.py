@@ -22,9 +22,10 @@ def _spec(model_dir, **overrides):
 
 
 @pytest.mark.slow
-def test_training_after_sleep_and_wake_up_is_bit_identical(ray_cluster, tiny_model_dir):
-    plain = TrainerGroup(_spec(tiny_model_dir), 2)
-    cycled = TrainerGroup(_spec(tiny_model_dir), 2)
+@pytest.mark.parametrize("ranks", [1, 2], ids=["whole model", "FSDP2"])
+def test_training_after_sleep_and_wake_up_is_bit_identical(ray_cluster, tiny_model_dir, ranks):
+    plain = TrainerGroup(_spec(tiny_model_dir), ranks)
+    cycled = TrainerGroup(_spec(tiny_model_dir), ranks)
     try:
         for step in range(3):
             plain.train_step(_batch(step))
@@ -110,11 +111,12 @@ def test_kl_is_zero_at_start_and_positive_once_the_policy_moves(ray_cluster, tin
 
 
 @pytest.mark.slow
-def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["whole model", "FSDP2"])
+def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny_model_dir, tmp_path, ranks):
     spec = _spec(tiny_model_dir, lr_schedule="cosine", warmup_steps=2, total_steps=4,
                  mini_batches_per_step=2)
-    straight = TrainerGroup(spec, 2)
-    first_half = TrainerGroup(spec, 2)
+    straight = TrainerGroup(spec, ranks)
+    first_half = TrainerGroup(spec, ranks)
     try:
         for step in range(4):
             straight_last = straight.train_step(_batch(step))
@@ -123,7 +125,7 @@ def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny
         first_half.save_checkpoint(str(tmp_path))
     finally:
         first_half.shutdown()  # the ranks are killed; only the checkpoint survives
-    resumed = TrainerGroup(spec, 2)
+    resumed = TrainerGroup(spec, ranks)
     try:
         resumed.load_checkpoint(str(tmp_path))
         for step in range(2, 4):
