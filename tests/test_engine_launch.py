@@ -3,6 +3,7 @@ not), and the CPU compatibility layer's fork start method. Fast: no server is st
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -109,3 +110,18 @@ def test_a_server_that_refuses_the_gc_freeze_still_starts_and_says_so_in_its_log
         assert "/freeze_gc was refused (HTTP 401" in (tmp_path / "engine.log").read_text()
     finally:
         server.stop()
+
+
+def test_the_files_a_process_maps_are_read_from_proc_and_an_exited_one_maps_none(tmp_path):
+    # The launcher records the server's /dev/shm segments this way, to remove them after a crash.
+    import mmap
+
+    from rlsys.rollout.server import _mapped_files
+
+    path = tmp_path / "segment with spaces"
+    path.write_bytes(b"\0" * mmap.PAGESIZE)
+    with open(path, "r+b") as handle, mmap.mmap(handle.fileno(), 0):
+        assert str(path) in _mapped_files(os.getpid())
+    assert str(path) not in _mapped_files(os.getpid())
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert _mapped_files(int(exited.stdout)) == set()
