@@ -52,6 +52,38 @@ def test_the_cpu_compat_layer_forks_what_sglang_would_spawn(requested):
     assert result.stdout.strip() == ("fork" if requested == "spawn" else requested)
 
 
+LAZY_COMPILE_PROBE = """
+import sys, torch
+def double(x):
+    return 2 * x
+compiled = torch.compile(double, backend="eager")
+decorated = torch.compile(backend="eager")(double)
+print("torch._dynamo" in sys.modules)
+print(compiled(torch.ones(2)).tolist(), decorated(torch.ones(2)).tolist(), compiled.__wrapped__ is double)
+print("torch._dynamo" in sys.modules)
+print(type(torch.compile(torch.nn.Linear(2, 2), backend="eager")).__name__)
+class Holder:
+    @torch.compile(backend="eager")
+    @staticmethod
+    def triple(x):
+        return 3 * x
+print(Holder().triple(torch.ones(1)).tolist())
+"""
+
+
+def test_the_cpu_compat_layer_sets_up_dynamo_at_a_compiled_functions_first_call():
+    env = build_env(ServerSpec(ModelConfig(path="unused")), make_backend(False))
+    result = subprocess.run([sys.executable, "-c", LAZY_COMPILE_PROBE], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    before_call, outputs, after_call, module, static = result.stdout.split("\n")[:5]
+    assert before_call == "False"  # torch.compile(function) no longer imports TorchDynamo
+    assert outputs == "[2.0, 2.0] [2.0, 2.0] True"  # both call forms compile and run the function
+    assert after_call == "True"  # ... through the real torch.compile, on the first call
+    assert module == "OptimizedModule"  # a module goes to the real torch.compile as given
+    assert static == "[3.0]"  # a static method stays one (called through an instance, no self)
+
+
 STAND_IN_SERVER = '''
 import http.server, sys
 port, record = int(sys.argv[1]), sys.argv[2]

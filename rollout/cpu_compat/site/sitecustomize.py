@@ -2,9 +2,9 @@
 
 `rlsys.rollout.server` puts this directory first on the SGLang server's PYTHONPATH when no CUDA
 device is present; Python then imports this file at start-up in the server process. It does
-five things: the first two are needed to run the real SGLang server with `--device cpu`, the
-next two make it start and decode fast enough to compare with plain transformers on a CPU, and
-the last makes it stop promptly:
+six things: the first two are needed to run the real SGLang server with `--device cpu`, the
+next two make it start and decode fast enough to compare with plain transformers on a CPU, the
+fifth makes it stop promptly and the sixth start sooner:
 
 1. `sgl_kernel` (SGLang's compiled kernel package) is CUDA-only and cannot be imported without
    libcuda. On a CPU without AMX, SGLang's CPU path uses plain torch layers and never calls those
@@ -24,6 +24,9 @@ the last makes it stop promptly:
    The children inherit this module's import hooks, so (1) and (3) hold in them too.
 5. SGLang's server checks for a SIGTERM every 5 s before it shuts down; `rlsys_prompt_shutdown`
    makes that 0.1 s, so stopping an engine (at the end of every run) no longer waits 0-5 s.
+6. SGLang modules call `torch.compile` at import, which sets up TorchDynamo at once (~1.2 s of
+   a server's start) for kernels a CPU never runs; `rlsys_lazy_compile` defers that set-up to a
+   compiled function's first call (compilation itself was already deferred to it).
 """
 
 import importlib
@@ -135,6 +138,9 @@ def _install():
         return
     if not torch.cuda.is_available():
         torch.cuda.synchronize = lambda *args, **kwargs: None
+        from rlsys_lazy_compile import defer_dynamo_setup
+
+        torch.compile = defer_dynamo_setup(torch.compile)
         sys.meta_path.insert(0, _PatchAfterImport())
         _fork_instead_of_spawn()
 
