@@ -7,7 +7,9 @@ the backend has no GPU; everything else is the same command a GPU run uses.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -133,8 +135,40 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> l
     return command + list(engine.extra_args)
 
 
+SERVED_MODEL_PACKAGE = "rlsys.rollout.served_model"
+SERVED_MODEL_CLASS_ENV = "RLSYS_SGLANG_MODEL_CLASS"
+
+
+def served_model_class(model_path: str) -> str | None:
+    """"module:Class" of the SGLang model class for the model's architecture (its config.json's
+    first), found by the class statement in SGLang's model sources without importing them; None
+    when there is no single such class (SGLang then resolves the architecture its own way)."""
+    import importlib.util
+
+    try:
+        architecture = json.loads((Path(model_path) / "config.json").read_text())["architectures"][0]
+        sglang = importlib.util.find_spec("sglang")  # finds the package without importing it
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    if sglang is None or sglang.origin is None:
+        return None
+    modules = [source.stem for source in sorted((Path(sglang.origin).parent / "srt" / "models").glob("*.py"))
+               if _defines_entry_class(source.read_text(errors="replace"), architecture)]
+    return f"sglang.srt.models.{modules[0]}:{architecture}" if len(modules) == 1 else None
+
+
+def _defines_entry_class(source: str, name: str) -> bool:
+    """The module defines class `name` and lists it in its `EntryClass` (what SGLang registers)."""
+    return f"class {name}(" in source and re.search(rf"\b{name}\b", source.rpartition("EntryClass")[2]) is not None
+
+
 def build_env(spec: ServerSpec, backend: Backend) -> dict[str, str]:
     env = dict(os.environ)
+    served = served_model_class(spec.model.path)
+    if served is not None and "SGLANG_EXTERNAL_MODEL_PACKAGE" not in env:
+        # SGLang then imports this one model module at start-up, not all ~150 (served_model/).
+        env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = SERVED_MODEL_PACKAGE
+        env[SERVED_MODEL_CLASS_ENV] = served
     if not backend.has_gpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # --device cpu alone does not select the CPU path
         path = [str(CPU_COMPAT_SITE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

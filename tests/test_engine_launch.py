@@ -3,6 +3,7 @@ not), and the CPU compatibility layer's fork start method. Fast: no server is st
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,15 @@ import sys
 import pytest
 
 from rlsys.config import EngineConfig, ModelConfig, RolloutConfig
-from rlsys.rollout.server import CPU_COMPAT_SITE, ServerSpec, build_command, build_env
+from rlsys.rollout.server import (
+    CPU_COMPAT_SITE,
+    SERVED_MODEL_CLASS_ENV,
+    SERVED_MODEL_PACKAGE,
+    ServerSpec,
+    build_command,
+    build_env,
+    served_model_class,
+)
 from rlsys.weight_sync.backend import Backend, make_backend
 
 
@@ -157,3 +166,33 @@ def test_the_files_a_process_maps_are_read_from_proc_and_an_exited_one_maps_none
     assert str(path) not in _mapped_files(os.getpid())
     exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     assert _mapped_files(int(exited.stdout)) == set()
+
+
+def _model_dir(tmp_path, architecture: str):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    return str(tmp_path)
+
+
+def test_the_server_imports_only_the_served_models_module(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_EXTERNAL_MODEL_PACKAGE", raising=False)
+    env = build_env(ServerSpec(ModelConfig(path=_model_dir(tmp_path, "Qwen2ForCausalLM"))), make_backend(False))
+    assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == SERVED_MODEL_PACKAGE
+    assert env[SERVED_MODEL_CLASS_ENV] == "sglang.srt.models.qwen2:Qwen2ForCausalLM"
+    # What SGLang's registry does with the package: import its modules and register their EntryClass.
+    probe = ("from sglang.srt.models.registry import import_model_classes; "
+             f"print(sorted(import_model_classes({SERVED_MODEL_PACKAGE!r}, strict=True)))")
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "['Qwen2ForCausalLM']"
+
+
+def test_an_architecture_sglang_does_not_define_is_left_to_sglang(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_EXTERNAL_MODEL_PACKAGE", raising=False)
+    assert served_model_class(_model_dir(tmp_path, "Qwen2Model")) is None  # a class, but no EntryClass
+    assert served_model_class(_model_dir(tmp_path, "NoSuchForCausalLM")) is None
+    assert served_model_class(str(tmp_path / "absent")) is None
+    env = build_env(ServerSpec(ModelConfig(path=_model_dir(tmp_path, "NoSuchForCausalLM"))), make_backend(False))
+    assert "SGLANG_EXTERNAL_MODEL_PACKAGE" not in env  # SGLang imports all its models, as it would
+    monkeypatch.setenv("SGLANG_EXTERNAL_MODEL_PACKAGE", "users_models")  # a user's own package wins
+    env = build_env(ServerSpec(ModelConfig(path=_model_dir(tmp_path, "Qwen2ForCausalLM"))), make_backend(False))
+    assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "users_models"
