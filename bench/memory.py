@@ -29,18 +29,19 @@ REPO = Path(__file__).resolve().parent.parent
 CHUNK = 512  # trainer.logprob_chunk_tokens' default
 
 _WHOLE_MODEL_LOAD = """
-import resource, sys, psutil, torch
+import sys, psutil, torch
 from transformers import AutoModelForCausalLM
+from rlsys.actors.trainer import peak_resident_bytes
 before = psutil.Process().memory_info().rss
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+print(peak_resident_bytes() - before)
 """
 
 _TRAIN_STEP = """
-import json, random, resource, sys, psutil, torch, os
+import json, random, sys, psutil, torch, os
 os.environ.update(MASTER_ADDR="127.0.0.1")
 from rlsys.actors.batching import TrainSequence
-from rlsys.actors.trainer import TrainerSpec, TrainerWorker
+from rlsys.actors.trainer import TrainerSpec, TrainerWorker, peak_resident_bytes
 from rlsys.config import ModelConfig, TrainerConfig
 model_dir, chunk, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 spec = TrainerSpec(ModelConfig(path=model_dir), TrainerConfig(
@@ -52,7 +53,7 @@ batch = [TrainSequence([rng.randrange(3, 150000) for _ in range(256)], prompt_le
                        advantage=rng.uniform(-1, 1)) for _ in range(8)]
 before = psutil.Process().memory_info().rss
 worker.train_step([batch])
-print(json.dumps({"rise_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before}))
+print(json.dumps({"rise_bytes": peak_resident_bytes() - before}))
 """
 
 

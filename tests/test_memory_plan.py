@@ -155,3 +155,14 @@ def test_a_measured_train_step_matches_the_plan_and_chunked_log_probs_cut_its_pe
     planned = plan.phases["train"] - plan.terms["trainer_params"]
     measured = peaks["train_step_peak_rise_bytes_chunked"]
     assert 0.7 * measured <= planned <= 1.3 * measured, (planned, measured, plan.terms)
+
+
+def test_a_processs_peak_memory_is_its_own_not_its_forking_parents():
+    """Measured peaks (the test above, trainer load reports) come from the process's own address
+    space: getrusage's ru_maxrss also counts the image before exec, so a child of a test runner
+    holding gigabytes reported at least the runner's RSS as its own peak."""
+    held = b"\x01" * (1 << 30)  # the parent (this test runner) holds 1 GiB more
+    probe = "from rlsys.actors.trainer import peak_resident_bytes; print(peak_resident_bytes())"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.split()[-1]) < len(held)  # the child itself never held 1 GiB
