@@ -178,12 +178,14 @@ def test_the_server_imports_only_the_served_models_module(tmp_path, monkeypatch)
     env = build_env(ServerSpec(ModelConfig(path=_model_dir(tmp_path, "Qwen2ForCausalLM"))), make_backend(False))
     assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == SERVED_MODEL_PACKAGE
     assert env[SERVED_MODEL_CLASS_ENV] == "sglang.srt.models.qwen2:Qwen2ForCausalLM"
-    # What SGLang's registry does with the package: import its modules and register their EntryClass.
-    probe = ("from sglang.srt.models.registry import import_model_classes; "
-             f"print(sorted(import_model_classes({SERVED_MODEL_PACKAGE!r}, strict=True)))")
+    # What SGLang's registry does with the package: it registers only the package's EntryClass at
+    # import, and still finds any other architecture (a draft model's, say) among all its own.
+    probe = ("import sys; from sglang.srt.models.registry import ModelRegistry as registry; "
+             "print(sorted(registry.models), 'sglang.srt.models.llama' in sys.modules); "
+             "print(registry.resolve_model_cls(['LlamaForCausalLM'])[1])")
     result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "['Qwen2ForCausalLM']"
+    assert result.stdout.strip().splitlines()[-2:] == ["['Qwen2ForCausalLM'] False", "LlamaForCausalLM"]
 
 
 def test_an_architecture_sglang_does_not_define_is_left_to_sglang(tmp_path, monkeypatch):
