@@ -28,6 +28,12 @@ kwargs = dict(scaling=dim ** -0.5, enable_gqa=True)
 ours = decode(None, query, torch.empty(4, heads, dim), *args, **kwargs)
 theirs = decode.rlsys_original(None, query, torch.empty(4, heads, dim), *args, **kwargs)
 error = (ours - theirs).abs().max().item()
+# Without grouped-query attention (as many key/value heads as query heads)
+mha_cache = (torch.randn(slots, heads, dim), torch.randn(slots, heads, dim))
+mha = (*mha_cache, req_to_token, req_pool_indices, seq_lens)
+ours = decode(None, query, torch.empty(4, heads, dim), *mha, scaling=dim ** -0.5, enable_gqa=False)
+theirs = decode.rlsys_original(None, query, torch.empty(4, heads, dim), *mha, scaling=dim ** -0.5, enable_gqa=False)
+error = max(error, (ours - theirs).abs().max().item())
 assert error < 1e-6, error
 
 # Prefill (extend): requests with cached prefixes of different lengths, one without a prefix,

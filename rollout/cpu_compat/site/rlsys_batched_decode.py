@@ -44,11 +44,15 @@ def batched_decode(original):
         key = _gather(k_cache, slots, query.dtype)  # [B, Hkv, L, D]
         value = _gather(v_cache, slots, query.dtype)
         valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [B, L]
+        # The query heads that share a key/value head attend as one group of queries ([B, Hkv, G, D]):
+        # the keys and values are read once per group instead of being repeated for every query
+        # head (SDPA's enable_gqa), and this is SGLang's head order (query head h reads kv head h // G).
+        batch, heads, dim = query.shape
+        grouped = query.view(batch, key.shape[1], heads // key.shape[1], dim)
         attended = torch.nn.functional.scaled_dot_product_attention(
-            query.unsqueeze(2), key, value, attn_mask=_additive(valid[:, None, None, :], query.dtype), scale=scaling,
-            enable_gqa=enable_gqa,
-        )  # [B, H, 1, Dv]
-        output.copy_(attended.squeeze(2))
+            grouped, key, value, attn_mask=_additive(valid[:, None, None, :], query.dtype), scale=scaling,
+        )  # [B, Hkv, G, Dv]
+        output.copy_(attended.reshape(output.shape))
         return output
 
     return _run_sdpa_forward_decode
