@@ -1,5 +1,6 @@
-"""The CPU engine's server acts on a SIGTERM within 0.1 s instead of SGLang's 5 s check
-(rollout/cpu_compat/site/rlsys_prompt_shutdown.py), and hands the shutdown itself to SGLang."""
+"""The CPU engine's server acts on a SIGTERM within 0.1 s instead of SGLang's 5 s check, its idle
+scheduler leaves on the shutdown request instead of after one more 1 s idle sleep
+(rollout/cpu_compat/site/rlsys_prompt_shutdown.py), and the shutdown itself is SGLang's."""
 
 from __future__ import annotations
 
@@ -37,9 +38,25 @@ def test_the_watchdog_polls_in_short_steps_then_runs_sglangs_own_once(monkeypatc
     assert calls == [True]
 
 
+class _Scheduler:
+    gracefully_exit = False
+
+
+def test_an_idle_scheduler_sleeps_until_it_is_asked_to_exit_then_leaves_at_once():
+    scheduler, slept = _Scheduler(), []
+    maybe_sleep = rlsys_prompt_shutdown.skip_idle_sleep_when_exiting(lambda self: slept.append(self))
+    maybe_sleep(scheduler)
+    assert slept == [scheduler]  # idle and running: SGLang's own sleep
+    scheduler.gracefully_exit = True  # its ShutdownReq arrived
+    maybe_sleep(scheduler)
+    assert slept == [scheduler]
+
+
 CHECK = r"""
+from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 assert hasattr(TokenizerManager.sigterm_watchdog, "rlsys_original"), "the prompt shutdown was not installed"
+assert hasattr(Scheduler.maybe_sleep_on_idle, "rlsys_original"), "the scheduler's prompt exit was not installed"
 print("ok")
 """
 

@@ -22,8 +22,10 @@ fifth makes it stop promptly and the sixth start sooner:
    sglang, transformers) already done, where a spawned one imports them all again while its
    siblings do the same on the same cores. Start-up of a tiny model's server here: 19 s -> 9.5 s.
    The children inherit this module's import hooks, so (1) and (3) hold in them too.
-5. SGLang's server checks for a SIGTERM every 5 s before it shuts down; `rlsys_prompt_shutdown`
-   makes that 0.1 s, so stopping an engine (at the end of every run) no longer waits 0-5 s.
+5. SGLang's server checks for a SIGTERM every 5 s before it shuts down, and its idle scheduler
+   finishes a 1 s sleep before it acts on the shutdown request; `rlsys_prompt_shutdown` makes the
+   first 0.1 s and skips the second, so stopping an engine (at the end of every run, and at every
+   engine restart) no longer waits up to 6 s.
 6. SGLang modules call `torch.compile` at import, which sets up TorchDynamo at once (~1.2 s of
    a server's start) for kernels a CPU never runs; `rlsys_lazy_compile` defers that set-up to a
    compiled function's first call (compilation itself was already deferred to it).
@@ -45,6 +47,9 @@ _PATCHES = {
     ],
     "sglang.srt.managers.tokenizer_manager": [
         ("TokenizerManager", "sigterm_watchdog", "rlsys_prompt_shutdown", "watch_sigterm_often"),
+    ],
+    "sglang.srt.managers.scheduler": [
+        ("Scheduler", "maybe_sleep_on_idle", "rlsys_prompt_shutdown", "skip_idle_sleep_when_exiting"),
     ],
 }
 
