@@ -81,3 +81,29 @@ def test_compare_rows_thin_out_long_runs():
     rows = [{"step": s} for s in range(200)]
     steps = compare_rows(rows, rows, ("reward_mean",), max_rows=25)
     assert len(steps) <= 26 and steps[0] == 0 and steps[-1] == 199
+
+
+ENTRY = """
+import atexit, sys
+from rlsys import cli
+atexit.register(lambda: print("atexit handler ran"))
+sys.argv = ["rlsys", "compare", *sys.argv[1:]]
+print("a line printed without flushing", end="")
+print(file=sys.stderr, end="")
+cli.entry()
+"""
+
+
+def test_the_command_skips_only_the_teardown_atexit_handlers_output_and_exit_code_stay(runs_root):
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-c", ENTRY, str(runs_root / "baseline"), str(runs_root / "baseline")],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("a line printed without flushing") and "eval_reward_mean" in ok.stdout
+    assert ok.stdout.rstrip().endswith("atexit handler ran")
+    bad = subprocess.run([sys.executable, "-c", ENTRY, str(runs_root / "baseline"), str(runs_root / "missing")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is not a run directory" in bad.stderr
+    assert "atexit handler ran" in bad.stdout
