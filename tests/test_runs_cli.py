@@ -1,6 +1,8 @@
 """`rlsys runs` and `rlsys compare` over run directories as `rlsys train` leaves them."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -89,15 +91,11 @@ from rlsys import cli
 atexit.register(lambda: print("atexit handler ran"))
 sys.argv = ["rlsys", "compare", *sys.argv[1:]]
 print("a line printed without flushing", end="")
-print(file=sys.stderr, end="")
 cli.entry()
 """
 
 
 def test_the_command_skips_only_the_teardown_atexit_handlers_output_and_exit_code_stay(runs_root):
-    import subprocess
-    import sys
-
     ok = subprocess.run([sys.executable, "-c", ENTRY, str(runs_root / "baseline"), str(runs_root / "baseline")],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr

@@ -33,7 +33,6 @@ def watch_sigterm_often(original):
     return sigterm_watchdog
 
 
-
 def skip_idle_sleep_when_exiting(original):
     def maybe_sleep_on_idle(self):
         if not self.gracefully_exit:
