@@ -17,7 +17,7 @@ USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError)
 
 def _train(args: argparse.Namespace) -> int:
     from rlsys.config import load_config
-    from rlsys.coordinator import run
+    from rlsys.coordinator import StoppedAtOnce, run
     from rlsys.errors import RunFailed
 
     overrides = list(args.overrides) + (["checkpoint.resume=auto"] if args.resume else [])
@@ -27,6 +27,9 @@ def _train(args: argparse.Namespace) -> int:
     except RunFailed as error:
         print(f"rlsys: run failed: {error}", file=sys.stderr)
         return 1
+    except StoppedAtOnce as stop:
+        print(f"rlsys: {stop}", file=sys.stderr)
+        return stop.code
     return 0
 
 

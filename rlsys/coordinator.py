@@ -386,17 +386,35 @@ def _failures_reported(status: RunStatus):
         raise
 
 
-def _stop_on_sigterm(status: RunStatus) -> None:
-    """SIGTERM stops the run as POST /api/v1/stop does: after the current step, with a checkpoint.
-    A second SIGTERM stops at once (engines and trainers are still shut down)."""
+class StoppedAtOnce(SystemExit):
+    """A second stop signal: the run ends inside its step, without a checkpoint (exit 128 + signal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signal_name = _signal_name(signum)
+
+    def __str__(self) -> str:
+        return f"stopped at once by a second {self.signal_name}, without a checkpoint"
+
+
+def _signal_name(signum: int) -> str:
+    return "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def _stop_on_signals(status: RunStatus) -> None:
+    """SIGTERM, or SIGINT (Ctrl-C), stops the run as POST /api/v1/stop does: after the current
+    step, with a checkpoint. A second one stops at once (engines and trainers are still shut down).
+    The processes a Ctrl-C also reaches never receive it (`children_shielded_from_ctrl_c`)."""
     def _stop(signum, frame):
         if status.stop_requested:
-            raise SystemExit(128 + signum)
-        print("rlsys: SIGTERM: stopping after this step, with a checkpoint (again to stop at once)", flush=True)
+            raise StoppedAtOnce(signum)
+        print(f"rlsys: {_signal_name(signum)}: stopping after this step, with a checkpoint (again to stop at once)",
+              flush=True)
         status.request("stop")
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
 
 
 def _run_uses_gpus(config: RunConfig, layout: Topology) -> bool:
@@ -463,7 +481,7 @@ def run(config: RunConfig) -> Path:
         ray_start = time.perf_counter()
         stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or layout.local_cpus()))
         print(f"rlsys: Ray cluster up in {time.perf_counter() - ray_start:.1f} s", flush=True)
-        _stop_on_sigterm(status)  # after ray.init, which installs a SIGTERM handler of its own
+        _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
         topology = Topology.from_config(config, _run_uses_gpus(config, layout))
         rewards = make_reward_scorer(config.reward)

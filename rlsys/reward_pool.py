@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from rlsys.interrupts import children_shielded_from_ctrl_c
 from rlsys.rewards import RewardFn, load_reward_function, score
 
 
@@ -108,8 +109,9 @@ class RewardPool:
         """Launch the workers now; they import the reward function while the caller goes on (the
         run starts its engines meanwhile), instead of during the first step."""
         pool = self._pool()
-        for _ in range(self.num_workers):
-            pool.submit(_ready)
+        with children_shielded_from_ctrl_c():  # the pool starts its workers at submit, as it needs them
+            for _ in range(self.num_workers):
+                pool.submit(_ready)
 
     def score(self, calls: list[RewardCall]) -> list[RewardOutcome]:
         """One outcome per call, in order."""
@@ -117,7 +119,8 @@ class RewardPool:
             return []
         size = -(-len(calls) // self.num_workers)
         chunks = [calls[i:i + size] for i in range(0, len(calls), size)]
-        futures = [self._pool().submit(_score_in_worker, chunk, self.timeout_s) for chunk in chunks]
+        with children_shielded_from_ctrl_c():  # a replaced pool starts its workers here
+            futures = [self._pool().submit(_score_in_worker, chunk, self.timeout_s) for chunk in chunks]
         outcomes, stuck = [], False
         for chunk, future in zip(chunks, futures, strict=True):
             # Chunks run side by side; one whose calls cannot all finish within their limits is stuck.

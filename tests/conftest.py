@@ -106,12 +106,14 @@ def served_run_dir(run_dir: Path):
 
 
 @contextmanager
-def started_run(config: str, model_dir: Path, run_dir: Path, *overrides: str):
-    """`rlsys train` running in the background (stdout/stderr piped); killed if still running at the end."""
+def started_run(config: str, model_dir: Path, run_dir: Path, *overrides: str, own_process_group: bool = False):
+    """`rlsys train` running in the background (stdout/stderr piped); killed if still running at the end.
+    `own_process_group`: the run leads a process group, as a command in a terminal's foreground does."""
     import subprocess
 
     run = subprocess.Popen(train_command(config, model_dir, run_dir, *overrides), cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           process_group=0 if own_process_group else None)
     try:
         yield run
     finally:

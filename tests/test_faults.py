@@ -92,18 +92,23 @@ def test_killed_driver_leaves_no_process_or_shared_memory_and_its_status_says_fa
 
 
 @pytest.mark.slow
-def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, tiny_model_dir):
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, tiny_model_dir):
+    """Ctrl-C in a terminal: SIGINT to the run's whole process group, the local Ray cluster's
+    processes and the reward workers included (SIGTERM to the driver alone takes the same path:
+    tests/test_stop_signals.py)."""
     leftovers = Leftovers()
     run_dir = tmp_path / "run"
-    with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000") as run:
+    with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000",
+                     own_process_group=True) as run:
         _wait_for_steps(run, run_dir, 3)
         # a second run on the same directory is refused while the first lives
         second = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "--resume"),
                                 cwd=REPO, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2 and f"is in use by pid {run.pid}" in second.stderr
-        run.send_signal(signal.SIGTERM)
-        _, stderr = run.communicate(timeout=300)
+        os.killpg(run.pid, signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=300)
     assert run.returncode == 0, stderr[-3000:]
+    assert "SIGINT (Ctrl-C): stopping after this step, with a checkpoint" in stdout
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "stopped"
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -67,3 +67,23 @@ def test_in_process_scoring_has_the_same_rules():
     outcomes = score_calls(reward, _calls("x", "bool"), timeout_s=5)
     assert outcomes[0].value == 0.5
     assert outcomes[1].value is None and "finite number" in outcomes[1].error
+
+
+def test_workers_ignore_a_ctrl_c_meant_for_the_driver(pool):
+    """A terminal's Ctrl-C reaches the workers too; the driver decides what it means."""
+    import os
+    import signal
+
+    import psutil
+
+    assert [o.value for o in pool.score(_calls("7", "8"))] == [1.0, 0.0]  # the workers are up
+    def live_workers():
+        return {p.pid for p in psutil.Process().children()
+                if "spawn_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE}
+
+    workers = live_workers()
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(pid, signal.SIGINT)
+    assert [o.value for o in pool.score(_calls("8", "7"))] == [0.0, 1.0]
+    assert live_workers() == workers  # the same workers served these calls: none died, none was replaced
