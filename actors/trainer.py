@@ -33,6 +33,7 @@ from rlsys.algorithms.grpo import (
     truncated_importance_weights,
 )
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
+from rlsys.node import bind_gloo_to_node_address, node_address
 from rlsys.rollout.client import SGLangClient
 from rlsys.topology import Topology
 from rlsys.weight_sync.backend import make_backend
@@ -155,6 +156,7 @@ class TrainerWorker:
         self.rank = rank
         self.world_size = world_size
         self.backend = make_backend(spec.has_gpu, spec.model.dtype)
+        bind_gloo_to_node_address(node_address())  # its groups may span nodes (rlsys/node.py)
         torch.set_num_threads(spec.threads(len(os.sched_getaffinity(0))))
         torch.manual_seed(spec.seed)
         self.device = self.backend.device()
@@ -172,13 +174,7 @@ class TrainerWorker:
     def rendezvous_address(self) -> tuple[str, int]:
         with socket.socket() as sock:
             sock.bind(("", 0))
-            return self._node_address(), sock.getsockname()[1]
-
-    @staticmethod
-    def _node_address() -> str:
-        import ray
-
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            return node_address(), sock.getsockname()[1]
 
     def setup(self, master_address: str, master_port: int) -> None:
         os.environ.setdefault("MASTER_ADDR", master_address)
@@ -414,7 +410,7 @@ class TrainerWorker:
         if topology.transport == "broadcast":
             if self.rank == 0:
                 engines = [SGLangClient(address, timeout_s) for address in topology.engines]
-                self.transport = BroadcastWeightSender(engines, self.backend, self._node_address(), timeout_s)
+                self.transport = BroadcastWeightSender(engines, self.backend, node_address(), timeout_s)
                 self.transport.connect()
             return
         index = topology.engine_fed_by(self.rank)

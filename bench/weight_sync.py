@@ -119,7 +119,7 @@ class BenchTrainerWorker(TrainerWorker):
                         shutil.copy2(Path(model_dir) / name, Path(stage_dir) / name)
                 timings["send_s"] = time.perf_counter() - tick
                 tick = time.perf_counter()
-                _post(f"{engine.url}/update_weights_from_disk", {"model_path": stage_dir, "load_format": "pt"})
+                _post(engine, "/update_weights_from_disk", {"model_path": stage_dir, "load_format": "pt"})
                 timings["load_s"] = time.perf_counter() - tick
                 timings["bytes"] = buffer.getbuffer().nbytes
             timings["total_s"] = time.perf_counter() - start
@@ -153,11 +153,12 @@ class BenchTrainerWorker(TrainerWorker):
         return result
 
 
-def _post(url: str, payload: dict) -> None:
+def _post(engine: EngineAddress, endpoint: str, payload: dict) -> None:
     """The baseline's one call, outside the library's client (which has no disk-loading method)."""
     import urllib.request
 
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {engine.api_key}"}
+    request = urllib.request.Request(f"{engine.url}{endpoint}", data=json.dumps(payload).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=900) as response:
         response.read()
 

@@ -15,8 +15,9 @@ ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLE
 
 
 @contextmanager
-def ray_cluster(address: str | None, local_num_cpus: int):
-    """`ray.init` for the run; shuts down only what this process started or joined."""
+def ray_cluster(address: str | None, local_num_cpus: int, local_resources: dict[str, float] | None = None):
+    """`ray.init` for the run; shuts down only what this process started or joined. A local cluster
+    offers `local_resources` too (the custom resources the placement asks for)."""
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs = dict(log_to_driver=False, logging_level=logging.WARNING)
     if address:
@@ -27,7 +28,8 @@ def ray_cluster(address: str | None, local_num_cpus: int):
         # A local cluster keeps Ray's default token authentication; its start-up warning that token
         # auth is on (RAY_AUTH_MODE unset) asks nothing of a user of this one-process cluster.
         with _quiet(_RAY_AUTH_LOGGER), children_shielded_from_ctrl_c():
-            ray.init(num_cpus=local_num_cpus, include_dashboard=False, runtime_env={"env_vars": ACTOR_ENV}, **kwargs)
+            ray.init(num_cpus=local_num_cpus, resources=local_resources or None, include_dashboard=False,
+                     runtime_env={"env_vars": ACTOR_ENV}, **kwargs)
     try:
         yield
     finally:

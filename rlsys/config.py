@@ -350,9 +350,30 @@ class PlacementConfig(_Section):
         "driver's); cuda: fail unless the cluster has the GPUs the placement needs; cpu: never use GPUs.",
     )
     gpu_memory_gb: float | None = Field(
-        None, gt=0, description="Memory of one GPU that the memory plan checks against (rlsys plan); default: the "
-        "detected GPU's, or the host's RAM on a CPU run.",
+        None, gt=0, description="Memory of one GPU that the memory plan checks against; default: `rlsys train` "
+        "reads the smallest GPU (or, on a CPU run, the RAM) of the nodes its placement got, `rlsys plan` this "
+        "machine's.",
     )
+    trainer_node_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources each trainer rank's bundle also asks for, to keep "
+        "trainers on the nodes that offer them (`ray start --resources='{\"train_node\": 8}'`; KubeRay: "
+        "rayStartParams.resources). Colocated bundles ask for both sections' resources.",
+    )
+    engine_node_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources each engine's bundle also asks for (see "
+        "trainer_node_resources).",
+    )
+
+    @field_validator("trainer_node_resources", "engine_node_resources")
+    @classmethod
+    def _positive_amounts(cls, resources: dict[str, float]) -> dict[str, float]:
+        reserved = {"CPU", "GPU", "memory", "object_store_memory"}
+        for name, amount in resources.items():
+            if name in reserved:
+                raise ValueError(f"{name} is set by the placement itself; name a custom resource")
+            if amount <= 0:
+                raise ValueError(f"resource {name} must be > 0 (got {amount})")
+        return resources
 
 
 class EvalConfig(_Section):

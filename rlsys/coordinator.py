@@ -38,7 +38,6 @@ from rlsys.lifecycle import (
     start_components,
     sync_engines,
 )
-from rlsys.memory_plan import check_memory_plan
 from rlsys.metrics import MetricsLog
 from rlsys.reaper import start_reaper
 from rlsys.remote_reward import RemoteReward
@@ -354,6 +353,16 @@ def _wait_while_paused(status: RunStatus) -> None:
 
 # ---- the run's life ---------------------------------------------------------------------------
 
+def with_absolute_paths(config: RunConfig, run_dir: str) -> RunConfig:
+    """The config with run_dir and the model's paths made absolute: trainers and engines on other
+    nodes (or in another working directory) must not resolve them against their own."""
+    model = config.model.model_copy(update={
+        "path": str(Path(config.model.path).absolute()),
+        "tokenizer_path": str(Path(config.model.tokenizer_path).absolute()) if config.model.tokenizer_path else None,
+    })
+    return config.model_copy(update={"run_dir": str(Path(run_dir).absolute()), "model": model})
+
+
 def prepare_run_dir(config: RunConfig, run_dir: Path, resuming: bool) -> None:
     if not resuming and (run_dir / "metrics.jsonl").exists():
         raise RunFailed(
@@ -449,10 +458,9 @@ def run(config: RunConfig) -> Path:
     run_start = time.perf_counter()
     assets = load_assets(config)  # every input check happens before any actor starts
     maker = SampleMaker(config, assets.tokenizer)  # loads rollout.generate_function, if any
-    print(f"rlsys: memory plan: peak {check_memory_plan(config).per_gpu_bytes / 2**30:.2f} GiB per device "
-          "(rlsys plan CONFIG for every term)", flush=True)
     random.seed(config.seed)
-    run_dir = Path(config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
+    config = with_absolute_paths(config, config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
+    run_dir = Path(config.run_dir)
     store = CheckpointStore(run_dir, config.checkpoint.keep_last)
     checkpoint = store.latest() if config.checkpoint.resume == "auto" else None
     lock = RunDirLock(run_dir)
@@ -479,7 +487,8 @@ def run(config: RunConfig) -> Path:
                             config.logging.run_name or run_dir.resolve().name)
         stack.callback(trackers.close)
         ray_start = time.perf_counter()
-        stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or layout.local_cpus()))
+        stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or layout.local_cpus(),
+                                        layout.custom_resources()))
         print(f"rlsys: Ray cluster up in {time.perf_counter() - ray_start:.1f} s", flush=True)
         _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop

@@ -18,6 +18,8 @@ from rlsys.checkpointing import CheckpointStore, CoordinatorState, restore_pytho
 from rlsys.cluster import ACTOR_ENV
 from rlsys.config import RunConfig
 from rlsys.handoff import ALL_REGIONS, DeviceHandoff
+from rlsys.memory_plan import plan_for_devices
+from rlsys.node_checks import PlacementNodes, device_memory_budget, probe_nodes, refuse_unusable_nodes
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.server import ServerSpec
 from rlsys.topology import Topology
@@ -49,6 +51,7 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     start = time.perf_counter()
     parts = Components(topology, create_placement(topology))
     stack.callback(parts.shutdown)
+    check_placement_nodes(config, topology, parts.placement, run_dir)  # before any trainer or engine starts
     parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
     server = ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
                         memory_saver=topology.trainers_sleep, cpu_sharers=parts.cpu_sharers[1],
@@ -68,6 +71,31 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
                                   run_dir / "logs" / "device_handoff.jsonl")
     return parts
+
+
+def check_placement_nodes(config: RunConfig, topology: Topology, placement: Placement, run_dir: Path) -> None:
+    """Every node the placement got sees run_dir and the model, and its devices fit the memory plan
+    (rlsys/node_checks.py); otherwise a ConfigError naming the node and what to set."""
+    bundle_nodes = placement.bundle_nodes()
+    placed = PlacementNodes()
+    for bundle, roles in sorted(topology.roles_by_bundle().items()):
+        for role in roles:
+            placed.add(bundle_nodes[bundle], role)
+    engine = config.rollout.engine
+    models = (config.model.path,) + ((config.model.tokenizer_path,)
+                                     if config.model.tokenizer_path and not engine.skip_tokenizer_init else ())
+    reports = probe_nodes(placed, run_dir, models)
+    refuse_unusable_nodes(reports, run_dir, models)
+    memory, source = device_memory_budget(reports, topology.has_gpu)
+    trainer_nodes = [r for r in reports if any(role.startswith("trainer") for role in r.roles)]
+    flash = (topology.has_gpu and config.model.dtype in ("bfloat16", "float16")
+             and all(r.flash_attn_installed for r in trainer_nodes))
+    plan = plan_for_devices(config, topology.has_gpu, memory, flash)
+    budget = "placement.gpu_memory_gb" if config.placement.gpu_memory_gb is not None else source
+    print(f"rlsys: memory plan: peak {plan.per_gpu_bytes / 2**30:.2f} GiB per device of "
+          f"{plan.gpu_memory_bytes / 2**30:.1f} GiB ({budget}; rlsys plan CONFIG for every term)", flush=True)
+    if len(reports) > 1:
+        print("rlsys: nodes: " + "; ".join(f"{r.address}: {', '.join(r.roles)}" for r in reports), flush=True)
 
 
 def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:

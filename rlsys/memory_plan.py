@@ -111,13 +111,18 @@ class MemoryPlan:
 
 
 def device_memory_bytes(config: RunConfig) -> int:
-    """placement.gpu_memory_gb, else the detected GPU's memory, else (CPU runs) the host's RAM."""
+    """`rlsys plan`'s budget on this machine: placement.gpu_memory_gb, else the detected GPU's
+    memory, else (CPU runs) the host's RAM. (`rlsys train` plans for the devices its placement
+    got instead: `plan_for_devices`.)"""
     if config.placement.gpu_memory_gb is not None:
         return int(config.placement.gpu_memory_gb * GiB)
     import torch
 
     if torch.cuda.is_available() and config.placement.device != "cpu":
         return int(torch.cuda.get_device_properties(0).total_memory)
+    if config.placement.device == "cuda":
+        raise ConfigError("placement.device is cuda but this machine has no GPU to read the memory of: set "
+                          "placement.gpu_memory_gb to plan for the cluster's GPUs")
     import psutil
 
     return int(psutil.virtual_memory().total)
@@ -209,7 +214,8 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
 
 
 def memory_plan(config: RunConfig) -> MemoryPlan:
-    """The plan of `config` on its device: GPUs when the config asks for them or this machine has one."""
+    """`rlsys plan`: the plan of `config` on this machine's device (GPUs when the config asks for
+    them or this machine has one)."""
     import torch
 
     from rlsys.weight_sync.backend import choose_attention, flash_attn_available
@@ -219,9 +225,13 @@ def memory_plan(config: RunConfig) -> MemoryPlan:
     return plan_memory(config, ModelShape.from_model_dir(config.model.path), device_memory_bytes(config), on_gpu, flash)
 
 
-def check_memory_plan(config: RunConfig) -> MemoryPlan:
-    """`memory_plan`, refusing a config that cannot fit (ConfigError naming the term to change)."""
-    plan = memory_plan(config)
+def plan_for_devices(config: RunConfig, on_gpu: bool, device_memory: int, flash_attention: bool) -> MemoryPlan:
+    """`rlsys train`'s plan: for the devices its placement got (on_gpu and their memory read on the
+    nodes, rlsys/node_checks.py; placement.gpu_memory_gb when set), refusing a config that cannot
+    fit (ConfigError naming the term to change)."""
+    if config.placement.gpu_memory_gb is not None:
+        device_memory = int(config.placement.gpu_memory_gb * GiB)
+    plan = plan_memory(config, ModelShape.from_model_dir(config.model.path), device_memory, on_gpu, flash_attention)
     if not plan.fits:
         raise ConfigError(f"memory plan: {plan.advice} (rlsys plan CONFIG shows every term)")
     return plan

@@ -9,7 +9,7 @@ broadcasts to every engine, and the trainers never sleep. Pure: computable witho
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rlsys.config import RunConfig
@@ -35,6 +35,9 @@ class Topology:
     has_gpu: bool
     trainers_sleep: bool  # offload to host between train phases, giving the device to the engines
     engines: tuple[EngineAddress, ...] = ()  # known once the engines answer: `with_engines`
+    # Ray custom resources a trainer's / an engine's bundle also asks for (placement.*_node_resources).
+    trainer_resources: dict[str, float] = field(default_factory=dict, hash=False)
+    engine_resources: dict[str, float] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_config(cls, config: RunConfig, has_gpu: bool) -> Topology:
@@ -43,6 +46,8 @@ class Topology:
             mode=config.placement.mode, num_ranks=config.trainer.num_ranks,
             num_engines=config.rollout.num_engines, engine_tp_size=config.rollout.engine.tp_size,
             has_gpu=has_gpu, trainers_sleep=config.trainer.sleeps_between_steps(colocated, has_gpu),
+            trainer_resources=dict(config.placement.trainer_node_resources),
+            engine_resources=dict(config.placement.engine_node_resources),
         )
 
     def __post_init__(self):
@@ -69,9 +74,18 @@ class Topology:
     def bundles(self) -> list[dict[str, float]]:
         """Ray resources of each placement-group bundle, trainers' first."""
         if self.mode == "colocated":
-            return [self._bundle(2 * CPUS_PER_ACTOR, 1) for _ in range(self.num_ranks)]
-        return ([self._bundle(CPUS_PER_ACTOR, 1) for _ in range(self.num_ranks)]
-                + [self._bundle(CPUS_PER_ACTOR, self.engine_tp_size) for _ in range(self.num_engines)])
+            both = _sum_resources(self.trainer_resources, self.engine_resources)
+            return [self._bundle(2 * CPUS_PER_ACTOR, 1, both) for _ in range(self.num_ranks)]
+        return ([self._bundle(CPUS_PER_ACTOR, 1, self.trainer_resources) for _ in range(self.num_ranks)]
+                + [self._bundle(CPUS_PER_ACTOR, self.engine_tp_size, self.engine_resources)
+                   for _ in range(self.num_engines)])
+
+    def custom_resources(self) -> dict[str, float]:
+        """The custom resources all bundles ask for together (what a local cluster must offer)."""
+        totals: dict[str, float] = {}
+        for bundle in self.bundles():
+            totals = _sum_resources(totals, {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")})
+        return totals
 
     def gpus_needed(self) -> int:
         """GPUs the placement takes when the run uses GPUs: one per colocated trainer/engine pair;
@@ -80,8 +94,8 @@ class Topology:
             return self.num_ranks
         return self.num_ranks + self.num_engines * self.engine_tp_size
 
-    def _bundle(self, cpus: int, gpus: int) -> dict[str, float]:
-        return {"CPU": cpus, **({"GPU": gpus} if self.has_gpu else {})}
+    def _bundle(self, cpus: int, gpus: int, resources: dict[str, float]) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": gpus} if self.has_gpu else {}), **resources}
 
     def trainer_slot(self, rank: int) -> Slot:
         if not 0 <= rank < self.num_ranks:
@@ -132,7 +146,20 @@ class Topology:
             return 0
         return None
 
+    def roles_by_bundle(self) -> dict[int, list[str]]:
+        """Bundle index -> what it holds ("trainer rank 0", "engine-1"), for messages."""
+        roles: dict[int, list[str]] = {}
+        for rank in range(self.num_ranks):
+            roles.setdefault(self.trainer_slot(rank).bundle, []).append(f"trainer rank {rank}")
+        for index in range(self.num_engines):
+            roles.setdefault(self.engine_slot(index).bundle, []).append(f"engine-{index}")
+        return roles
+
     def with_engines(self, engines: list[EngineAddress]) -> Topology:
         if len(engines) != self.num_engines:
             raise ValueError(f"{len(engines)} engine addresses for {self.num_engines} engines")
         return replace(self, engines=tuple(engines))
+
+
+def _sum_resources(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {name: a.get(name, 0) + b.get(name, 0) for name in {*a, *b}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -22,6 +22,7 @@ class EngineAddress:
     url: str
     log_path: str = ""
     tp_size: int = 1
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token; never printed
 
     def __str__(self) -> str:
         return f"SGLang server {self.name} ({self.url})"
@@ -74,9 +75,11 @@ class SGLangClient:
     def _call(self, endpoint: str, payload: dict | None = None, timeout_s: float | None = None,
               json_answer: bool = True):
         data = None if payload is None else json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.address.api_key:
+            headers["Authorization"] = f"Bearer {self.address.api_key}"
         request = urllib.request.Request(
-            f"{self.address.url}{endpoint}", data=data, method="GET" if payload is None else "POST",
-            headers={"Content-Type": "application/json"},
+            f"{self.address.url}{endpoint}", data=data, method="GET" if payload is None else "POST", headers=headers,
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlsys.node import node_address
 from rlsys.rollout.client import EngineAddress, EngineDied, EngineError
 from rlsys.rollout.server import ServerSpec, SGLangServer
 from rlsys.shm_sweep import sweep_shared_memory
@@ -73,7 +74,9 @@ class RolloutEngine:
     """Plain class, wrapped with `ray.remote` at the call site."""
 
     def __init__(self, spec: ServerSpec, name: str, log_path: str):
-        self.server = SGLangServer(spec, make_backend(spec.has_gpu, spec.model.dtype), name, Path(log_path))
+        # Its node's address, not loopback: trainer ranks on other nodes post weights to it.
+        self.server = SGLangServer(spec, make_backend(spec.has_gpu, spec.model.dtype), name, Path(log_path),
+                                   host=node_address())
         self.client = self.server.client
         self.health_timeout_s = spec.engine.health_timeout_s
         self._watching = threading.Event()

@@ -10,6 +10,7 @@ import ctypes
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlsys.config import EngineConfig, ModelConfig
+from rlsys.node import gloo_interface_env
 from rlsys.rollout.client import EngineAddress, EngineError, SGLangClient, read_log_tail
 from rlsys.weight_sync import engine_loader
 from rlsys.weight_sync.backend import Backend
@@ -91,7 +93,17 @@ def _mapped_files(pid: int) -> set[str]:
     return {fields[5] for fields in (line.split(maxsplit=5) for line in lines) if len(fields) == 6}
 
 
-def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> list[str]:
+def api_key_in(extra_args: list[str]) -> str | None:
+    """The `--api-key` a user put in rollout.engine.extra_args, if any."""
+    for index, arg in enumerate(extra_args):
+        if arg == "--api-key" and index + 1 < len(extra_args):
+            return extra_args[index + 1]
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def build_command(spec: ServerSpec, backend: Backend, host: str, port: int, api_key: str | None = None) -> list[str]:
     engine = spec.engine
     command = [
         sys.executable, "-m", "sglang.launch_server",
@@ -109,6 +121,10 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int) -> l
         # The colocated transport loads its buckets through our loader (weight_sync/engine_loader.py).
         "--custom-weight-loader", engine_loader.LOAD_FORMAT,
     ]
+    if api_key and api_key_in(engine.extra_args) is None:
+        # The server listens on its node's address: every request, weight updates included, must
+        # carry the run's key (SGLang's add_api_key_middleware; /health and /metrics stay open).
+        command += ["--api-key", api_key]
     if not spec.radix_cache:
         command.append("--disable-radix-cache")
     if engine.skip_tokenizer_init:
@@ -162,8 +178,9 @@ def _defines_entry_class(source: str, name: str) -> bool:
     return f"class {name}(" in source and re.search(rf"\b{name}\b", source.rpartition("EntryClass")[2]) is not None
 
 
-def build_env(spec: ServerSpec, backend: Backend) -> dict[str, str]:
+def build_env(spec: ServerSpec, backend: Backend, host: str = "127.0.0.1") -> dict[str, str]:
     env = dict(os.environ)
+    env.update(gloo_interface_env(host, env))  # its weight-update group spans nodes (rlsys/node.py)
     served = served_model_class(spec.model.path)
     if served is not None and "SGLANG_EXTERNAL_MODEL_PACKAGE" not in env:
         # SGLang then imports this one model module at start-up, not all ~150 (served_model/).
@@ -181,7 +198,11 @@ def build_env(spec: ServerSpec, backend: Backend) -> dict[str, str]:
 
 
 class SGLangServer:
-    """One `sglang.launch_server` child process, its log file, and its URL."""
+    """One `sglang.launch_server` child process, its log file, and its URL.
+
+    `host` is where it listens: its node's address when trainers on other nodes talk to it
+    (RolloutEngine passes Ray's node IP). It then answers only requests that carry its API key
+    (a fresh one per server unless rollout.engine.extra_args sets `--api-key`)."""
 
     def __init__(self, spec: ServerSpec, backend: Backend, name: str, log_path: Path, host: str = "127.0.0.1"):
         self.spec = spec
@@ -189,7 +210,9 @@ class SGLangServer:
         self.host = host
         self.port = find_free_port(host)
         self.log_path = Path(log_path)
-        self.address = EngineAddress(name, f"http://{host}:{self.port}", str(self.log_path), spec.engine.tp_size)
+        self.api_key = api_key_in(spec.engine.extra_args) or secrets.token_urlsafe(24)
+        self.address = EngineAddress(name, f"http://{host}:{self.port}", str(self.log_path), spec.engine.tp_size,
+                                     api_key=self.api_key)
         self.client = SGLangClient(self.address, timeout_s=spec.engine.request_timeout_s)
         self._process: subprocess.Popen | None = None
         self._owned_shm: set[str] = set()
@@ -202,8 +225,8 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
         self._process = subprocess.Popen(
-            build_command(self.spec, self.backend, self.host, self.port),
-            env=build_env(self.spec, self.backend),
+            build_command(self.spec, self.backend, self.host, self.port, self.api_key),
+            env=build_env(self.spec, self.backend, self.host),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rlsys.config import ConfigError, RunConfig
-from rlsys.memory_plan import GiB, ModelShape, check_memory_plan, plan_memory
+from rlsys.memory_plan import GiB, ModelShape, memory_plan, plan_for_devices, plan_memory
 from tests.conftest import REPO
 
 QWEN = {  # published config.json values (shapes)
@@ -110,7 +110,28 @@ def test_train_refuses_a_config_that_cannot_fit(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                                           **QWEN["7b"])))
     with pytest.raises(ConfigError, match="memory plan: .*rlsys plan CONFIG"):
-        check_memory_plan(_config(tmp_path, placement={"gpu_memory_gb": 24}))
+        plan_for_devices(_config(tmp_path, placement={"gpu_memory_gb": 24}), on_gpu=True, device_memory=80 * GiB,
+                         flash_attention=True)
+
+
+def test_train_plans_for_the_placements_devices_not_the_drivers(tmp_path):
+    """The driver (a GPU-less head) passes what the nodes reported: 80 GB GPUs fit a 7B colocated
+    run that 24 GB GPUs do not, whatever this machine has."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                          **QWEN["7b"])))
+    plan = plan_for_devices(_config(tmp_path), on_gpu=True, device_memory=80 * GiB, flash_attention=True)
+    assert plan.fits and plan.gpu_memory_bytes == 80 * GiB
+    with pytest.raises(ConfigError, match="memory plan"):
+        plan_for_devices(_config(tmp_path), on_gpu=True, device_memory=24 * GiB, flash_attention=True)
+
+
+def test_plan_for_cuda_on_a_machine_without_a_gpu_asks_for_the_gpu_memory(tmp_path, tiny_model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU to read")
+    with pytest.raises(ConfigError, match="set placement.gpu_memory_gb"):
+        memory_plan(_config(tiny_model_dir, placement={"device": "cuda"}))
 
 
 def test_plan_json_on_the_command_line(tiny_model_dir):
