@@ -34,6 +34,7 @@ from rlsys.algorithms.grpo import (
 )
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from rlsys.node import bind_gloo_to_node_address, node_address
+from rlsys.reaper import start_actor_reaper, stop_reaper
 from rlsys.rollout.client import SGLangClient
 from rlsys.topology import Topology
 from rlsys.weight_sync.backend import make_backend
@@ -157,6 +158,7 @@ class TrainerWorker:
         self.world_size = world_size
         self.backend = make_backend(spec.has_gpu, spec.model.dtype)
         bind_gloo_to_node_address(node_address())  # its groups may span nodes (rlsys/node.py)
+        self._reaper = start_actor_reaper()  # if this rank is killed: its staging buffer in this node's /dev/shm
         torch.set_num_threads(spec.threads(len(os.sched_getaffinity(0))))
         torch.manual_seed(spec.seed)
         self.device = self.backend.device()
@@ -450,6 +452,7 @@ class TrainerWorker:
         self._close_transport()
         if dist.is_initialized():
             dist.destroy_process_group()
+        stop_reaper(self._reaper)
 
 
 def _resident_bytes() -> int:

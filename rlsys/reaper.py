@@ -1,12 +1,18 @@
-"""The run's reaper: a small process that outlives a driver killed without warning (kill -9, OOM)
-and cleans up after it.
+"""A reaper: a small process that outlives its owner when the owner is killed without warning
+(kill -9, OOM, its node's Ray ending the job) and cleans up after it on the owner's node.
 
-While the driver lives it notes, every second, the processes the driver started (the local Ray
-cluster, its actors and their SGLang servers, reward workers). Once the driver is gone it stops
-those that remain, removes the shared-memory files they left (rlsys/shm_sweep.py) and marks a
-status that still says the run is going as failed. After a clean exit it finds nothing to do.
+While the owner lives it notes, every second, the processes the owner started. Once the owner is
+gone it stops those that remain, removes the shared-memory files left on this node
+(rlsys/shm_sweep.py) and, for the driver's reaper, marks a status that still says the run is
+going as failed. After a clean exit it finds nothing to do.
 
-    python -m rlsys.reaper DRIVER_PID RUN_DIR
+- the driver's (started by `run`, with the run directory): the local Ray cluster, the actors and
+  SGLang servers on the driver's node, the reward workers;
+- every trainer rank's and engine's (started by the actor itself, on its node): /dev/shm is per
+  node, so only a process there can remove what a killed rank (its staging buffer) or engine
+  (SGLang's load slots) left, and an engine's SGLang server tree is stopped with it.
+
+    python -m rlsys.reaper OWNER_PID [RUN_DIR]
 """
 
 from __future__ import annotations
@@ -85,34 +91,87 @@ def mark_status_failed(run_dir: Path, driver_pid: int) -> None:
     os.replace(temporary, path)
 
 
-def watch(driver_pid: int, run_dir: Path) -> None:
+def watch(owner_pid: int, run_dir: Path | None = None) -> None:
     try:
-        driver = psutil.Process(driver_pid)
+        owner = psutil.Process(owner_pid)
     except psutil.Error:
         return
     noted: dict[int, float] = {}
     while True:
         try:
-            if not driver.is_running() or driver.status() == psutil.STATUS_ZOMBIE:
+            if not owner.is_running() or owner.status() == psutil.STATUS_ZOMBIE:
                 break
         except psutil.Error:
             break
-        noted.update(_descendants(driver))
+        noted.update(_descendants(owner))
         time.sleep(POLL_S)
     stop_processes(noted)
     time.sleep(0.5)  # let the kernel release the mappings of what was just stopped
     sweep_shared_memory()
-    mark_status_failed(run_dir, driver_pid)
+    if run_dir is not None:
+        mark_status_failed(run_dir, owner_pid)
 
 
-def start_reaper(run_dir: Path):
-    """Start this run's reaper (its own session: a signal to the driver's group spares it)."""
+def start_reaper(run_dir: Path | None = None):
+    """Start a reaper for this process (its own session: a signal to this process's group spares
+    it); with `run_dir`, the driver's, which also marks the run's status."""
     import subprocess
 
-    return subprocess.Popen([sys.executable, "-m", "rlsys.reaper", str(os.getpid()), str(run_dir)],
+    return subprocess.Popen([sys.executable, "-m", "rlsys.reaper", str(os.getpid()),
+                             *([str(run_dir)] if run_dir is not None else [])],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
 
 
+def start_actor_reaper() -> psutil.Process | None:
+    """A reaper for this Ray actor's process (a trainer rank, an engine), detached from it; None
+    outside an actor (an instance built in-process by a test or a bench).
+
+    Detached (a double fork: its parent is init, not the actor) because Ray stops an actor's child
+    processes when the actor's worker exits (Ray's kill_child_processes_on_worker_exit, the
+    default), which is exactly when this reaper has its work to do."""
+    import subprocess
+
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return None
+    launcher = subprocess.Popen([sys.executable, "-m", "rlsys.reaper", "--detach", str(os.getpid())],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                start_new_session=True, text=True)
+    pid = launcher.stdout.readline().strip()
+    launcher.wait()
+    try:
+        return psutil.Process(int(pid))
+    except (ValueError, psutil.Error):
+        return None  # it could not start: a killed actor then leaves its files to the next sweep
+
+
+def stop_reaper(reaper: psutil.Process | None) -> None:
+    """After a clean shutdown: nothing is left for the reaper to do."""
+    if reaper is None:
+        return
+    try:
+        reaper.terminate()  # psutil checks that the pid is still this process
+    except psutil.Error:
+        pass
+
+
+def _detach_and_watch(owner_pid: int) -> None:
+    """Fork; the parent prints the child's pid and exits, so the child (the reaper) is adopted by init."""
+    child = os.fork()
+    if child:
+        print(child, flush=True)
+        os._exit(0)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    watch(owner_pid)
+
+
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), Path(sys.argv[2]))
+    if sys.argv[1] == "--detach":
+        _detach_and_watch(int(sys.argv[2]))
+    else:
+        watch(int(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)

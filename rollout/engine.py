@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlsys.node import node_address
+from rlsys.reaper import start_actor_reaper, stop_reaper
 from rlsys.rollout.client import EngineAddress, EngineDied, EngineError
 from rlsys.rollout.server import ServerSpec, SGLangServer
 from rlsys.shm_sweep import sweep_shared_memory
@@ -78,6 +79,7 @@ class RolloutEngine:
         self.server = SGLangServer(spec, make_backend(spec.has_gpu, spec.model.dtype), name, Path(log_path),
                                    host=node_address())
         self.client = self.server.client
+        self._reaper = start_actor_reaper()  # if this actor is killed: its server tree and /dev/shm files, on its node
         self.health_timeout_s = spec.engine.health_timeout_s
         self._watching = threading.Event()
         self._released: list[str] = []  # memory regions given back to the device, in release order
@@ -207,3 +209,4 @@ class RolloutEngine:
     def shutdown(self) -> None:
         self._watching.clear()
         self.server.stop()
+        stop_reaper(self._reaper)

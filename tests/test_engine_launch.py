@@ -125,7 +125,8 @@ def _stand_in_server(tmp_path, monkeypatch, *extra: str):
     script, record = tmp_path / "stand_in.py", tmp_path / "requests.log"
     script.write_text(STAND_IN_SERVER)
     monkeypatch.setattr(server_module, "build_command",
-                        lambda spec, backend, host, port, api_key=None: [sys.executable, str(script), str(port), str(record), *extra])
+                        lambda spec, backend, host, port, api_key=None: [sys.executable, str(script), str(port),
+                                                                         str(record), *extra])
     server = server_module.SGLangServer(ServerSpec(ModelConfig(path="unused")), make_backend(False), "e0",
                                         tmp_path / "engine.log")
     return server, record
