@@ -1,5 +1,7 @@
 # Two commands a new user needs: `make quickstart` and `make test` (each installs first).
-PYTHON ?= python3
+# Python 3.11 (sglang 0.5.23 and torch 2.14.1's pins; pyproject requires >=3.11,<3.12): python3.11 when
+# the machine has it, else python3 (checked below); PYTHON=/path/to/python3.11 to choose.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL_DIR := .cache/tiny-model
@@ -9,14 +11,19 @@ STAMP := $(VENV)/.rlsys-installed
 # step keeps setuptools' "editable installation" note out of the build output.
 PIP := $(BIN)/pip install -qq
 
-.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium bench check-install
+.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium bench check-install check-python
 
 # torch first (2.14.1 lies on local disk), then SGLang's pure-Python runtime deps, then sglang
 # itself without its CUDA-only kernel packages, then rlsys. See requirements/sglang-cpu.txt.
 # sglang's own requirements name CUDA-only packages (its kernels, torchaudio, ...) that a CPU
 # install leaves out on purpose, so pip's "sglang requires X, which is not installed" check is
 # silenced (--no-warn-conflicts) from the sglang step on; `make check-install` runs pip check.
+check-python:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else \
+		"rlsys: needs Python 3.11 (sglang 0.5.23, torch 2.14.1); $(PYTHON) is %d.%d: set PYTHON=/path/to/python3.11" % sys.version_info[:2])'
+
 $(STAMP): pyproject.toml requirements/sglang-cpu.txt
+	@$(MAKE) --no-print-directory check-python
 	@echo "rlsys: [1/5] virtualenv $(VENV)"
 	@$(PYTHON) -m venv $(VENV)
 	@$(PIP) --upgrade pip
@@ -39,7 +46,7 @@ install: $(STAMP)
 
 # On a CUDA host: the full SGLang (with its CUDA kernels) and the `gpu` extra (flash-attn is
 # compiled against the installed torch, hence --no-build-isolation; it takes a while).
-install-gpu:
+install-gpu: check-python
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel ninja packaging
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1

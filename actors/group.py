@@ -28,6 +28,7 @@ class TrainerGroup:
             for rank in range(num_ranks)
         ]
         address, port = ray.get(self.workers[0].rendezvous_address.remote())
+        self.nodes = ray.get([worker.node_address.remote() for worker in self.workers])  # rank -> node address
         ray.get([worker.setup.remote(address, port) for worker in self.workers])
 
     def _shares(self, sequences: list[TrainSequence]) -> list[list[TrainSequence]]:

@@ -35,7 +35,7 @@ from rlsys.algorithms.grpo import (
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from rlsys.node import bind_gloo_to_node_address, node_address
 from rlsys.reaper import start_actor_reaper, stop_reaper
-from rlsys.rollout.client import SGLangClient
+from rlsys.rollout.client import SGLangClient, check_reachable
 from rlsys.topology import Topology
 from rlsys.weight_sync.backend import make_backend
 from rlsys.weight_sync.broadcast import BroadcastWeightSender
@@ -173,6 +173,9 @@ class TrainerWorker:
         self.gather_scratch = StagingBuffer(share_memory=False)  # ranks that only join all-gathers
 
     # ---- set-up -------------------------------------------------------------------------
+    def node_address(self) -> str:
+        return node_address()
+
     def rendezvous_address(self) -> tuple[str, int]:
         with socket.socket() as sock:
             sock.bind(("", 0))
@@ -409,16 +412,21 @@ class TrainerWorker:
         none (the rank only joins the gathers). Replaces any earlier transport."""
         self._close_transport()
         self.gather_dst = topology.gather_dst
+        me = f"trainer rank {self.rank} on node {node_address()}"
         if topology.transport == "broadcast":
             if self.rank == 0:
                 engines = [SGLangClient(address, timeout_s) for address in topology.engines]
+                for engine in engines:
+                    check_reachable(engine, me)
                 self.transport = BroadcastWeightSender(engines, self.backend, node_address(), timeout_s)
                 self.transport.connect()
             return
         index = topology.engine_fed_by(self.rank)
         if index is not None:
             engine = topology.engines[index]
-            self.transport = ColocatedWeightSender(SGLangClient(engine), engine.tp_size)
+            client = SGLangClient(engine)
+            check_reachable(client, me)
+            self.transport = ColocatedWeightSender(client, engine.tp_size)
 
     def sync_weights(self, bucket_bytes: int, weight_version: int) -> dict:
         """Gather the weights bucket by bucket and hand them to this rank's transport. Collective."""

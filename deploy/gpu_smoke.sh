@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # One-GPU smoke run of the real GPU path: colocated quickstart with SGLang's memory saver, bf16,
 # flash-attn (when the `gpu` extra is installed), CUDA IPC weight sync verified every step.
-# Run from the repository root on a CUDA host after `make install-gpu` (or in deploy/Dockerfile):
+# Run from the repository root on a CUDA host after `make install-gpu` (or in the deploy/Dockerfile
+# image, whose virtualenv is /opt/venv on PATH):
 #     bash deploy/gpu_smoke.sh            # prints a summary; exit code 0 when every check holds
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-.venv/bin/python}"
+# $PYTHON, else the repository's .venv (make install-gpu), else the python on PATH (the image's).
+if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
+else PY="$(command -v python3 || command -v python)"
+fi
 RUN_DIR="${RUN_DIR:-runs/gpu-smoke-$(date +%Y%m%d-%H%M%S)}"
 MODEL_DIR="${MODEL_DIR:-.cache/tiny-model}"
 

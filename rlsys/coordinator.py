@@ -289,16 +289,22 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
             return train_loop(run)
         except RayError as error:
             checkpoint = store.latest()
-            if resumes >= run.config.checkpoint.max_auto_resumes or checkpoint is None \
-                    or all(rank["alive"] for rank in run.parts.trainer.health(timeout_s=10)):
+            if resumes >= run.config.checkpoint.max_auto_resumes or checkpoint is None:
+                raise
+            group = run.parts.trainer
+            dead = [rank["rank"] for rank in group.health(timeout_s=10) if not rank["alive"]]
+            if not dead:
                 raise
             cause = getattr(error, "cause", None) or error
-            print(f"rlsys: a trainer rank died ({type(cause).__name__}); restarting the trainers from {checkpoint} "
-                  f"({resumes + 1} of {run.config.checkpoint.max_auto_resumes})", flush=True)
+            where = ", ".join(f"rank {rank} on node {group.nodes[rank]}" for rank in dead)
+            print(f"rlsys: a trainer rank died ({type(cause).__name__}; {where}); restarting the trainers from "
+                  f"{checkpoint} ({resumes + 1} of {run.config.checkpoint.max_auto_resumes})", flush=True)
             # A rank killed between /begin_weight_update and /end_weight_update leaves the engines'
             # session open, and they would refuse the next sync.
             run.parts.rollout.end_abandoned_weight_updates()
             restart_trainers(run.config, run.parts)
+            print(f"rlsys: trainer ranks are back, on node(s) {', '.join(sorted(set(run.parts.trainer.nodes)))}",
+                  flush=True)
             run.continue_from(checkpoint)
             run.trainer_restarts = resumes + 1
 

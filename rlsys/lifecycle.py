@@ -19,6 +19,7 @@ from rlsys.cluster import ACTOR_ENV
 from rlsys.config import RunConfig
 from rlsys.handoff import ALL_REGIONS, DeviceHandoff
 from rlsys.memory_plan import plan_for_devices
+from rlsys.node import node_address
 from rlsys.node_checks import PlacementNodes, device_memory_budget, probe_nodes, refuse_unusable_nodes
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.server import ServerSpec
@@ -94,8 +95,10 @@ def check_placement_nodes(config: RunConfig, topology: Topology, placement: Plac
     budget = "placement.gpu_memory_gb" if config.placement.gpu_memory_gb is not None else source
     print(f"rlsys: memory plan: peak {plan.per_gpu_bytes / 2**30:.2f} GiB per device of "
           f"{plan.gpu_memory_bytes / 2**30:.1f} GiB ({budget}; rlsys plan CONFIG for every term)", flush=True)
-    if len(reports) > 1:
-        print("rlsys: nodes: " + "; ".join(f"{r.address}: {', '.join(r.roles)}" for r in reports), flush=True)
+    driver = node_address()
+    if len(reports) > 1 or reports[0].address != driver:
+        print(f"rlsys: nodes: driver {driver}; " + "; ".join(f"{r.address}: {', '.join(r.roles)}" for r in reports),
+              flush=True)
 
 
 def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:

@@ -105,11 +105,11 @@ def watch(owner_pid: int, run_dir: Path | None = None) -> None:
             break
         noted.update(_descendants(owner))
         time.sleep(POLL_S)
+    if run_dir is not None:  # first: the status says so at once, not after the clean-up's grace periods
+        mark_status_failed(run_dir, owner_pid)
     stop_processes(noted)
     time.sleep(0.5)  # let the kernel release the mappings of what was just stopped
     sweep_shared_memory()
-    if run_dir is not None:
-        mark_status_failed(run_dir, owner_pid)
 
 
 def start_reaper(run_dir: Path | None = None):

@@ -27,6 +27,13 @@ class EngineAddress:
     def __str__(self) -> str:
         return f"SGLang server {self.name} ({self.url})"
 
+    @property
+    def host(self) -> str:
+        """The node address the server listens on."""
+        from urllib.parse import urlparse
+
+        return urlparse(self.url).hostname or ""
+
 
 class EngineError(RuntimeError):
     """An SGLang endpoint answered with an error, reported failure, or could not be reached."""
@@ -40,6 +47,25 @@ class EngineError(RuntimeError):
 
     def __reduce__(self):  # crosses Ray's process boundary intact (the default needs __init__(message))
         return type(self), (self.engine, self.endpoint, self.reason, self.log_tail)
+
+
+class EngineUnreachable(EngineError):
+    """A process of the run cannot reach an engine at the address it listens on."""
+
+
+def check_reachable(client: SGLangClient, caller: str, timeout_s: float = 10.0) -> None:
+    """EngineUnreachable naming both ends when `caller` (e.g. "trainer rank 0 on node 10.0.0.11")
+    cannot reach the engine: at connect time, not as a timeout in the middle of the first sync."""
+    try:
+        client.model_info(timeout_s=timeout_s)
+    except EngineUnreachable:
+        raise
+    except EngineError as error:
+        raise EngineUnreachable(
+            error.engine, "/model_info",
+            f"{caller} cannot reach it at {client.url} (node {client.address.host}): {error.reason}. Engines listen "
+            "on their node's address (the node IP Ray reports); nodes must reach each other's addresses on any port",
+        ) from error
 
 
 class EngineDied(EngineError):

@@ -188,12 +188,16 @@ class RolloutManager:
                 f"engine-{index} died and its {self.max_restarts} restarts (rollout.engine.max_restarts) are used "
                 f"up: {reason}"
             )
+        node = f"node {self.addresses[index].host}: " if index < len(self.addresses) else ""
         print(f"rlsys: engine-{index} died; restarting it ({self.restarts + 1} of {self.max_restarts}): "
-              f"{reason.splitlines()[0] if reason else ''}", flush=True)
+              f"{node}{reason.splitlines()[0] if reason else ''}", flush=True)
         self.restarts += 1
         self._stop(self.engines[index])
+        # Its placement slot: where the dead engine was, or, when that node is gone, wherever Ray
+        # moved the bundle (a node with room for it).
         self.engines[index] = self._launch(index)
         self.addresses[index] = ray.get(self.engines[index].start.remote(self.spec.engine.startup_timeout_s))
+        print(f"rlsys: engine-{index} is back, on node {self.addresses[index].host}", flush=True)
         if self.on_restart is not None:
             self.on_restart(index)
 

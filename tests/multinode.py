@@ -8,10 +8,11 @@ and real workers there, so placement, cross-node HTTP, gloo, object transfer and
 real; NCCL and CUDA IPC are not (no GPU).
 
 Layout (all made here, all removed by `close`, also after a failure):
-- network namespaces `rlmn<pid>-<node>` (one per node) and `rlmn<pid>-sw` (the bridge, with one
-  veth pair per node); node i answers at 10.A.B.(10+i) on its `eth0`, where A.B come from this
-  process's pid. No address is added to the machine's own namespace and there is no default
-  route: traffic stays between the fixture's namespaces.
+- network namespaces `rlmn<pid>-<n>-<node>` (one per node) and `rlmn<pid>-<n>-sw` (the bridge,
+  with one veth pair per node), n numbering the clusters of this process; node i answers at
+  10.A.B.(10+i) on its `eth0`, where A.B come from this process's pid. No address is added to the
+  machine's own namespace and there is no default route: traffic stays between the fixture's
+  namespaces.
 - per node, an anchor process (`sleep`) that holds its namespaces, so that its /dev/shm can be
   read and processes started in it at any time; "every process of a node" means every process
   in its network namespace but the anchor.
@@ -26,6 +27,7 @@ left by a test run that was killed (its pid gone) are removed at the next start.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -42,6 +44,7 @@ VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
 RAY_TEMP = Path("/tmp/ray")  # Ray's default temp dir; each node binds its own over it
 SHM_SIZE = "2g"
+_CLUSTER_NUMBERS = itertools.count()  # several clusters of one process get distinct namespace names
 
 
 def unavailable_reason() -> str | None:
@@ -162,8 +165,9 @@ class NamespaceCluster:
         self.local_path = self.workdir / "local"  # each node sees its own files here
         self.shared_path = self.workdir / "shared"  # every node sees the same files here
         pid = os.getpid()
-        self.subnet = f"10.{200 + (pid >> 8) % 50}.{pid % 256}"
-        self.switch = f"{PREFIX}{pid}-sw"
+        self.subnet = f"10.{200 + (pid >> 8) % 50}.{pid % 256}"  # each cluster has a bridge of its own
+        self.name_prefix = f"{PREFIX}{pid}-{next(_CLUSTER_NUMBERS)}-"
+        self.switch = f"{self.name_prefix}sw"
         self.nodes: dict[str, Node] = {}
         self._specs = [head, *workers]
         self.head_name = head.name
@@ -198,7 +202,7 @@ class NamespaceCluster:
         if spec.name in self.nodes:
             raise ValueError(f"node {spec.name} exists")
         index = len(self.nodes)
-        node = Node(spec, index, f"{self.subnet}.{10 + index}", f"{PREFIX}{os.getpid()}-{spec.name}")
+        node = Node(spec, index, f"{self.subnet}.{10 + index}", f"{self.name_prefix}{spec.name}")
         self.nodes[spec.name] = node
         _ip("netns", "add", node.netns)
         _ip("link", "add", f"v{index}", "type", "veth", "peer", "name", "eth0", "netns", node.netns,

@@ -109,18 +109,20 @@ def test_node_resources_must_be_custom_and_positive(tiny_model_dir):
         RunConfig.model_validate({**base, "placement": {"trainer_node_resources": {"train_node": 0}}})
 
 
-def test_gloo_binds_to_the_interface_that_holds_the_node_address():
+def test_gloo_binds_to_the_interface_that_holds_the_node_address(monkeypatch):
+    monkeypatch.delenv(GLOO_INTERFACE_ENV, raising=False)
     assert interface_with_address("127.0.0.1") == "lo"
     assert gloo_interface_env("127.0.0.1", {}) == {GLOO_INTERFACE_ENV: "lo"}
     assert gloo_interface_env("127.0.0.1", {GLOO_INTERFACE_ENV: "ib0"}) == {}  # the user's choice stands
     assert gloo_interface_env("203.0.113.77", {}) == {}  # an address no interface holds: gloo's own choice
 
 
-def test_engines_listen_on_the_address_given_and_require_their_key(tiny_model_dir):
+def test_engines_listen_on_the_address_given_and_require_their_key(tiny_model_dir, monkeypatch):
     from rlsys.config import EngineConfig, ModelConfig
     from rlsys.rollout.server import ServerSpec, SGLangServer, build_command, build_env
     from rlsys.weight_sync.backend import make_backend
 
+    monkeypatch.delenv(GLOO_INTERFACE_ENV, raising=False)  # an in-process trainer of another test may have set it
     spec = ServerSpec(ModelConfig(path=str(tiny_model_dir)))
     server = SGLangServer(spec, make_backend(False), "engine-0", "/tmp/unused.log", host="127.0.0.1")
     command = build_command(spec, make_backend(False), "127.0.0.1", server.port, server.api_key)
@@ -174,3 +176,16 @@ def test_an_unreachable_engine_is_named_with_its_address():
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens here
     with pytest.raises(EngineError, match=rf"engine-3 \({url}\): /model_info failed: could not be reached at {url}"):
         SGLangClient(EngineAddress("engine-3", url), timeout_s=5).model_info()
+
+
+def test_an_engine_a_trainer_rank_cannot_reach_is_reported_at_connect_time_naming_both_nodes():
+    from rlsys.rollout.client import EngineAddress, EngineUnreachable, SGLangClient, check_reachable
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens here
+    with pytest.raises(EngineUnreachable) as caught:
+        check_reachable(SGLangClient(EngineAddress("engine-1", url)), "trainer rank 0 on node 10.0.0.11", timeout_s=5)
+    message = str(caught.value)
+    assert f"engine-1 ({url}): /model_info failed: trainer rank 0 on node 10.0.0.11 cannot reach it" in message
+    assert "(node 127.0.0.1)" in message and "nodes must reach each other's addresses" in message
