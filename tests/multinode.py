@@ -141,6 +141,7 @@ class NodeSpec:
     name: str
     num_cpus: int = 0
     resources: dict[str, float] = field(default_factory=dict)
+    ray: bool = True  # False: only the namespaces (tests of the fixture itself)
 
 
 @dataclass
@@ -213,7 +214,8 @@ class NamespaceCluster:
         _ip("link", "set", "eth0", "up", netns=node.netns)
         _ip("link", "set", "lo", "up", netns=node.netns)
         self._start_anchor(node)
-        self.start_ray(spec.name)
+        if spec.ray:
+            self.start_ray(spec.name)
         return node
 
     def _node_dir(self, node: Node) -> Path:
@@ -274,9 +276,10 @@ class NamespaceCluster:
 
     def close(self) -> None:
         """Stop every process of every node and remove namespaces, links, mounts and directories."""
+        everyone = [p for node in self.nodes.values() for p in processes_in_netns(node.netns)
+                    if node.anchor is None or p.pid != node.anchor.pid]
+        _kill(everyone, grace_s=5)  # every node at once: one grace period, not one per node
         for node in self.nodes.values():
-            _kill([p for p in processes_in_netns(node.netns) if node.anchor is None or p.pid != node.anchor.pid],
-                  grace_s=5)
             if node.anchor is not None:
                 node.anchor.kill()
                 node.anchor.wait()
