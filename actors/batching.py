@@ -5,8 +5,9 @@ Targets are shifted by one: position t predicts token t + 1, so the response tok
 with prompt length P and total length L sit at target positions P - 1 .. L - 2 of its row.
 
 Packed: one row holding every sequence of the micro-batch, `position_ids` restarting at 0 for
-each and no attention mask; transformers then attends block-causally within each sequence
-(varlen flash-attn on GPU, SDPA with a block mask on CPU). Padded: one row per sequence.
+each and no attention mask, plus the sequences' boundaries (`cu_seq_lens`, `max_length`) built here
+from the lengths the batch already knows; the attention (varlen flash-attn on GPU, packed SDPA on
+CPU: actors/packed_attention.py) attends within each sequence. Padded: one row per sequence.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ class MicroBatch:
     # the rollout, and of the frozen reference (when KL is on). [B, T-1]
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    # Packed rows only: offsets of the sequences in the row, [0, l0, l0 + l1, ..., T] (int32, on
+    # the device), and the longest length (a host int). Passed to the model as flash-attn's varlen
+    # arguments, so transformers does not re-derive them from position_ids in every layer (a
+    # nonzero() and a .max() each: host syncs on a GPU, again in every recomputed layer).
+    cu_seq_lens: torch.Tensor | None = None
+    max_length: int | None = None
 
     @property
     def num_tokens(self) -> float:
@@ -65,6 +72,11 @@ class MicroBatch:
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask
+        if self.cu_seq_lens is not None:
+            # transformers' FlashAttentionKwargs; with all four given, `_flash_attention_forward`
+            # (transformers/modeling_flash_attention_utils.py) takes its varlen branch as is.
+            inputs.update(cu_seq_lens_q=self.cu_seq_lens, cu_seq_lens_k=self.cu_seq_lens,
+                          max_length_q=self.max_length, max_length_k=self.max_length)
         return inputs
 
 
@@ -130,6 +142,8 @@ def build_micro_batch(
             per_token[name][:] = 0.0
         spans = []
     input_ids = torch.from_numpy(input_ids)
+    lengths = [len(s.token_ids) for s in sequences]
+    cu_seq_lens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32) if packed else None
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
@@ -146,6 +160,8 @@ def build_micro_batch(
         engine_mask=tensor(per_token["engine_mask"]),
         indices=list(indices),
         spans=spans,
+        cu_seq_lens=None if cu_seq_lens is None else cu_seq_lens.to(device),
+        max_length=max(lengths) if packed else None,
     )
 
 

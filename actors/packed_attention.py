@@ -23,6 +23,14 @@ def sequence_starts(position_ids: torch.Tensor) -> list[int]:
     return (position_ids == 0).nonzero().flatten().tolist()
 
 
+def _starts(position_ids: torch.Tensor, cu_seq_lens: torch.Tensor | None) -> list[int]:
+    """The micro-batch's own sequence boundaries when it passed them (`MicroBatch.cu_seq_lens`),
+    else the position resets: the same offsets either way."""
+    if cu_seq_lens is not None:
+        return cu_seq_lens[:-1].tolist()
+    return sequence_starts(position_ids)
+
+
 def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     """query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None), as transformers' SDPA."""
@@ -32,7 +40,7 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     total = query.shape[2]
-    starts = sequence_starts(position_ids[0])
+    starts = _starts(position_ids[0], kwargs.get("cu_seq_lens_q"))
     if len(starts) <= 1:
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
     by_length: dict[int, list[int]] = {}

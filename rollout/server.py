@@ -178,6 +178,27 @@ def _defines_entry_class(source: str, name: str) -> bool:
     return f"class {name}(" in source and re.search(rf"\b{name}\b", source.rpartition("EntryClass")[2]) is not None
 
 
+def nvml_device_keys(visible: str | None, device_count: int) -> list[int | str]:
+    """The GPUs a process may use, as NVML lookup keys: indexes (ints) or UUIDs ('GPU-...', 'MIG-...').
+
+    `visible` is CUDA_VISIBLE_DEVICES (Ray sets it per actor to its GPU ids, which it numbers as
+    NVML does); unset means every device. CUDA stops at the first entry it cannot use, so does this."""
+    if visible is None:
+        return list(range(device_count))
+    keys: list[int | str] = []
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if entry.isdigit() and int(entry) < device_count:
+            keys.append(int(entry))
+        elif entry.startswith(("GPU-", "MIG-")):
+            keys.append(entry)
+        else:
+            break
+    if not keys:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names no usable GPU")
+    return keys
+
+
 def build_env(spec: ServerSpec, backend: Backend, host: str = "127.0.0.1") -> dict[str, str]:
     env = dict(os.environ)
     env.update(gloo_interface_env(host, env))  # its weight-update group spans nodes (rlsys/node.py)
@@ -281,27 +302,29 @@ class SGLangServer:
             return None
 
     def device_memory_bytes(self) -> int | None:
-        """GPU memory the server's process tree holds (NVML), or None without a GPU."""
+        """Memory in use on the engine's GPU (the most of its GPUs with tp_size > 1), device-wide,
+        or None without a GPU.
+
+        Device-wide (NVML `nvmlDeviceGetMemoryInfo(...).used`), not the server's processes' share:
+        inside a container NVML's per-process list (`nvmlDeviceGetComputeRunningProcesses`) carries
+        the host's PIDs, which never match the server's, so a per-process sum read 0. On a colocated
+        GPU the figure includes the sleeping trainer's few bytes (reported on their own as
+        memory_trainer_asleep_bytes) and both CUDA contexts; what changes across a release is the
+        engine's."""
         if not self.backend.has_gpu or not self.is_alive():
             return None
-        import psutil
         import pynvml
 
         try:
-            root = psutil.Process(self._process.pid)
-            pids = {p.pid for p in [root] + root.children(recursive=True)}
             pynvml.nvmlInit()
             try:
-                used = 0
-                for index in range(pynvml.nvmlDeviceGetCount()):
-                    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                    for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                        if process.pid in pids and process.usedGpuMemory:
-                            used += process.usedGpuMemory
-                return used
+                keys = nvml_device_keys(os.environ.get("CUDA_VISIBLE_DEVICES"), pynvml.nvmlDeviceGetCount())
+                handles = [pynvml.nvmlDeviceGetHandleByUUID(key) if isinstance(key, str)
+                           else pynvml.nvmlDeviceGetHandleByIndex(key) for key in keys]
+                return max(int(pynvml.nvmlDeviceGetMemoryInfo(handle).used) for handle in handles)
             finally:
                 pynvml.nvmlShutdown()
-        except (psutil.Error, pynvml.NVMLError):
+        except (pynvml.NVMLError, ValueError):
             return None
 
     def log_tail(self, lines: int = 30) -> str:

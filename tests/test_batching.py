@@ -45,8 +45,26 @@ def test_packed_has_no_attention_mask_and_model_inputs_omit_it():
     batch = build_micro_batch(_sequences(), [0, 1, 2], pad_id=PAD, device=CPU, packed=True)
     assert batch.attention_mask is None
     inputs = batch.model_inputs()
-    assert set(inputs) == {"input_ids", "position_ids"}
+    assert set(inputs) == {"input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                           "max_length_k"}
     assert inputs["input_ids"] is batch.input_ids and inputs["position_ids"] is batch.position_ids
+
+
+def test_packed_sequence_boundaries_equal_what_transformers_derives_from_the_positions():
+    """flash-attn's varlen arguments come with the micro-batch; they must be exactly those that
+    transformers would otherwise compute from position_ids in every layer."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    for sequences in (_sequences(), _sequences()[1:2], []):
+        batch = build_micro_batch(sequences, list(range(len(sequences))), pad_id=PAD, device=CPU, packed=True)
+        (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(batch.position_ids)
+        inputs = batch.model_inputs()
+        assert inputs["cu_seq_lens_q"].dtype == cu_q.dtype == torch.int32
+        assert inputs["cu_seq_lens_q"].tolist() == inputs["cu_seq_lens_k"].tolist() == cu_q.tolist() == cu_k.tolist()
+        assert type(inputs["max_length_q"]) is int  # a host int: no device sync to read it
+        assert inputs["max_length_q"] == inputs["max_length_k"] == int(max_q) == int(max_k)
+    assert build_micro_batch(_sequences(), [0, 1, 2], pad_id=PAD, device=CPU, packed=True).cu_seq_lens.tolist() \
+        == [0, 4, 7, 12]
 
 
 def test_packed_spans_are_the_target_positions_of_each_response():

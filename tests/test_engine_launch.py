@@ -18,6 +18,7 @@ from rlsys.rollout.server import (
     ServerSpec,
     build_command,
     build_env,
+    nvml_device_keys,
     served_model_class,
 )
 from rlsys.weight_sync.backend import Backend, make_backend
@@ -199,3 +200,22 @@ def test_an_architecture_sglang_does_not_define_is_left_to_sglang(tmp_path, monk
     monkeypatch.setenv("SGLANG_EXTERNAL_MODEL_PACKAGE", "users_models")  # a user's own package wins
     env = build_env(ServerSpec(ModelConfig(path=_model_dir(tmp_path, "Qwen2ForCausalLM"))), make_backend(False))
     assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "users_models"
+
+
+@pytest.mark.parametrize(("visible", "count", "expected"), [
+    (None, 3, [0, 1, 2]),  # unset: every device
+    ("2", 4, [2]),  # Ray's per-actor list: NVML indexes
+    ("1,3", 4, [1, 3]),
+    ("GPU-8f3c,GPU-11aa", 8, ["GPU-8f3c", "GPU-11aa"]),  # UUIDs, as some schedulers set them
+    ("0,7,1", 4, [0]),  # CUDA stops at the first device it cannot use
+])
+def test_the_engines_gpus_are_looked_up_by_what_cuda_visible_devices_names(visible, count, expected):
+    """The engine's memory is read device-wide from NVML for the GPUs the engine sees (a
+    per-process lookup never matches inside containers, where NVML reports the host's PIDs)."""
+    assert nvml_device_keys(visible, count) == expected
+
+
+@pytest.mark.parametrize("visible", ["", "-1", "9"])
+def test_cuda_visible_devices_naming_no_gpu_gives_no_device_reading(visible):
+    with pytest.raises(ValueError, match="names no usable GPU"):
+        nvml_device_keys(visible, 2)

@@ -36,13 +36,19 @@ def test_gpu_run_syncs_weights_every_step(tmp_path, tiny_model_dir, mode, gpus_n
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_gpu_colocated_memory_hand_off_frees_each_side_in_turn(tmp_path, tiny_model_dir):
-    """One GPU, memory saver on: the engine's device memory drops while the trainer trains, and
-    the trainer's while the engine generates; bf16 weights reach the engine within bf16's tolerance."""
+def test_gpu_colocated_memory_hand_off_frees_each_side_in_turn(tmp_path):
+    """One GPU, memory saver on: the GPU's memory in use drops by more than half while the engine
+    is released (device-wide NVML: per-process figures read 0 in containers), and the trainer's
+    reservation while the engine generates; bf16 weights reach the engine within bf16's tolerance.
+    The model (~95 M parameters, as deploy/gpu_smoke.sh) is large enough that both sides' memory is
+    far above the CUDA contexts."""
+    from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(hidden_size=1024, num_layers=24))
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
-         f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false", "status.port=0",
+         f"model.path={model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false", "status.port=0",
          "placement.device=cuda", "trainer.num_ranks=1", "rollout.num_engines=1", "model.dtype=bfloat16",
          "trainer.total_steps=6", "weight_sync.verify=true"],
         capture_output=True, text=True, timeout=1200, cwd=REPO,
@@ -52,7 +58,7 @@ def test_gpu_colocated_memory_hand_off_frees_each_side_in_turn(tmp_path, tiny_mo
     rows = read_metrics(run_dir / "metrics.jsonl")
     for row in rows:
         assert row["memory_engine_released_bytes"] < 0.5 * row["memory_engine_serving_bytes"]
-        assert row["memory_trainer_asleep_bytes"] < row["memory_trainer_awake_bytes"]
+        assert row["memory_trainer_asleep_bytes"] < 0.5 * row["memory_trainer_awake_bytes"]
     assert max(r["logprob_mismatch"] for r in rows) < 5e-2
 
 

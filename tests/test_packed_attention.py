@@ -88,3 +88,35 @@ def test_padded_rows_attend_as_transformers_sdpa():
 ])
 def test_sequence_starts_follow_position_resets(positions, expected):
     assert sequence_starts(torch.tensor(positions)) == expected
+
+
+def test_the_micro_batchs_sequence_boundaries_reach_the_attention_and_give_the_same_logits(monkeypatch):
+    """The model passes MicroBatch.model_inputs()'s cu_seq_lens/max_length down to every layer's
+    attention (flash-attn's varlen arguments on a GPU); the packed SDPA uses them instead of the
+    position resets, with the same result."""
+    from transformers import AttentionInterface
+
+    from rlsys.actors import packed_attention
+    from rlsys.actors.batching import TrainSequence, build_micro_batch
+
+    seen = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen.append({k: kwargs.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")})
+        return packed_attention.packed_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+
+    model = _model(PACKED_SDPA)
+    sequences = [TrainSequence(s.tolist(), prompt_len=1) for s in _sequences()]
+    batch = build_micro_batch(sequences, list(range(len(sequences))), pad_id=0, device=torch.device("cpu"),
+                              packed=True)
+    without = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+    AttentionInterface.register("recording_packed", recording)
+    model.config._attn_implementation = "recording_packed"
+    monkeypatch.setattr(packed_attention, "sequence_starts", lambda positions: pytest.fail("re-derived"))
+    with_boundaries = model(**batch.model_inputs()).logits
+    assert len(seen) == model.config.num_hidden_layers
+    expected = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    for call in seen:
+        assert call["cu_seq_lens_q"].tolist() == call["cu_seq_lens_k"].tolist() == expected
+        assert call["max_length_q"] == call["max_length_k"] == max(LENGTHS)
+    torch.testing.assert_close(with_boundaries, without, rtol=0, atol=0)
