@@ -77,6 +77,11 @@ class TrainerGroup:
         self.asleep = True
         return report
 
+    def release_cached_memory(self) -> dict:
+        """Every rank returns its cached free device blocks; the most any rank still holds."""
+        held = [r["held_bytes"] for r in ray.get([w.release_cached_memory.remote() for w in self.workers])]
+        return {"held_bytes": max(held) if held else None}
+
     def wake_up(self) -> dict:
         report = _combine(ray.get([w.wake_up.remote() for w in self.workers]))
         self.asleep = False

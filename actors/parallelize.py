@@ -49,7 +49,23 @@ def parallelize(model: torch.nn.Module, mesh, dtype: str, trainable: bool, gradi
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
+        # Left to FSDP, the root is never resharded after forward (FSDPState._lazy_init in
+        # torch/distributed/fsdp/_fully_shard/_fsdp_state.py clears the root's post_forward_mesh_info
+        # when reshard_after_forward is not given): only a backward reshards it. The frozen
+        # reference never runs one, so its root (embeddings, output layer) asks for it explicitly
+        # and goes back to the host after every forward like its layers.
+        fully_shard(model, **kwargs, **({} if trainable else {"reshard_after_forward": True}))
     model.requires_grad_(trainable)
     model.train(trainable)
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters of every FSDP group of `model`, the root's included: after a
+    forward with no backward (log-probs) the root's stay gathered otherwise. A no-op for groups
+    already sharded and for a model left whole."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # FSDPModule.reshard is not recursive

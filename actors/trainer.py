@@ -12,6 +12,7 @@ import math
 import os
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkp
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint
 from rlsys.actors.logprob_head import install_logprob_head
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
-from rlsys.actors.parallelize import parallelize, uses_fsdp
+from rlsys.actors.parallelize import parallelize, reshard, uses_fsdp
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import (
     ImportanceWeights,
@@ -257,6 +258,19 @@ class TrainerWorker:
             per_position = model(**batch.model_inputs()).logits[:, :-1]
         return per_position[..., 0], (per_position[..., 1] if with_entropy else None)
 
+    @contextmanager
+    def _forward_only(self, *models):
+        """Around forwards that have no backward: every model leaves it resharded. FSDP2 keeps a
+        root's parameters gathered after its forward for the backward (`parallelize.reshard`), so
+        without this a log-prob pass would leave the embeddings and output layer gathered on the
+        device through the engines' turn."""
+        try:
+            yield
+        finally:
+            for model in models:
+                if model is not None:
+                    reshard(model)
+
     @staticmethod
     def _per_sequence(batch: MicroBatch, values: torch.Tensor, into: list) -> None:
         for index, (row, first, end) in zip(batch.indices, batch.spans, strict=True):
@@ -266,9 +280,10 @@ class TrainerWorker:
     def compute_log_probs(self, sequences: list[TrainSequence]) -> list[list[float]]:
         """Trainer log-probs of each sequence's response tokens (collective: all ranks call)."""
         result: list[list[float]] = [[] for _ in sequences]
-        for batch in self._micro_batches(sequences, list(range(len(sequences)))):
-            logprobs, _ = self._forward(self.model, batch, with_entropy=False)
-            self._per_sequence(batch, logprobs, result)
+        with self._forward_only(self.model):
+            for batch in self._micro_batches(sequences, list(range(len(sequences)))):
+                logprobs, _ = self._forward(self.model, batch, with_entropy=False)
+                self._per_sequence(batch, logprobs, result)
         return result
 
     @torch.no_grad()
@@ -277,11 +292,12 @@ class TrainerWorker:
         if self.ref_model is None:
             raise RuntimeError("compute_sequence_kl needs a reference model (algorithm.kl_in_reward)")
         per_token: list[list[float]] = [[] for _ in sequences]
-        for batch in self._micro_batches(sequences, list(range(len(sequences)))):
-            logprobs, _ = self._forward(self.model, batch, with_entropy=False)
-            ref_logprobs, _ = self._forward(self.ref_model, batch, with_entropy=False)
-            kl = kl_estimate(logprobs, ref_logprobs, self.spec.algorithm.kl_estimator)
-            self._per_sequence(batch, kl, per_token)
+        with self._forward_only(self.model, self.ref_model):
+            for batch in self._micro_batches(sequences, list(range(len(sequences)))):
+                logprobs, _ = self._forward(self.model, batch, with_entropy=False)
+                ref_logprobs, _ = self._forward(self.ref_model, batch, with_entropy=False)
+                kl = kl_estimate(logprobs, ref_logprobs, self.spec.algorithm.kl_estimator)
+                self._per_sequence(batch, kl, per_token)
         return [sum(values) for values in per_token]
 
     # ---- one training step --------------------------------------------------------------
@@ -291,12 +307,13 @@ class TrainerWorker:
         mini-batch the weights have not moved when its loss is taken, so the old log-probs are
         the current ones (ratio exactly 1): `_backward_mini_batch` takes them from its own forward
         and this pass is skipped."""
-        for batches in plan:
-            for batch in batches:
-                if len(plan) > 1:
-                    batch.old_logprobs, _ = self._forward(self.model, batch, with_entropy=False)
-                if self.ref_model is not None:
-                    batch.ref_logprobs, _ = self._forward(self.ref_model, batch, with_entropy=False)
+        with self._forward_only(self.model if len(plan) > 1 else None, self.ref_model):
+            for batches in plan:
+                for batch in batches:
+                    if len(plan) > 1:
+                        batch.old_logprobs, _ = self._forward(self.model, batch, with_entropy=False)
+                    if self.ref_model is not None:
+                        batch.ref_logprobs, _ = self._forward(self.ref_model, batch, with_entropy=False)
 
     def _backward_mini_batch(self, batches: list[MicroBatch]) -> LossSums:
         """Accumulate the mini-batch's gradient; returns this rank's token sums."""
@@ -376,11 +393,23 @@ class TrainerWorker:
         return grads
 
     # ---- offload ------------------------------------------------------------------------
+    def release_cached_memory(self) -> dict:
+        """Return the caching allocator's free blocks to the device: after a train step they hold
+        the step's activations, logits and gradients (tens of GiB at 14B), which the engine taking
+        its weights back beside the awake trainer could not use otherwise. Parameters and
+        optimizer state stay (the memory plan's sync phase counts them; a checkpoint may follow)."""
+        self.backend.empty_device_cache()
+        return {"held_bytes": self.backend.held_memory_bytes()}
+
     def sleep(self) -> dict:
-        """Move parameters, gradients and optimizer state off the device, then return the freed
-        blocks to the device (the caching allocator keeps them otherwise, and the colocated engine
-        could not use them)."""
+        """Move parameters, gradients and optimizer state off the device, drop the weight-sync
+        staging buffer (the next sync allocates it again), then return the freed blocks to the
+        device (the caching allocator keeps them otherwise, and the colocated engine could not use
+        them for its KV cache)."""
         report = self.offloader.sleep(trainer_state_tensors(self.model, self.optimizer))
+        if self.transport is not None:
+            self.transport.release_staging_buffer()
+        self.gather_scratch.release()
         self.backend.empty_device_cache()
         report.held_bytes = self.backend.held_memory_bytes()
         return report.__dict__

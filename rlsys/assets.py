@@ -3,6 +3,7 @@ prompt splits (tokenised), the reward function (loaded once to check it) and the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,21 @@ def _stop_token_ids(config: RunConfig, tokenizer) -> list[int]:
     return ids
 
 
+def read_model_config(model_dir: str | Path) -> dict:
+    """The model's config.json, refused here (trainers, engines and `rlsys plan` all read it) when it
+    is not a JSON object."""
+    path = Path(model_dir) / "config.json"
+    try:
+        model_config = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"invalid config: model.path {model_dir}: {path} is not valid JSON ({error}); "
+                          "point model.path at a complete Hugging Face checkpoint") from None
+    if not isinstance(model_config, dict):
+        raise ConfigError(f"invalid config: model.path {model_dir}: {path} must hold a JSON object, "
+                          f"not a {type(model_config).__name__}")
+    return model_config
+
+
 def load_assets(config: RunConfig) -> RunAssets:
     model_dir = Path(config.model.path)
     if not (model_dir / "config.json").is_file():
@@ -63,6 +79,7 @@ def load_assets(config: RunConfig) -> RunAssets:
             f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
             "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
         )
+    read_model_config(model_dir)
     weights = [p.name for pattern in _WEIGHT_FILES for p in model_dir.glob(pattern)]
     if not weights:
         raise ConfigError(

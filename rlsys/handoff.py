@@ -2,14 +2,18 @@
 
     generate (engines hold weights + KV cache; trainer asleep, holding ~nothing)
     -> engines release weights, KV cache, CUDA graphs  -> trainer wakes and trains
+    -> trainer empties its cache (the train step's activations and gradients)
     -> engines take their weights back                  -> weight sync into them
-    -> (checkpoint) -> trainer sleeps, empties its cache -> engines take their KV cache back
+    -> (checkpoint) -> trainer sleeps, drops its staging buffer, empties its cache
+    -> engines take their KV cache back
 
-The KV cache, the largest region, returns only after the trainer has left the device, so the
-peak of a step is max(trainer + engine weights + one bucket, engine weights + KV cache), not their
-sum (the order verl and slime use). With sleeping trainers off, or disaggregated, every call is a
-no-op. Each turn is written to logs/device_handoff.jsonl with the bytes each side holds
-afterwards (device memory on GPU; process RSS on CPU, where release frees nothing).
+The KV cache, the largest region, returns only after the trainer has left the device, and the
+engines' weights only after the trainer's train-step peak has been returned to the device, so the
+peak of a step is max(trainer training, trainer weights + optimizer + engine weights + staging
+buffer, engine weights + KV cache), not their sum (the order verl and slime use). With sleeping
+trainers off, or disaggregated, every call is a no-op. Each turn is written to
+logs/device_handoff.jsonl with the bytes each side holds afterwards (device memory on GPU; process
+RSS on CPU, where release frees nothing).
 """
 
 from __future__ import annotations
@@ -57,8 +61,11 @@ class DeviceHandoff:
         self._record("trainer_wake", row, trainer=report)
 
     def weights_to_engines(self, row: dict | None = None) -> None:
-        """Engines take their weight memory back so that a sync can write into it."""
+        """The trainer returns its train step's cached blocks to the device, then the engines take
+        their weight memory back so that a sync can write into it (the caching allocator would
+        otherwise keep the step's activations and gradients reserved beside them)."""
         if self.enabled:
+            self._record("trainer_release_cache", row, trainer=self.trainer.release_cached_memory())
             self._record("engines_resume_weights", row, engines=self.rollout.resume_memory([WEIGHTS]))
 
     def to_engines(self, row: dict) -> None:

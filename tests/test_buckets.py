@@ -272,3 +272,29 @@ def test_a_sync_that_fails_mid_way_still_releases_the_engines_mapping():
     # The second bucket is not sent; an empty bucket tells the loader to let go, then the session ends.
     assert [(kind, names) for kind, names, _ in engine.calls] == [("begin", []), ("update", ["w0", "w1"]),
                                                                   ("update", []), ("end", [])]
+
+
+def test_the_staging_buffer_holds_the_largest_tensor_whatever_the_bucket_size():
+    from rlsys.weight_sync.sync import staging_buffer_bytes
+
+    with torch.device("meta"):  # Qwen2.5-7B's shapes: what the memory plan reads, without the bytes
+        params = [("embed_tokens.weight", torch.empty(152064, 3584)), ("q_proj.weight", torch.empty(3584, 3584)),
+                  ("norm.weight", torch.empty(3584)), ("lm_head.weight", torch.empty(152064, 3584))]
+    lm_head = 152064 * 3584 * 2  # bytes in bf16: ~1 GiB, twice the 512 MiB bucket
+    assert staging_buffer_bytes(params, 512 * 2**20, engine_dtype=torch.bfloat16) == lm_head + 16
+    assert staging_buffer_bytes(params, 512 * 2**20, alignment=1) == 2 * lm_head + 1  # fp32 on the wire
+    small = [(f"w{i}", torch.empty(4, 4)) for i in range(3)]
+    assert staging_buffer_bytes(small, bucket_bytes=128) == 2 * (64 + 16)  # two tensors share the first bucket
+
+
+def test_a_sync_allocates_the_staging_buffer_its_size_function_plans():
+    from rlsys.weight_sync.backend import make_backend
+    from rlsys.weight_sync.colocated import ColocatedWeightSender
+    from rlsys.weight_sync.sync import staging_buffer_bytes, sync_weights
+
+    params = [("small", torch.ones(3)), ("large", torch.ones(40, 5)), ("steps", torch.ones(2, dtype=torch.int64))]
+    sender = ColocatedWeightSender(_RecordingEngine())
+    sync_weights(params, 64, sender, "1", make_backend(False), engine_dtype=torch.bfloat16)
+    assert sender._staging.nbytes == staging_buffer_bytes(params, 64, engine_dtype=torch.bfloat16) == 400 + 16
+    sender.release_staging_buffer()
+    assert sender._staging.nbytes == 0

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rlsys.config import ConfigError, RunConfig
+from rlsys.config import ConfigError, RunConfig, load_config
 from rlsys.memory_plan import GiB, ModelShape, memory_plan, plan_for_devices, plan_memory
 from tests.conftest import REPO
 
@@ -16,8 +16,12 @@ QWEN = {  # published config.json values (shapes)
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
-PARAMS = {"1.5b": 1_543_714_304, "7b": 7_615_616_512}  # the published totals
+PARAMS = {"1.5b": 1_543_714_304, "7b": 7_615_616_512, "14b": 14_770_033_664, "32b": 32_763_876_352}
 
 
 @pytest.fixture(params=["1.5b", "7b"])
@@ -61,14 +65,16 @@ def test_trainer_and_engine_terms_equal_hand_sums(qwen):
     assert terms["logits_chunk"] == 3 * 512 * shape.vocab * 4
     assert terms["attention_scores"] == 0  # flash-attn
     assert terms["reference_model"] == 0  # KL off
-    assert terms["weight_sync_bucket"] == 512 * 2**20
+    # The staging buffer is the largest bucket: at least the [vocab, hidden] bf16 embedding (+16 B alignment).
+    assert terms["weight_sync_staging"] >= shape.vocab * shape.hidden * 2 + 16
     assert terms["engine_weights"] == 2 * p
     kv_per_token = 2 * 28 * shape.kv_heads * shape.head_dim * 2  # K and V, every layer, bf16
     expected_tokens = min(262144, (int(0.5 * 80 * GiB) - 2 * p) // kv_per_token)
     assert plan.kv_cache_tokens == expected_tokens
     assert terms["engine_kv_cache"] == expected_tokens * kv_per_token
     # colocated, sleeping trainers: the peak is the largest phase, not the sum
-    assert plan.phases["generate"] == terms["engine_weights"] + terms["engine_kv_cache"]
+    runtime = 2 * (512 * 2**20 + GiB)  # CUDA context and NCCL buffers of a trainer rank and an engine
+    assert plan.phases["generate"] == terms["engine_weights"] + terms["engine_kv_cache"] + runtime
     assert plan.per_gpu_bytes == max(plan.phases.values()) < sum(terms.values())
 
 
@@ -86,9 +92,14 @@ def test_disaggregated_puts_trainers_and_engines_on_separate_gpus(qwen):
     _, model_dir = qwen
     config = _config(model_dir, placement={"mode": "disaggregated"}, rollout={"num_engines": 2})
     plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
+    terms = plan.terms
     assert set(plan.phases) == {"trainer_gpu", "engine_gpu"}
-    assert plan.phases["engine_gpu"] == plan.terms["engine_weights"] + plan.terms["engine_kv_cache"]
-    assert plan.phases["trainer_gpu"] == sum(v for k, v in plan.terms.items() if not k.startswith("engine"))
+    runtime = terms["cuda_contexts"] + terms["nccl_buffers"]
+    assert runtime == 512 * 2**20 + GiB  # one process per GPU
+    assert plan.phases["engine_gpu"] == terms["engine_weights"] + terms["engine_kv_cache"] + runtime
+    # backward's two transients never coexist: only the larger counts
+    smaller = min(terms["logprob_head_backward"], terms["gradient_reduce"])
+    assert plan.phases["trainer_gpu"] == sum(v for k, v in terms.items() if not k.startswith("engine")) - smaller
 
 
 def test_a_plan_that_cannot_fit_names_the_term_to_change(tmp_path):
@@ -187,3 +198,113 @@ def test_a_processs_peak_memory_is_its_own_not_its_forking_parents():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.split()[-1]) < len(held)  # the child itself never held 1 GiB
+
+
+def _qwen_dir(tmp_path, name):
+    (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                          max_position_embeddings=32768, **QWEN[name])))
+    return tmp_path
+
+
+def _recipe(name, model_dir, *overrides):
+    return load_config(REPO / f"configs/{name}.yaml", [f"model.path={model_dir}", *overrides])
+
+
+@pytest.mark.parametrize("name", ["7b", "14b"])
+def test_gpu_colocated_recipe_plans_every_term_as_the_hand_sum(tmp_path, name):
+    """configs/gpu_colocated.yaml (8 ranks, 16,384-token micro-batches, checkpointing, KL loss, 512 MB
+    buckets, 0.5 of the GPU for SGLang) with Qwen2.5-7B / 14B on 80 GiB GPUs, term by term."""
+    model_dir = _qwen_dir(tmp_path, name)
+    q = QWEN[name]
+    h, i, n_layers, v = q["hidden_size"], q["intermediate_size"], q["num_hidden_layers"], q["vocab_size"]
+    kv = q["num_key_value_heads"] * h // q["num_attention_heads"]
+    layer = 2 * h * h + 2 * h * kv + (h + 2 * kv) + 3 * h * i + 2 * h  # q,o; k,v; qkv bias; MLP; two norms
+    root = 2 * v * h + h  # embeddings, untied output layer, final norm
+    p = n_layers * layer + root
+    assert p == PARAMS[name]
+    tokens = 16384
+    kv_per_token = 2 * n_layers * kv * 2  # K and V, every layer, bf16
+    kv_tokens = min(262144, (int(0.5 * 80 * GiB) - 2 * p) // kv_per_token)
+    expected = {
+        "trainer_params": 4 * p // 8,  # fp32 master weights over 8 ranks
+        "trainer_grads": 4 * p // 8,
+        "optimizer_states": 8 * p // 8,  # AdamW's two fp32 moments
+        "unsharded_layers": 2 * layer * 2,  # one gathered + one prefetched, bf16
+        "unsharded_root": root * 2,
+        # checkpointed: every layer's bf16 input, plus one layer recomputed (the per-token estimate:
+        # 8 hidden + 2 kv + 4 intermediate bf16 values and two fp32 norm upcasts)
+        "activations": n_layers * tokens * h * 2 + ((8 * h + 2 * kv + 4 * i) * 2 + 2 * h * 4) * tokens,
+        "attention_scores": 0,  # flash-attn
+        "logits_chunk": 3 * 512 * v * 4,
+        "reference_model": (2 * layer + root) * 2,  # KL loss: the reference's gathered layers and root
+        # the output layer's weight gradient: fp32 accumulator + a chunk's bf16 [v, h] product + its fp32 copy
+        "logprob_head_backward": (4 + 2 + 4) * v * h,
+        # the root group's reduce: bf16 gradients + fp32 reduce-scatter input + fp32 output shard
+        # (every dim 0 divides by 8: no padding)
+        "gradient_reduce": root * 2 + root * 4 + root * 4 // 8,
+        "weight_sync_staging": v * h * 2 + 16,  # the embedding (or output layer) alone, bf16, aligned
+        "engine_weights": 2 * p,
+        "cuda_contexts": 2 * 512 * 2**20,  # a trainer rank and an engine per GPU
+        "nccl_buffers": 2 * GiB,
+        "engine_kv_cache": kv_tokens * kv_per_token,
+    }
+    # the root's reduce is backward's larger transient: larger than a layer's (which waits with the
+    # output layer's bf16 gradient) and than the output layer's own backward
+    assert layer * 2 + layer * 4 + layer * 4 // 8 + v * h * 2 < expected["gradient_reduce"]
+    assert expected["logprob_head_backward"] < expected["gradient_reduce"]
+    plan = plan_memory(_recipe("gpu_colocated", model_dir), ModelShape.from_model_dir(model_dir), 80 * GiB,
+                       on_gpu=True, flash_attention=True)
+    assert plan.terms == expected
+    e, runtime = expected, expected["cuda_contexts"] + expected["nccl_buffers"]
+    train = (e["trainer_params"] + e["trainer_grads"] + e["optimizer_states"] + e["unsharded_layers"]
+             + e["unsharded_root"] + e["activations"] + e["logits_chunk"] + e["reference_model"]
+             + e["gradient_reduce"] + runtime)
+    sync = e["trainer_params"] + e["optimizer_states"] + e["unsharded_layers"] + e["weight_sync_staging"] \
+        + e["engine_weights"] + runtime
+    assert plan.phases == {"generate": 2 * p + kv_tokens * kv_per_token + runtime, "train": train, "sync": sync}
+    assert plan.per_gpu_bytes == train < 80 * GiB and plan.fits
+
+
+def test_32b_does_not_fit_8x80_colocated_with_the_recipes_settings(tmp_path):
+    """Qwen2.5-32B, colocated (one engine per GPU, tp 1): its bf16 weights (65.5 GB) exceed half a
+    GPU, and even with the whole static pool the sync phase (trainer shards and moments beside the
+    engine's weights) needs more than 80 GiB."""
+    model_dir = _qwen_dir(tmp_path, "32b")
+    shape = ModelShape.from_model_dir(model_dir)
+    p = PARAMS["32b"]
+    plan = plan_memory(_recipe("gpu_colocated", model_dir), shape, 80 * GiB, on_gpu=True, flash_attention=True)
+    assert 2 * p > 0.5 * 80 * GiB and not plan.fits and "engine_weights" in plan.advice
+    roomy_pool = plan_memory(_recipe("gpu_colocated", model_dir, "rollout.engine.mem_fraction_static=0.9"), shape,
+                             80 * GiB, on_gpu=True, flash_attention=True)
+    sync = 4 * p // 8 + 8 * p // 8 + 2 * p  # params + AdamW moments + engine weights, before anything else
+    assert sync > 80 * GiB and not roomy_pool.fits and "sync needs" in roomy_pool.advice
+
+
+def test_gpu_recipes_fit_their_models_on_80gb(tmp_path):
+    """The recipes' own model (1.5B) and the 7B and 14B the README plans with them."""
+    for name in ("1.5b", "7b", "14b"):
+        (tmp_path / name).mkdir()
+        model_dir = _qwen_dir(tmp_path / name, name)
+        for recipe in ("gpu_colocated", "gpu_disaggregated"):
+            plan = plan_for_devices(_recipe(recipe, model_dir), on_gpu=True, device_memory=80 * GiB,
+                                    flash_attention=True)
+            assert plan.fits, (name, recipe, plan.table())
+
+
+def test_train_refuses_what_the_output_layer_and_reduce_scatter_push_past_the_gpu(tmp_path):
+    """Qwen2.5-14B disaggregated over 4 trainer ranks on 80 GiB GPUs: without the output layer's
+    gradient, FSDP's fp32 reduce-scatter input, the real staging buffer and the CUDA context and
+    NCCL buffers, the trainer GPU's sum is 75.4 GiB and the run was let start; it needs 88.0 GiB."""
+    model_dir = _qwen_dir(tmp_path, "14b")
+    config = _recipe("gpu_disaggregated", model_dir, "trainer.num_ranks=4")
+    plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
+    t = plan.terms
+    v, h, root, p = 152064, 5120, 2 * 152064 * 5120 + 5120, PARAMS["14b"]
+    assert t["gradient_reduce"] == root * 2 + root * 4 + root * 4 // 4  # root's bf16 grads, fp32 input and shard
+    assert t["weight_sync_staging"] == v * h * 2 + 16 > 512 * 2**20
+    assert t["cuda_contexts"] + t["nccl_buffers"] == 512 * 2**20 + GiB
+    left_out = t["gradient_reduce"] + t["weight_sync_staging"] - 512 * 2**20 + t["cuda_contexts"] + t["nccl_buffers"]
+    assert plan.phases["trainer_gpu"] - left_out < 80 * GiB < plan.phases["trainer_gpu"]
+    assert 16 * p // 4 < plan.phases["trainer_gpu"]  # the sharded state alone is 16 bytes a parameter / 4
+    with pytest.raises(ConfigError, match="memory plan: trainer_gpu needs 88.0 GiB of 80.0 GiB"):
+        plan_for_devices(config, on_gpu=True, device_memory=80 * GiB, flash_attention=True)

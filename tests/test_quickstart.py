@@ -56,13 +56,14 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
     assert leftovers.shm_files() == []
 
 
-HANDOFF_STEP = ["engines_release", "trainer_wake", "engines_resume_weights", "trainer_sleep", "engines_resume_all"]
+HANDOFF_STEP = ["engines_release", "trainer_wake", "trainer_release_cache", "engines_resume_weights", "trainer_sleep",
+                "engines_resume_all"]
 
 
 def _check_device_handoff(run_dir, rows):
     """Colocated: every step, the engines release their memory before the trainer wakes, take their
-    weights back before the sync, and their KV cache only after the trainer sleeps; each side's
-    bytes are in the metrics."""
+    weights back before the sync but after the trainer has emptied its cache of the train step, and
+    their KV cache only after the trainer sleeps; each side's bytes are in the metrics."""
     events = [json.loads(line) for line in (run_dir / "logs" / "device_handoff.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events[:1]] == ["trainer_sleep"]  # after the first weight push
     for step in range(len(rows)):

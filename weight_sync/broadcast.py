@@ -144,6 +144,9 @@ class BroadcastWeightSender:
     def staging_buffer(self, nbytes: int, device):
         return self._staging.get(nbytes, device)
 
+    def release_staging_buffer(self) -> None:
+        self._staging.release()
+
     def connect(self) -> None:
         with socket.socket() as sock:
             sock.bind(("", 0))

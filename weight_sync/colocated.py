@@ -22,6 +22,8 @@ import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
 from rlsys.weight_sync.buckets import WeightBucket
 from rlsys.weight_sync.engine_loader import END_OF_SYNC, LOAD_FORMAT
 
+COLOCATED_ALIGNMENT = 16  # bytes: every tensor's view in a bucket starts aligned for its dtype
+
 
 class TensorUpdateEndpoints(Protocol):
     """The engine endpoints this transport needs (`rlsys.rollout.client.SGLangClient` has them)."""
@@ -52,6 +54,11 @@ class StagingBuffer:
             self._buffer = buffer
         return self._buffer
 
+    @property
+    def nbytes(self) -> int:
+        """What the buffer holds now (0 once released)."""
+        return 0 if self._buffer is None else self._buffer.numel()
+
     def release(self) -> None:
         self._buffer = None
 
@@ -70,12 +77,17 @@ class ColocatedWeightSender:
 
     engine: TensorUpdateEndpoints
     tp_size: int = 1
-    alignment: int = 16
+    alignment: int = COLOCATED_ALIGNMENT
     _staging: StagingBuffer = field(default_factory=lambda: StagingBuffer(share_memory=True))
     _engine_maps_staging: bool = False  # the engine's loader still holds the staging buffer
 
     def staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return self._staging.get(nbytes, device)
+
+    def release_staging_buffer(self) -> None:
+        """Drop the buffer between syncs (the next sync allocates it again). The engine's loader
+        has let go of it with the sync's last bucket (`END_OF_SYNC`)."""
+        self._staging.release()
 
     def close(self) -> None:
         self._staging.release()

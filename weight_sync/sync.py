@@ -16,13 +16,14 @@ import torch
 
 from rlsys.weight_sync.backend import Backend
 from rlsys.weight_sync.buckets import WeightBucket, full_nbytes, gather_bucket, group_into_buckets
-from rlsys.weight_sync.colocated import StagingBuffer
+from rlsys.weight_sync.colocated import COLOCATED_ALIGNMENT, StagingBuffer
 
 
 class WeightTransport(Protocol):
     alignment: int
 
     def staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor: ...
+    def release_staging_buffer(self) -> None: ...
     def begin(self) -> None: ...
     def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None: ...
     def end(self) -> None: ...
@@ -38,6 +39,17 @@ class SyncStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def staging_buffer_bytes(named_params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                         alignment: int = COLOCATED_ALIGNMENT, engine_dtype: torch.dtype | None = None) -> int:
+    """Bytes of the staging buffer `sync_weights` allocates: its largest bucket, each tensor in its
+    wire dtype plus `alignment` bytes of padding. Not `bucket_bytes`: a tensor larger than a bucket
+    travels alone, so the buffer is at least the largest tensor (the output layer, often). Shapes
+    are all it reads: the parameters may be on the meta device (the memory plan's model), and
+    DTensor shards count at their full size."""
+    groups = group_into_buckets(named_params, bucket_bytes, engine_dtype)
+    return max((sum(full_nbytes(t, engine_dtype) + alignment for _, t in group) for group in groups), default=0)
 
 
 def sync_weights(
@@ -68,7 +80,8 @@ def sync_weights(
     groups = list(group_into_buckets(named_params, bucket_bytes, engine_dtype))
     alignment = transport.alignment if transport is not None else 1
     # One staging buffer, sized for the largest bucket (with alignment padding), reused by all.
-    largest = max(sum(full_nbytes(t, engine_dtype) + alignment for _, t in group) for group in groups)
+    largest = staging_buffer_bytes([item for group in groups for item in group], bucket_bytes, alignment,
+                                   engine_dtype)
     device = next(iter(groups[0]))[1].device
     if transport is not None:
         staging = transport.staging_buffer
