@@ -24,7 +24,7 @@ from rlsys.node_checks import PlacementNodes, device_memory_budget, probe_nodes,
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.server import ServerSpec
 from rlsys.topology import Topology
-from rlsys.verify import verify_engine_weights
+from rlsys.verify import model_depth, verify_engine_weights
 
 
 @dataclass
@@ -149,8 +149,8 @@ def push_weights(config: RunConfig, parts: Components, weight_version: int) -> N
         # The probes need the engines' KV cache: back beside the awake trainer (a debugging aid,
         # it costs the memory that the hand-off otherwise saves).
         parts.rollout.resume_memory(list(ALL_REGIONS))
-        tolerance = config.weight_sync.verify_tolerance or (1e-3 if config.model.dtype == "float32" else 5e-2)
-        verify_engine_weights(parts.trainer, parts.rollout, weight_version, tolerance, config.seed)
+        verify_engine_weights(parts.trainer, parts.rollout, weight_version, config.weight_sync.verify_tolerance,
+                              config.seed, config.model.dtype, model_depth(config.model.path))
 
 
 def restore(config: RunConfig, parts: Components, checkpoint: Path | None) -> CoordinatorState:

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlsys.config import EngineConfig, ModelConfig
+from rlsys.interrupts import take_sigterm_again
 from rlsys.node import gloo_interface_env
 from rlsys.rollout.client import EngineAddress, EngineError, SGLangClient, read_log_tail
 from rlsys.weight_sync import engine_loader
-from rlsys.weight_sync.backend import Backend
+from rlsys.weight_sync.backend import Backend, engine_attention_backend
 
 # Shared-memory files SGLang's processes create (load slots, segments, multiprocessing semaphores).
 _SGLANG_SHM_PREFIXES = ("/dev/shm/sglang_", "/dev/shm/sgl_shm", "/dev/shm/sem.mp-")
@@ -57,7 +58,10 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 
 def _die_with_parent() -> None:
-    # If the engine actor is killed, the server gets SIGTERM and tears down its own children.
+    # If the engine actor is killed, the server gets SIGTERM and tears down its own children. The
+    # actor inherited SIGTERM blocked from the local Ray cluster (rlsys.interrupts); the server, in a
+    # session of its own that no group signal reaches, is stopped with it.
+    take_sigterm_again()
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     os.setsid()
@@ -143,11 +147,13 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int, api_
         # (64 x 4 tokens on the tiny model: 3 ms of 50 ms).
         command += [
             "--device", "cpu",
-            "--attention-backend", "torch_native",
             "--disable-cuda-graph",
             "--sleep-on-idle",
             "--disable-overlap-schedule",
         ]
+    attention = engine_attention_backend(backend.has_gpu, spec.model.dtype, backend.gpu_capability)
+    if attention is not None:  # else SGLang's default for the GPU, which takes this dtype
+        command += ["--attention-backend", attention]
     return command + list(engine.extra_args)
 
 

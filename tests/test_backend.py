@@ -6,7 +6,13 @@ import pytest
 from rlsys.actors.packed_attention import PACKED_SDPA
 from rlsys.config import ConfigError, RunConfig
 from rlsys.topology import Topology
-from rlsys.weight_sync.backend import BackendError, choose_attention, decide_has_gpu, make_backend
+from rlsys.weight_sync.backend import (
+    BackendError,
+    choose_attention,
+    decide_has_gpu,
+    engine_attention_backend,
+    make_backend,
+)
 
 
 def _config(mode: str = "colocated", ranks: int = 2, engines: int = 2, tp: int = 1, device: str = "auto") -> RunConfig:
@@ -57,6 +63,31 @@ def test_too_few_gpus_for_the_placement_is_refused_before_it_waits_for_ever():
 ])
 def test_attention_is_flash_only_on_a_gpu_in_16_bit_with_flash_attn_installed(has_gpu, dtype, flash_attn, expected):
     assert choose_attention(has_gpu, dtype, flash_attn) == expected
+
+
+# (GPU compute capability, engine dtype) -> --attention-backend; None: SGLang's default for that GPU.
+# SGLang's defaults (fa3 on sm90, trtllm_mha on sm100, flashinfer/triton elsewhere) are 16-bit only
+# or run fp32 as tf32, so an fp32 engine must never be left to them.
+@pytest.mark.parametrize(("capability", "dtype", "expected"), [
+    ((9, 0), "float32", "torch_native"),  # H100: SGLang's default fa3 takes fp16/bf16/fp8 only
+    ((10, 0), "float32", "torch_native"),  # B200: trtllm_mha, 16-bit only
+    ((8, 0), "float32", "torch_native"),  # A100: flashinfer (16-bit) or triton (tf32)
+    ((8, 9), "float32", "torch_native"),
+    ((7, 5), "float32", "torch_native"),
+    ((9, 0), "bfloat16", None),  # the recipes: bf16 on fa3
+    ((10, 0), "bfloat16", None),
+    ((8, 0), "bfloat16", None),
+    ((12, 0), "bfloat16", None),
+    ((7, 5), "bfloat16", "torch_native"),  # T4: flashinfer's and triton's bf16 need sm80
+    ((7, 0), "bfloat16", "torch_native"),
+])
+def test_the_engine_attention_backend_takes_the_engine_dtype(capability, dtype, expected):
+    assert engine_attention_backend(True, dtype, capability) == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cpu_engine_always_gets_torch_native_attention(dtype):
+    assert engine_attention_backend(False, dtype, None) == "torch_native"
 
 
 def test_a_cpu_actor_gets_the_cpu_twins():

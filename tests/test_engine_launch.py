@@ -50,6 +50,23 @@ def test_the_server_command_carries_the_cache_and_scheduler_choices():
     assert "--disable-overlap-schedule" not in gpu and "--device" not in gpu
 
 
+def _attention_flag(dtype: str, capability: tuple[int, int]) -> list[str]:
+    spec = ServerSpec(ModelConfig(path="unused", dtype=dtype))
+    backend = Backend(has_gpu=True, device_type="cuda", dist_backend="nccl", attn_implementation="flash_attention_2",
+                      gpu_capability=capability)
+    command = build_command(spec, backend, "127.0.0.1", 30000)
+    return [arg for i, arg in enumerate(command) if "--attention-backend" in command[i - 1:i + 1]]
+
+
+def test_an_fp32_gpu_engine_is_launched_with_an_attention_backend_that_takes_fp32():
+    # Left to SGLang, an H100 gets fa3 (fp16/bf16/fp8 only) for an fp32 model.
+    assert _attention_flag("float32", (9, 0)) == ["--attention-backend", "torch_native"]
+    assert _attention_flag("bfloat16", (9, 0)) == []  # the GPU recipes keep SGLang's fastest default
+    assert _attention_flag("bfloat16", (7, 5)) == ["--attention-backend", "torch_native"]
+    cpu = _command(has_gpu=False)
+    assert cpu[cpu.index("--attention-backend") + 1] == "torch_native"
+
+
 @pytest.mark.parametrize("requested", ["spawn", "forkserver"])
 def test_the_cpu_compat_layer_forks_what_sglang_would_spawn(requested):
     env = build_env(ServerSpec(ModelConfig(path="unused")), make_backend(False))

@@ -34,6 +34,7 @@ class Backend:
     device_type: str  # "cuda" | "cpu"
     dist_backend: str  # "nccl" | "gloo"
     attn_implementation: str  # "flash_attention_2" | PACKED_SDPA
+    gpu_capability: tuple[int, int] | None = None  # this process's GPU's compute capability (None on CPU)
 
     def device(self, local_rank: int = 0):
         """The process's device. Ray sets CUDA_VISIBLE_DEVICES to the GPU an actor was given, so
@@ -62,6 +63,9 @@ class Backend:
         if self.has_gpu:
             import torch
 
+            # A released staging buffer the engine had opened by CUDA IPC may wait in torch's
+            # "limbo" of sent blocks until this collects it (torch.cuda.ipc_collect's contract).
+            torch.cuda.ipc_collect()
             torch.cuda.empty_cache()
 
 
@@ -96,6 +100,33 @@ def choose_attention(has_gpu: bool, compute_dtype: str, flash_attn_available: bo
     return PACKED_SDPA
 
 
+# SGLang attention backends that compute a float32 model in float32. Left unset, SGLang 0.5.23
+# picks by GPU (sglang/srt/arg_groups/model_override_base.py: get_default_attn_backend, MHA
+# models): fa3 on Hopper (sm90), trtllm_mha or fa4 on sm100, aiter on ROCm, else flashinfer when
+# installed, else triton. fa3, fa4, trtllm_mha and flashinfer take fp16/bf16 (fp8) only, and
+# triton's tl.dot runs fp32 inputs as tf32 (10-bit mantissa): none computes what an fp32 trainer
+# computes. torch_native is SDPA, the trainer's own fp32 kernel; SGLang turns CUDA graphs off for
+# it (sglang/srt/arg_groups/attention_hook.py: handle_attention_backend_compatibility).
+SDPA_ENGINE_ATTENTION = "torch_native"
+
+
+def engine_attention_backend(has_gpu: bool, dtype: str, gpu_capability: tuple[int, int] | None) -> str | None:
+    """The engine's --attention-backend; None leaves SGLang's own choice for the GPU.
+
+    | GPU           | engine dtype | attention backend                                         |
+    |---------------|--------------|-----------------------------------------------------------|
+    | no            | any          | torch_native (SGLang's CPU path)                          |
+    | any           | float32      | torch_native (every GPU default is 16-bit only, or tf32)  |
+    | sm80 or newer | bfloat16     | SGLang's default (fa3 on sm90, trtllm_mha on sm100, ...)  |
+    | before sm80   | bfloat16     | torch_native (flashinfer's and triton's bf16 need sm80)   |
+    """
+    if not has_gpu or dtype == "float32":
+        return SDPA_ENGINE_ATTENTION
+    if gpu_capability is not None and gpu_capability < (8, 0):
+        return SDPA_ENGINE_ATTENTION
+    return None
+
+
 def flash_attn_available() -> bool:
     from transformers.utils import is_flash_attn_2_available
 
@@ -111,7 +142,8 @@ def make_backend(has_gpu: bool, compute_dtype: str = "float32") -> Backend:
         if not torch.cuda.is_available():
             raise BackendError("this run uses GPUs but this process sees none (CUDA_VISIBLE_DEVICES="
                                f"{__import__('os').environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        return Backend(True, "cuda", "nccl", choose_attention(True, compute_dtype, flash_attn_available()))
+        return Backend(True, "cuda", "nccl", choose_attention(True, compute_dtype, flash_attn_available()),
+                       gpu_capability=tuple(torch.cuda.get_device_capability()))
     return Backend(False, "cpu", "gloo", choose_attention(False, compute_dtype, False))
 
 
