@@ -1,22 +1,39 @@
-"""Ctrl-C in a terminal goes to its whole foreground process group: the driver, and the processes
+"""Ctrl-C in a terminal goes to its whole foreground process group, and so does the SIGTERM that
+Kubernetes, SLURM's scancel, `timeout` and most job runners send: the driver, and the processes
 the driver started there (the local Ray cluster's GCS, raylet, agents and autoscaler monitor, the
-reward workers). The driver turns it into a stop after the current step, with a checkpoint
-(`rlsys.coordinator`), so those processes must not act on it: they start with SIGINT blocked."""
+reward workers). The driver turns either into a stop after the current step, with a checkpoint,
+and then shuts those processes down in order (`rlsys.coordinator`), so they must not act on it:
+they start with SIGINT and SIGTERM blocked."""
 
 from __future__ import annotations
 
 import signal
 from contextlib import contextmanager
+from multiprocessing import resource_tracker
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 @contextmanager
-def children_shielded_from_ctrl_c():
-    """Processes started from this thread inside the block never receive SIGINT. It is blocked,
-    not ignored: a blocked signal stays blocked across fork and exec, and installing a handler does
-    not unblock it (Ray's runtime-env agent and autoscaler monitor install their own, and exit on
-    it). The driver itself still gets a Ctrl-C meanwhile: its other threads do not block it."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+def children_shielded_from_stop_signals():
+    """Processes started from this thread inside the block never receive SIGINT or SIGTERM. They
+    are blocked, not ignored: a blocked signal stays blocked across fork and exec, and installing a
+    handler does not unblock it (Ray's runtime-env agent, autoscaler monitor, GCS and raylet
+    install their own, and exit on them). Their shutdown still works: Ray's falls back to SIGKILL,
+    the reward pool's workers exit on its request. The driver itself still gets both signals
+    meanwhile: its other threads do not block them."""
+    # multiprocessing's resource tracker (spawn workers need one) unblocks both signals in the thread
+    # that starts it (CPython 3.11's ensure_running): started here first, it cannot undo the block.
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def take_sigterm_again() -> None:
+    """For a process below a shielded one that is itself stopped with SIGTERM, in a session of its
+    own where no group signal reaches it (an engine's SGLang server, a reaper): it inherited SIGTERM
+    blocked."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import psutil
 
+from rlsys.interrupts import take_sigterm_again
 from rlsys.shm_sweep import sweep_shared_memory
 
 POLL_S = 1.0
@@ -58,12 +60,30 @@ def _still_running(noted: dict[int, float]) -> list[psutil.Process]:
     return alive
 
 
+def _blocks_sigterm(process: psutil.Process) -> bool:
+    """Whether SIGTERM is in the process's blocked mask (/proc/PID/status SigBlk)."""
+    try:
+        with open(f"/proc/{process.pid}/status") as status:
+            for line in status:
+                if line.startswith("SigBlk:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def stop_processes(noted: dict[int, float]) -> int:
-    """SIGTERM, a grace period, then SIGKILL; returns how many had to be stopped."""
+    """SIGTERM, a grace period, then SIGKILL; returns how many had to be stopped. A process that
+    blocks SIGTERM (the local Ray cluster's, the reward workers: rlsys.interrupts) gets SIGKILL at
+    once: waiting out the grace period would also keep the multiprocessing resource tracker, whose
+    pipe the reward workers hold open, from unlinking their semaphores before it is killed too."""
     remaining = _still_running(noted)
     for process in remaining:
         try:
-            process.terminate()
+            if _blocks_sigterm(process):
+                process.kill()
+            else:
+                process.terminate()
         except psutil.Error:
             pass
     _, still = psutil.wait_procs(remaining, timeout=GRACE_S)
@@ -171,6 +191,9 @@ def _detach_and_watch(owner_pid: int) -> None:
 
 
 if __name__ == "__main__":
+    # A trainer rank's or engine's reaper inherits SIGTERM blocked from the local Ray cluster
+    # (rlsys.interrupts); `stop_reaper` stops it with SIGTERM. Its own session spares it group signals.
+    take_sigterm_again()
     if sys.argv[1] == "--detach":
         _detach_and_watch(int(sys.argv[2]))
     else:

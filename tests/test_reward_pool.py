@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from rlsys.errors import RunFailed
 from rlsys.reward_pool import RewardCall, RewardPool, score_calls
 
 REWARDS = '''
@@ -54,10 +55,53 @@ def test_a_hanging_reward_is_stopped_at_its_timeout_and_the_rest_still_score(poo
     assert "longer than 1s (reward.timeout_s)" in outcomes[1].error
 
 
-def test_a_worker_that_dies_fails_its_chunk_and_is_replaced(pool):
-    outcomes = pool.score(_calls("die", "7"))
-    assert outcomes[0].error is not None and "worker" in outcomes[0].error
-    assert [o.value for o in pool.score(_calls("7", "8"))] == [1.0, 0.0]  # a fresh pool serves the next step
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_call_that_ends_its_worker_fails_only_its_sample_and_is_said_once(tmp_path, monkeypatch, capsys,
+                                                                             num_workers):
+    """Like a NaN reward: one counted error; the other calls of the step, and every later step, score."""
+    (tmp_path / "user_rewards.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)
+    pool = RewardPool("user_rewards.py:by_label", num_workers=num_workers, timeout_s=5.0)
+    try:
+        for _step in range(2):
+            outcomes = pool.score(_calls("7", "8", "die", "7", "8", "7"))
+            assert [o.value for o in outcomes] == [1.0, 0.0, None, 1.0, 0.0, 1.0]
+            assert "ended its worker process (exit code 3)" in outcomes[2].error
+    finally:
+        pool.close()
+    said = [line for line in capsys.readouterr().out.splitlines() if "ended its reward worker" in line]
+    assert said == ["rlsys: a reward call ended its reward worker process (exit code 3); the call counts as a "
+                    "reward error of its sample and the reward workers were restarted (said once; later ones are "
+                    "counted in reward_errors)"]
+
+
+def test_workers_killed_between_steps_are_replaced_for_the_next_step(pool):
+    """Idle workers killed (the OOM killer, a kill -9; a SIGTERM to the process group no longer
+    reaches them: test_workers_ignore_a_stop_signal_meant_for_the_driver); the next step's calls still score."""
+    import os
+    import signal
+
+    import psutil
+
+    assert [o.value for o in pool.score(_calls("7", "8"))] == [1.0, 0.0]  # the workers are up
+    workers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGKILL)
+    psutil.wait_procs(workers)
+    assert [o.value for o in pool.score(_calls("8", "7", "7"))] == [0.0, 1.0, 1.0]
+
+
+def test_workers_that_die_while_loading_the_reward_stop_the_run_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "exits_on_import.py").write_text("import os\nos._exit(4)\n\ndef score(p, r, l, m):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    pool = RewardPool("exits_on_import.py:score", num_workers=2, timeout_s=5.0)
+    try:
+        with pytest.raises(RunFailed, match="the reward workers exit before scoring any call: loading "
+                                            "reward.function 'exits_on_import.py:score'"):
+            pool.score(_calls("7", "8"))
+    finally:
+        pool.close()
 
 
 def test_in_process_scoring_has_the_same_rules():
@@ -69,8 +113,10 @@ def test_in_process_scoring_has_the_same_rules():
     assert outcomes[1].value is None and "finite number" in outcomes[1].error
 
 
-def test_workers_ignore_a_ctrl_c_meant_for_the_driver(pool):
-    """A terminal's Ctrl-C reaches the workers too; the driver decides what it means."""
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_workers_ignore_a_stop_signal_meant_for_the_driver(pool, signal_name):
+    """A terminal's Ctrl-C, or a job runner's SIGTERM to the process group, reaches the workers too;
+    the driver decides what it means."""
     import os
     import signal
 
@@ -84,6 +130,6 @@ def test_workers_ignore_a_ctrl_c_meant_for_the_driver(pool):
     workers = live_workers()
     assert len(workers) == 2
     for pid in workers:
-        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.Signals[signal_name])
     assert [o.value for o in pool.score(_calls("8", "7"))] == [0.0, 1.0]
     assert live_workers() == workers  # the same workers served these calls: none died, none was replaced
