@@ -32,8 +32,8 @@ class SampleMaker:
     """`samples(rollout, prompts, sampling, n)`: n generations per prompt, grouped by prompt."""
 
     def __init__(self, config: RunConfig, tokenizer):
-        path = config.rollout.generate_function
-        self.function = load_generate_function(path) if path else None
+        self.path = config.rollout.generate_function
+        self.function = load_generate_function(self.path) if self.path else None
         self.tokenizer = tokenizer
         self.tool_timeout_s = config.rollout.tool_timeout_s
 
@@ -42,7 +42,7 @@ class SampleMaker:
         if self.function is None:
             return rollout.generate([p.token_ids for p in prompts], sampling, n, recover=recover)
         return rollout.trajectories([RolloutPrompt(p.record, p.token_ids) for p in prompts], self.function, sampling,
-                                    n, self.tokenizer, self.tool_timeout_s, recover=recover)
+                                    n, self.tokenizer, self.tool_timeout_s, recover=recover, function_path=self.path)
 
 
 def trajectory_metrics(generations: list[Generation]) -> dict:

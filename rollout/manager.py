@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -16,7 +18,14 @@ from rlsys.rollout.client import EngineAddress, EngineDied
 from rlsys.rollout.dispatch import Dispatcher, LoopThread, RequestBatcher
 from rlsys.rollout.engine import Generation, RolloutEngine, SamplingParams
 from rlsys.rollout.server import ServerSpec
-from rlsys.rollout.trajectory import GenerateFunction, RolloutContext, RolloutPrompt, run_generate_function
+from rlsys.rollout.trajectory import (
+    GenerateFunction,
+    RolloutContext,
+    RolloutPrompt,
+    TokenIdOutOfVocabulary,
+    check_token_ids,
+    run_generate_function,
+)
 
 # Requests an engine actor serves at once (threads blocked on its SGLang server, which batches them).
 ENGINE_ACTOR_CONCURRENCY = 256
@@ -47,6 +56,22 @@ class EngineRestartLimit(RuntimeError):
     """An engine died after rollout.engine.max_restarts restarts were used up."""
 
 
+class PoisonRequest(RunFailed):
+    """A request was in flight when an engine died, and again when the fresh engine started after
+    that death died too: the request, not the engine, is taken to be the cause. It is not sent
+    again, so one bad request cannot use up rollout.engine.max_restarts."""
+
+
+def model_vocab_size(model_path: str) -> int:
+    """Rows of the model's token embedding (config.json's vocab_size; the tokenizer may have more
+    or fewer tokens): the ids an engine can be sent."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not isinstance(size, int) or size < 1:
+        raise RunFailed(f"model.path {model_path}: config.json has no vocab_size (nor text_config.vocab_size)")
+    return size
+
+
 def is_engine_death(error: BaseException) -> bool:
     """A dead engine actor, or an engine whose SGLang server has exited."""
     if isinstance(error, RayActorError):
@@ -66,6 +91,8 @@ class RolloutManager:
         self.actor_options = actor_options
         self.max_restarts = spec.engine.max_restarts
         self.restarts = 0
+        self.launched_after = [0] * num_engines  # per slot: self.restarts when its engine was started
+        self.vocab_size = model_vocab_size(spec.model.path)
         self.on_restart: Callable[[int], None] | None = None
         self.engines = [self._launch(index) for index in range(num_engines)]
         # Servers start in the background; call wait_ready() before using them.
@@ -93,18 +120,28 @@ class RolloutManager:
         """n samples per prompt, grouped prompt by prompt in the caller's order. Runs of prompts
         go to the least busy engine; a run whose engine dies is issued again once the engine has
         been restarted (with `recover`; otherwise the EngineCallFailed is raised)."""
+        for number, prompt in enumerate(prompts):
+            try:
+                check_token_ids(prompt, self.vocab_size)
+            except TokenIdOutOfVocabulary as error:
+                raise RunFailed(f"prompt {number} of the batch: {error}; the tokenizer (model.tokenizer_path) does "
+                                "not match the model (model.path)") from None
         chunks = split_into_chunks(len(prompts), len(self.engines))
         # Two runs in flight per engine: its server batches them, and the rest wait for whichever
         # engine frees up first.
         limit = 2 * n * max(len(chunk) for chunk in chunks) if len(self.engines) > 1 else None
         answers: dict[int, list[Generation]] = {}
         pending = list(range(len(chunks)))
+        died_with: dict[int, int] = {}
         while pending:
             calls = [self._generate_run([prompts[p] for p in chunks[c]], sampling, n, limit) for c in pending]
             results = self._loop.submit(_gather(calls)).result()
             failed = {c: result for c, result in zip(pending, results, strict=True)
                       if isinstance(result, EngineCallFailed)}
             answers.update({c: result for c, result in zip(pending, results, strict=True) if c not in failed})
+            self._refuse_poison_requests(failed, died_with, lambda c: (
+                f"prompts {chunks[c].start}..{chunks[c].stop - 1} of the batch (the first's token ids begin "
+                f"{prompts[chunks[c].start][:16]})"))
             self._recover_all(failed.values(), recover)
             pending = list(failed)
         return [generation for c in range(len(chunks)) for generation in answers[c]]
@@ -118,26 +155,37 @@ class RolloutManager:
                 return EngineCallFailed(index, error)
 
     def trajectories(self, prompts: list[RolloutPrompt], function: GenerateFunction, sampling: SamplingParams,
-                     n: int, tokenizer, tool_timeout_s: float, recover: bool = True) -> list[Generation]:
-        """n trajectories per prompt from `function` (rollout.generate_function), all running
-        at once; every engine call goes to the engine with the fewest requests outstanding. A
-        trajectory whose engine died runs again from its start once the engine is back."""
+                     n: int, tokenizer, tool_timeout_s: float, recover: bool = True,
+                     function_path: str = "") -> list[Generation]:
+        """n trajectories per prompt from `function` (rollout.generate_function, imported from
+        `function_path`), all running at once; every engine call goes to the engine with the fewest
+        requests outstanding. A trajectory whose engine died runs again from its start once the
+        engine is back. Token ids outside the model's vocabulary never reach an engine."""
+        name = f"rollout.generate_function {function_path!r}" if function_path else "rollout.generate_function"
         samples = [prompt for prompt in prompts for _ in range(n)]
         answers: dict[int, Generation] = {}
         pending = list(range(len(samples)))
+        died_with: dict[int, int] = {}
         while pending:
             calls = [self._trajectory(samples[i], function, sampling, tokenizer, tool_timeout_s) for i in pending]
             results = self._loop.submit(_gather(calls)).result()
             failed = {i: result for i, result in zip(pending, results, strict=True)
                       if isinstance(result, EngineCallFailed)}
             for i, result in zip(pending, results, strict=True):
+                if isinstance(result, TokenIdOutOfVocabulary):
+                    raise GenerateFunctionError(
+                        f"{name} sent the engine input_ids it cannot take, on prompt {samples[i].text!r}"
+                        f"{_user_code_line(result)}: {result}. The request was not sent (an engine given such an "
+                        "id crashes); build token ids with the model's tokenizer (ctx.encode, ctx.append(text))"
+                    ) from None
                 if isinstance(result, BaseException) and not isinstance(result, EngineCallFailed):
                     raise GenerateFunctionError(
-                        f"rollout.generate_function raised on prompt {samples[i].text!r}:\n"
+                        f"{name} raised on prompt {samples[i].text!r}:\n"
                         + "".join(traceback.format_exception(result))[-3000:]
                     ) from result
                 if i not in failed:
                     answers[i] = result
+            self._refuse_poison_requests(failed, died_with, lambda i: f"a trajectory of prompt {samples[i].text!r}")
             self._recover_all(failed.values(), recover)
             pending = list(failed)
         return [answers[i] for i in range(len(samples))]
@@ -145,6 +193,7 @@ class RolloutManager:
     async def _trajectory(self, prompt: RolloutPrompt, function: GenerateFunction, sampling: SamplingParams,
                           tokenizer, tool_timeout_s: float) -> Generation | EngineCallFailed:
         async def engine_call(input_ids: list[int], params: SamplingParams) -> Generation:
+            check_token_ids(input_ids, self.vocab_size)
             async with self.dispatcher.engine() as index:
                 try:
                     return await self.batcher.generate(index, input_ids, params)
@@ -156,6 +205,26 @@ class RolloutManager:
                                                                         tool_timeout_s))
         except EngineCallFailed as failure:
             return failure
+
+    def _refuse_poison_requests(self, failed: dict[int, EngineCallFailed], died_with: dict[int, int],
+                                describe: Callable[[int], str]) -> None:
+        """PoisonRequest when a request in `failed` killed an engine started after an earlier
+        engine death it was in flight at (`died_with`: request -> self.restarts at that death);
+        otherwise note the requests in flight at this death."""
+        deaths = {key: failure for key, failure in failed.items() if is_engine_death(failure.error)}
+        repeated = [key for key, failure in deaths.items()
+                    if key in died_with and self.launched_after[failure.index] > died_with[key]]
+        if repeated:
+            failure = deaths[repeated[0]]
+            others = f" (and {len(repeated) - 1} more requests in flight both times)" if len(repeated) > 1 else ""
+            cause = getattr(failure.error, "cause", None) or failure.error
+            raise PoisonRequest(
+                f"engine-{failure.index} died again just after its restart, with {describe(repeated[0])}{others} "
+                "in flight both times: that request, not the engine, is taken to be the cause, and it is not sent "
+                f"again (restarts used: {self.restarts} of {self.max_restarts}). The engine's error:\n"
+                f"{type(cause).__name__}: {cause}"
+            ) from failure.error
+        died_with.update({key: self.restarts for key in deaths})
 
     def _recover_all(self, failures, recover: bool) -> None:
         """Restart each engine that died (once, after every request has ended: a restart re-syncs
@@ -192,6 +261,7 @@ class RolloutManager:
         print(f"rlsys: engine-{index} died; restarting it ({self.restarts + 1} of {self.max_restarts}): "
               f"{node}{reason.splitlines()[0] if reason else ''}", flush=True)
         self.restarts += 1
+        self.launched_after[index] = self.restarts
         self._stop(self.engines[index])
         # Its placement slot: where the dead engine was, or, when that node is gone, wherever Ray
         # moved the bundle (a node with room for it).
@@ -264,6 +334,18 @@ class RolloutManager:
             self._stop(engine)
         self.engines = []
         self._loop.close()
+
+
+def _user_code_line(error: BaseException) -> str:
+    """` at file.py:12 (`code`)`: the innermost frame of `error` outside this package (the
+    generate function's line that made the engine call), or ""."""
+    package = str(Path(__file__).resolve().parent)
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if not str(Path(frame.filename).resolve()).startswith(package)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" at {frame.filename}:{frame.lineno} (`{frame.line}`)"
 
 
 async def _gather(calls: list) -> list:

@@ -124,6 +124,25 @@ class Trajectory:
 EngineCall = Callable[[list[int], SamplingParams], Awaitable[Generation]]
 
 
+class TokenIdOutOfVocabulary(ValueError):
+    """Token ids for an engine hold one its embedding has no row for: sent, it would crash the
+    engine (an IndexError in its log), so it is refused before it leaves the driver."""
+
+    def __init__(self, token_id: int, position: int, length: int, vocab_size: int):
+        self.token_id, self.position = token_id, position
+        super().__init__(f"token id {token_id} at position {position} of {length} input_ids is outside the "
+                         f"model's vocabulary (ids 0..{vocab_size - 1}: config.json vocab_size {vocab_size})")
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """TokenIdOutOfVocabulary for the first id that is negative or >= vocab_size."""
+    if token_ids and 0 <= min(token_ids) and max(token_ids) < vocab_size:
+        return
+    for position, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise TokenIdOutOfVocabulary(token_id, position, len(token_ids), vocab_size)
+
+
 class RolloutContext:
     """What a generate function gets besides its prompt: the engine, the tokenizer, the run's
     sampling parameters, a tool runner, and the trajectory being built."""

@@ -50,7 +50,8 @@ def hangs_or_lies(prompt, response, label, metadata):
 def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_path, tiny_model_dir):
     (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
     run_dir = tmp_path / "run"
-    start = time.monotonic()
+    # The hanging call sleeps 60 s a time (several per step): the run finishing within the
+    # subprocess timeout at all needs every such call stopped at reward.timeout_s.
     result = subprocess.run(
         train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=3", "eval.interval=2",
                       "reward.function=bad_rewards.py:hangs_or_lies", "reward.timeout_s=0.2"),
@@ -63,7 +64,6 @@ def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_pat
     assert all(r["reward_errors"] > 0 and r["reward_errors"] == 8 * r["dropped_groups"] for r in rows)
     evals = [r for r in rows if "eval_reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 2] and all(r["eval_reward_errors"] > 0 for r in evals)
-    assert time.monotonic() - start < 300  # no call was allowed its 60 s
 
 
 def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float = 600) -> None:
@@ -83,7 +83,7 @@ def test_killed_driver_leaves_no_process_or_shared_memory_and_its_status_says_fa
         run.kill()  # the driver alone dies, without warning
         run.wait()
     killed_at = time.monotonic()
-    while (leftovers.processes() or leftovers.shm_files()) and time.monotonic() - killed_at < 30:
+    while (leftovers.processes() or leftovers.shm_files()) and time.monotonic() - killed_at < 120:  # waits, never a measure
         time.sleep(0.5)
     assert leftovers.processes() == [] and leftovers.shm_files() == []
     status = json.loads((run_dir / "status.json").read_text())
@@ -178,3 +178,35 @@ def test_killed_trainer_rank_restarts_the_trainers_from_the_latest_checkpoint(tm
         assert rows[-1]["trainer_restarts"] == 1
         time.sleep(2)
         assert leftovers.processes() == [] and leftovers.shm_files() == []
+
+
+@pytest.mark.slow
+def test_a_request_that_kills_its_freshly_restarted_engine_is_not_sent_again(ray_cluster, tiny_model_dir, tmp_path):
+    """One engine and a request that crashes it (an id past the embedding: the driver's vocabulary
+    check is widened so the id reaches the engine). The engine is restarted once and the request
+    sent again; the fresh engine dies of it too, so the request is blamed and the rest of
+    rollout.engine.max_restarts is kept."""
+    from rlsys.config import EngineConfig, ModelConfig
+    from rlsys.rollout.engine import SamplingParams
+    from rlsys.rollout.manager import PoisonRequest, RolloutManager
+    from rlsys.rollout.server import ServerSpec
+
+    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120,
+                          max_restarts=3)
+    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine), 1, str(tmp_path), [{"num_cpus": 1}])
+    try:
+        rollout.wait_ready()
+        # SGLang pads its embedding to a multiple of 64 rows: an id past the padding too
+        past_the_embedding = rollout.vocab_size + 500
+        rollout.vocab_size += 1000
+        with pytest.raises(PoisonRequest) as error:
+            rollout.generate([[5, 9, past_the_embedding]], SamplingParams(max_new_tokens=2), n=1)
+        assert rollout.restarts == 1
+        message = str(error.value)
+        assert message.startswith("engine-0 died again just after its restart, with prompts 0..0 of the batch (the "
+                                  f"first's token ids begin [5, 9, {past_the_embedding}]) in flight both times: that "
+                                  "request, not the engine, is taken to be the cause, and it is not sent again "
+                                  "(restarts used: 1 of 3)")
+        assert "IndexError" in (tmp_path / "engine_0.log").read_text()  # what killed it, both times
+    finally:
+        rollout.shutdown()

@@ -184,3 +184,69 @@ def test_a_generate_function_that_raises_stops_the_run_with_its_traceback():
         assert isinstance(error.value, RunFailed)
     finally:
         manager._loop.close()
+
+
+def test_token_ids_outside_the_vocabulary_are_found_negative_ones_too():
+    from rlsys.rollout.trajectory import TokenIdOutOfVocabulary, check_token_ids
+
+    check_token_ids([0, 5, 9], 10)
+    check_token_ids([], 10)
+    for ids, position, token_id in (([3, 10, 4], 1, 10), ([3, 4, -1], 2, -1), ([10**9], 0, 10**9)):
+        with pytest.raises(TokenIdOutOfVocabulary) as error:
+            check_token_ids(ids, 10)
+        assert (error.value.position, error.value.token_id) == (position, token_id)
+        assert str(error.value) == (f"token id {token_id} at position {position} of {len(ids)} input_ids is outside "
+                                    "the model's vocabulary (ids 0..9: config.json vocab_size 10)")
+
+
+def test_the_vocabulary_is_the_models_embedding_rows_not_the_tokenizers_length(tmp_path, tiny_model_dir):
+    import json
+
+    from rlsys.rollout.manager import model_vocab_size
+
+    assert model_vocab_size(str(tiny_model_dir)) == json.loads((tiny_model_dir / "config.json").read_text())[
+        "vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 151936}}))  # multimodal layout
+    assert model_vocab_size(str(tmp_path)) == 151936
+
+
+def test_a_generate_function_that_sends_an_out_of_vocabulary_id_stops_the_run_naming_it():
+    """The id is refused before it reaches an engine (the manager has none: a call that got past
+    the check would fail differently), with the function's path, the id, its position and the
+    function's line."""
+    from rlsys.errors import RunFailed
+    from rlsys.rollout.dispatch import Dispatcher, LoopThread
+    from rlsys.rollout.manager import GenerateFunctionError, RolloutManager
+
+    async def appends_a_bad_id(prompt, ctx):
+        ctx.append([ctx.tokenizer.convert_tokens_to_ids("7"), 97])
+        await ctx.generate()
+
+    manager = RolloutManager.__new__(RolloutManager)
+    manager._loop, manager.dispatcher, manager.engines, manager.vocab_size = LoopThread(), Dispatcher(1), [], 97
+    try:
+        prompt = RolloutPrompt(PromptRecord("4 7 2>", "2"), [1, 2])
+        with pytest.raises(GenerateFunctionError) as error:
+            manager.trajectories([prompt], appends_a_bad_id, SamplingParams(), 2, build_tokenizer(), 5.0,
+                                 function_path="tools.py:appends_a_bad_id")
+        message = str(error.value)
+        assert message.startswith("rollout.generate_function 'tools.py:appends_a_bad_id' sent the engine input_ids "
+                                  "it cannot take, on prompt '4 7 2>' at ")
+        assert f"{__file__}:" in message and "(`await ctx.generate()`)" in message
+        assert ("token id 97 at position 3 of 4 input_ids is outside the model's vocabulary (ids 0..96: config.json "
+                "vocab_size 97). The request was not sent") in message
+        assert isinstance(error.value, RunFailed)
+    finally:
+        manager._loop.close()
+
+
+def test_prompt_token_ids_outside_the_vocabulary_never_reach_an_engine():
+    from rlsys.errors import RunFailed
+    from rlsys.rollout.manager import RolloutManager
+
+    manager = RolloutManager.__new__(RolloutManager)
+    manager.engines, manager.vocab_size = [], 50
+    with pytest.raises(RunFailed, match=r"prompt 1 of the batch: token id 50 at position 0 of 2 input_ids is outside "
+                                        r"the model's vocabulary .*the tokenizer \(model.tokenizer_path\) does not "
+                                        r"match the model"):
+        manager.generate([[1, 2], [50, 3]], SamplingParams(), 2)

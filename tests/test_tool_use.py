@@ -70,3 +70,31 @@ def test_tools_that_raise_or_hang_end_their_trajectories_and_are_counted(tmp_pat
         # finished trajectories (reward 1) and ended ones (0), so the groups still have a spread
         assert 0 < row["reward_mean"] < 1
         assert row["reward_mean"] == pytest.approx(1 - row["tool_errors"] / (12 * 8))
+
+
+OUT_OF_VOCABULARY = '''
+async def generate(prompt, ctx):
+    await ctx.generate(max_new_tokens=1)
+    ctx.append([len(ctx.tokenizer) + 1000])  # an id the model has no embedding row for
+    await ctx.generate(max_new_tokens=1)
+
+
+def reward(prompt, response, label, metadata):
+    return 0.0
+'''
+
+
+@pytest.mark.slow
+def test_a_generate_function_that_sends_an_out_of_vocabulary_id_fails_the_run_naming_it(tmp_path, tiny_model_dir):
+    (tmp_path / "oov.py").write_text(OUT_OF_VOCABULARY)
+    run_dir = tmp_path / "run"
+    result = subprocess.run(train_command(
+        "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2", "eval.interval=100",
+        f"rollout.generate_function={tmp_path / 'oov.py'}:generate", f"reward.function={tmp_path / 'oov.py'}:reward"),
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"rlsys: run failed: rollout.generate_function '{tmp_path / 'oov.py'}:generate' sent the engine input_ids " \
+           "it cannot take, on prompt " in result.stderr
+    assert f"{tmp_path / 'oov.py'}:5 (`await ctx.generate(max_new_tokens=1)`)" in result.stderr
+    assert " input_ids is outside the model's vocabulary" in result.stderr
+    assert "restarting" not in result.stdout  # no engine ever saw the id
