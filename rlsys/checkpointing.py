@@ -72,12 +72,16 @@ class CheckpointStore:
             shutil.rmtree(partial, ignore_errors=True)
         temporary = self.root / f"step_{step:08d}.tmp-{uuid.uuid4().hex[:8]}"
         temporary.mkdir()
-        write_trainer_state(str(temporary))
-        state_path = temporary / STATE_FILE
-        with state_path.open("w") as handle:  # written last: its presence marks a whole checkpoint
-            json.dump(asdict(state), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            write_trainer_state(str(temporary))
+            state_path = temporary / STATE_FILE
+            with state_path.open("w") as handle:  # written last: its presence marks a whole checkpoint
+                json.dump(asdict(state), handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)  # on a full disk, gives the space back at once
+            raise
         final = self.path_for(step)
         if final.exists():
             shutil.rmtree(final)
@@ -90,6 +94,31 @@ class CheckpointStore:
     @staticmethod
     def load_state(checkpoint: Path) -> CoordinatorState:
         return CoordinatorState(**json.loads((Path(checkpoint) / STATE_FILE).read_text()))
+
+
+def trainer_state_problem(checkpoint: Path) -> str | None:
+    """Why the trainer state (DCP shards) in `checkpoint` cannot be loaded: its index missing or
+    unreadable, a shard missing or shorter than the index says (a copy cut short, a full disk);
+    None when every byte the index points at is there."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = Path(checkpoint) / "dcp"
+    if not directory.is_dir():
+        return "it has no dcp/ directory"
+    try:
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any unreadable index means the same to the user
+        return f"its index dcp/.metadata cannot be read ({type(error).__name__}: {error})"
+    needed: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        shard = directory / name
+        if not shard.is_file():
+            return f"dcp/{name} is missing"
+        if shard.stat().st_size < size:
+            return f"dcp/{name} is truncated ({shard.stat().st_size} of {size} bytes)"
+    return None
 
 
 def python_random_state() -> list:

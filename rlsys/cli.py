@@ -9,10 +9,12 @@ import sys
 
 from rlsys.config import ConfigError
 from rlsys.data import DatasetError
+from rlsys.errors import UsageError
+from rlsys.metrics import MetricsFileError
 from rlsys.rewards import RewardFunctionError
 
 # Errors that mean "your input is wrong": printed as one clear message, without a traceback.
-USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError)
+USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError, MetricsFileError, UsageError)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -57,6 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
     from rlsys.status.server import StatusServer
     from rlsys.status.state import RunStatus
 
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be a TCP port, 0-65535 (0 picks a free one), got {args.port}")
     try:
         status = RunStatus.from_run_dir(args.run_dir)
     except FileNotFoundError as error:
@@ -77,18 +81,27 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import http.client
     import json
     import urllib.error
+    import urllib.parse
     import urllib.request
 
     from rich.console import Console
     from rich.table import Table
 
     url = args.url.rstrip("/")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"{args.url!r} is not the http:// URL of a status server, e.g. http://127.0.0.1:8470")
     try:
         with urllib.request.urlopen(f"{url}/api/v1/status", timeout=10) as response:
             status = json.loads(response.read())
-    except (urllib.error.URLError, OSError) as error:
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as error:
         print(f"rlsys: error: no rlsys status server at {url}: {error}", file=sys.stderr)
         return 1
     table = Table(title=f"rlsys run {status['run_id']}", show_header=False)
@@ -103,7 +116,7 @@ def _status(args: argparse.Namespace) -> int:
     ]:
         table.add_row(key, str(value))
     for key, value in (status.get("last_metrics") or {}).items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else "-" if value is None else str(value))
     if status.get("error"):
         table.add_row("error", status["error"])
     Console().print(table)

@@ -6,15 +6,51 @@ raises `ConfigError` naming every bad field and why, before any actor starts.
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value, info: ValidationInfo):
+        # Pydantic's lax mode reads true/false as 1/0 (trainer.total_steps=true would run 1 step).
+        # Strict mode would refuse them, but also "1e-5", which YAML leaves a string.
+        if _bool_where_number(cls.model_fields[info.field_name].annotation, value):
+            shown = yaml.safe_dump(value, default_flow_style=True).splitlines()[0]  # as YAML spells it
+            raise ValueError(f"expects a number, not true/false (got {shown})")
+        return value
+
+
+def _bool_where_number(annotation, value) -> bool:
+    """Whether `value` holds a bool where `annotation` wants an int or a float (also inside
+    lists, tuples, dicts and unions)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return not any(_accepts(arg, value) for arg in args) and any(_bool_where_number(a, value) for a in args)
+    if isinstance(value, bool):
+        if origin is Literal:
+            return not any(arg is value for arg in args) and any(type(arg) in (int, float) for arg in args)
+        return annotation in (int, float)
+    if origin in (list, tuple) and isinstance(value, (list, tuple)) and args:
+        return any(_bool_where_number(args[0] if origin is list or args[-1] is Ellipsis else args[min(i, len(args) - 1)],
+                                      item) for i, item in enumerate(value))
+    if origin is dict and isinstance(value, dict) and len(args) == 2:
+        return any(_bool_where_number(args[1], item) for item in value.values())
+    return False
+
+
+def _accepts(annotation, value) -> bool:
+    """A union member that takes a bool as it is (a bool field, or a Literal of True/False)."""
+    return isinstance(value, bool) and (annotation is bool or (
+        typing.get_origin(annotation) is Literal and any(arg is value for arg in typing.get_args(annotation))))
 
 
 class ModelConfig(_Section):
@@ -337,7 +373,8 @@ class WeightSyncConfig(_Section):
     timeout_s: float = Field(120.0, gt=0.0, description="Disaggregated: group set-up and per-bucket timeout.")
     verify: bool = Field(False, description="After each sync, check every engine against the trainer (logprob probes).")
     verify_tolerance: float | None = Field(
-        None, gt=0.0, description="Max |engine - trainer| probe logprob; default 1e-3 (fp32) or 5e-2 (bf16)."
+        None, gt=0.0, description="Max mean |engine - trainer| probe logprob; default 1e-3 (fp32), or in bf16 "
+        "2^-8 * sqrt(layers) * mean |probe logprob| (what bf16 rounding explains; rlsys/verify.py).",
     )
 
 
@@ -499,10 +536,19 @@ def apply_override(tree: dict, dotted: str) -> None:
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; name a YAML file (e.g. {path / 'config.yaml'})")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    raw = path.read_bytes()
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[error.start]:#04x} on line {line}); "
+                          "save it as UTF-8") from None
+    try:
+        tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
     if not isinstance(tree, dict):

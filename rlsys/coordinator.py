@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,8 +27,8 @@ from rlsys.assets import RunAssets, load_assets
 from rlsys.checkpointing import Checkpointer, CheckpointStore, CoordinatorState
 from rlsys.cluster import ray_cluster
 from rlsys.config import RunConfig, dump_config
-from rlsys.data import PromptSampler
-from rlsys.errors import RunFailed
+from rlsys.data import PromptSampler, repeated_prompts_note
+from rlsys.errors import RunFailed, disk_full_failure
 from rlsys.evaluation import Evaluator, sampling_params
 from rlsys.generation import SampleMaker, trajectory_metrics
 from rlsys.lifecycle import (
@@ -115,7 +116,9 @@ class Run:
             yield step
             row = self.log.rows[-1]
             last_eval = row.get("eval_reward_mean", last_eval)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", eval="-" if last_eval is None else f"{last_eval:.2f}")
+            reward = row.get("reward_mean")  # None: no sample of the step was scored
+            bar.set_postfix(reward="-" if reward is None else f"{reward:.2f}",
+                            eval="-" if last_eval is None else f"{last_eval:.2f}")
 
 
 def train_loop(run: Run) -> None:
@@ -389,16 +392,24 @@ def _failures_reported(status: RunStatus):
     """Any error ends the run as `failed` in the status; a dead or raising actor becomes RunFailed."""
     try:
         yield
-    except (RayError, EngineRestartLimit) as error:
-        cause = getattr(error, "cause", None) or error  # the remote exception, without Ray's wrapping
-        message = f"{type(cause).__name__}: {_first_lines(str(cause), 40)}"
-        status.fail(message)
-        status.save_snapshot()
-        raise RunFailed(f"a trainer rank or rollout engine failed: {message}") from error
     except BaseException as error:
-        status.fail(f"{type(error).__name__}: {error}")
-        status.save_snapshot()
-        raise
+        failure = disk_full_failure(error, Path(status.run_dir))  # in this process or in an actor
+        if failure is not None:
+            message = str(failure)
+        elif isinstance(error, (RayError, EngineRestartLimit)):
+            cause = getattr(error, "cause", None) or error  # the remote exception, without Ray's wrapping
+            message = f"{type(cause).__name__}: {_first_lines(str(cause), 40)}"
+            failure = RunFailed(f"a trainer rank or rollout engine failed: {message}")
+        else:
+            message = f"{type(error).__name__}: {error}"
+        status.fail(message)
+        try:
+            status.save_snapshot()
+        except OSError as unsaved:  # reported, but the run's own error stays the one that ends it
+            print(f"rlsys: could not record the failure in status.json: {unsaved}", file=sys.stderr, flush=True)
+        if failure is None:
+            raise
+        raise failure from error
 
 
 class StoppedAtOnce(SystemExit):
@@ -419,7 +430,8 @@ def _signal_name(signum: int) -> str:
 def _stop_on_signals(status: RunStatus) -> None:
     """SIGTERM, or SIGINT (Ctrl-C), stops the run as POST /api/v1/stop does: after the current
     step, with a checkpoint. A second one stops at once (engines and trainers are still shut down).
-    The processes a Ctrl-C also reaches never receive it (`children_shielded_from_ctrl_c`)."""
+    The processes a signal to the whole process group also reaches never receive it
+    (`children_shielded_from_stop_signals`)."""
     def _stop(signum, frame):
         if status.stop_requested:
             raise StoppedAtOnce(signum)
@@ -473,14 +485,16 @@ def run(config: RunConfig) -> Path:
     lock.acquire()  # before anything is written there
     try:
         prepare_run_dir(config, run_dir, resuming=checkpoint is not None)
+        log = MetricsLog(run_dir / "metrics.jsonl")  # a bad line is refused here, before anything starts
     except BaseException:
         lock.release()
         raise
     print(f"rlsys: run directory {run_dir.resolve()}", flush=True)
     print(f"rlsys: data: {_describe_data(assets)}", flush=True)
+    if note := repeated_prompts_note(config.data.prompts_per_step, len(assets.train)):
+        print(f"rlsys: {note}", flush=True)
     if checkpoint is not None:
         print(f"rlsys: resuming from {checkpoint}", flush=True)
-    log = MetricsLog(run_dir / "metrics.jsonl")
     status = new_status(config, run_dir, assets)
     layout = Topology.from_config(config, has_gpu=False)  # CPU counts do not depend on the GPUs
     with ExitStack() as stack:

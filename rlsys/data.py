@@ -4,12 +4,15 @@ A row maps to `PromptRecord(prompt, label, metadata)` through `data.prompt_key` 
 "prompt"), `data.label_key` ("label") and `data.metadata_keys` (columns gathered into metadata;
 a `metadata` object field is kept too). Formats, by path:
 - `.jsonl`: one JSON object per line; a field that is not mapped is an error (a typo, most likely);
-- `.parquet`: read with pyarrow; `.json` / `.csv`: loaded with `datasets`;
+- `.parquet` and `.csv`: read with pyarrow (CSV column types inferred, as `datasets` does);
+- `.json`: a JSON array of objects, or JSON lines;
 - a directory saved by `datasets` (`save_to_disk`): a Dataset, or a DatasetDict whose split
   `data.train_split` / `data.eval_split` is used.
 In table formats, columns that are not mapped are ignored (published datasets carry many). Every
-format gets the same row checks, and an error names the file and row. The eval split is never
-trained on: rows whose prompt appears in eval are removed from train.
+format gets the same row checks, and an error names the file and row (or line); a row that cannot be
+read (not UTF-8, not JSON, the wrong number of CSV fields) is one bad row, skipped and counted with
+`data.skip_invalid_rows` like any other. The eval split is never trained on: rows whose prompt
+appears in eval are removed from train.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class Columns:
 
 def parse_row(raw: bytes | str, where: str, columns: Columns = Columns()) -> PromptRecord:
     """One JSONL line -> a record (JSON, then `record_from_row` with unknown fields refused)."""
+    return record_from_row(_json_line(raw, where), where, columns, refuse_unknown=True)
+
+
+def _json_line(raw: bytes | str, where: str) -> dict:
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -62,7 +69,7 @@ def parse_row(raw: bytes | str, where: str, columns: Columns = Columns()) -> Pro
         raise DatasetError(f"{where}: not valid JSON ({error.msg})") from None
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    return record_from_row(row, where, columns, refuse_unknown=True)
+    return row
 
 
 def record_from_row(row: dict, where: str, columns: Columns, refuse_unknown: bool) -> PromptRecord:
@@ -119,8 +126,10 @@ def read_records(path: str | Path, columns: Columns = Columns(), skip_invalid: b
     if path.is_file() and path.suffix == ".jsonl":
         return read_jsonl(path, skip_invalid, columns)
     records, skipped = [], 0
-    for where, row in _table_rows(path, split):
+    for where, row in _table_rows(path, split, columns):
         try:
+            if isinstance(row, DatasetError):  # a row that could not even be read
+                raise row
             records.append(record_from_row(row, where, columns, refuse_unknown=False))
         except DatasetError:
             if not skip_invalid:
@@ -131,26 +140,120 @@ def read_records(path: str | Path, columns: Columns = Columns(), skip_invalid: b
     return records, skipped
 
 
-def _table_rows(path: Path, split: str) -> Iterator[tuple[str, dict]]:
-    """(where, row) of a Parquet/JSON/CSV file or a saved `datasets` directory, row numbers from 1."""
+def _table_rows(path: Path, split: str, columns: Columns) -> Iterator[tuple[str, dict | DatasetError]]:
+    """(where, row) of a Parquet/JSON/CSV file or a saved `datasets` directory, rows (or lines)
+    numbered from 1; a row that cannot be read comes as the DatasetError saying why."""
     if not path.exists():
         raise DatasetError(f"dataset {path} does not exist")
+    if path.is_file() and path.suffix in (".json", ".csv") and path.stat().st_size == 0:
+        raise DatasetError(f"dataset {path} is empty: no rows")
+    if path.is_file() and path.suffix == ".json":
+        yield from _json_rows(path, columns)
+        return
     if path.is_file() and path.suffix == ".parquet":
-        table = _import("pyarrow.parquet", "Parquet").read_table(path)
-        rows = table.to_pylist()
-    elif path.is_file() and path.suffix in (".json", ".csv"):
-        datasets = _import("datasets", f"{path.suffix} datasets")
+        parquet = _import("pyarrow.parquet", "Parquet")
         try:
-            rows = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
-        except Exception as error:  # noqa: BLE001 - the loader's own errors name the problem
-            raise DatasetError(f"dataset {path}: cannot be read: {error}") from None
+            table = parquet.read_table(path)
+        except Exception as error:  # noqa: BLE001 - pyarrow's reasons (ArrowInvalid, OSError) name the damage
+            raise DatasetError(f"dataset {path}: cannot be read as Parquet: {error}") from None
+    elif path.is_file() and path.suffix == ".csv":
+        table, bad_lines = _csv_table(path)
+        yield from bad_lines
     elif path.is_dir():
-        rows = _saved_dataset(path, split)
+        table = _saved_dataset(path, split)
     else:
         raise DatasetError(f"dataset {path}: unsupported format (use .jsonl, .parquet, .json, .csv, or a "
                            "directory written by datasets' save_to_disk)")
-    for index, row in enumerate(rows, start=1):
-        yield f"{path}:row {index}", row
+    yield from _arrow_rows(table, path, columns)
+
+
+def _json_rows(path: Path, columns: Columns) -> Iterator[tuple[str, dict | DatasetError]]:
+    """A JSON array of objects (rows numbered), or JSON lines (named by line, like .jsonl); a bad
+    byte counts only in a mapped field, as in the other table formats."""
+    wanted = {columns.prompt, columns.label, "metadata", *columns.metadata}
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise DatasetError(f"dataset {path}: cannot be read: it holds only whitespace, no JSON")
+    if raw.lstrip().startswith(b"["):
+        # Bytes that are not UTF-8 are kept as lone surrogates, so the row holding them is found below.
+        try:
+            rows = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+        except json.JSONDecodeError as error:
+            raise DatasetError(f"{path}:{error.lineno}: not valid JSON ({error.msg}; the file is one JSON "
+                               "array, so no row of it can be skipped)") from None
+        for index, row in enumerate(rows, start=1):
+            where = f"{path}:row {index}"
+            if not isinstance(row, dict):
+                yield where, DatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+                continue
+            bad = next(((key, byte) for key, value in row.items()
+                        if key in wanted and (byte := _undecoded_byte(value)) is not None), None)
+            yield where, (DatasetError(f"{where}: not valid UTF-8 (byte {bad[1]:#04x} in field {bad[0]!r})")
+                          if bad else row)
+        return
+    for line_number, line in enumerate(raw.split(b"\n"), start=1):
+        if line.strip():
+            where = f"{path}:{line_number}"
+            try:
+                yield where, _json_line(line, where)
+            except DatasetError as error:
+                yield where, error
+
+
+def _undecoded_byte(value) -> int | None:
+    """The first byte that `surrogateescape` kept undecoded in a JSON value, or None."""
+    if isinstance(value, str):
+        return next((ord(char) - 0xDC00 for char in value if 0xDC80 <= ord(char) <= 0xDCFF), None)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((byte for item in items if (byte := _undecoded_byte(item)) is not None), None)
+
+
+def _csv_table(path: Path):
+    """The CSV as an Arrow table (types inferred), and (where, DatasetError) of each line with the
+    wrong number of fields, which pyarrow leaves out of the table."""
+    csv = _import("pyarrow.csv", "CSV")
+    bad_lines = []
+
+    def wrong_field_count(row) -> str:
+        where = f"{path}:{row.number}"
+        bad_lines.append((where, DatasetError(f"{where}: {row.actual_columns} fields, the header has "
+                                              f"{row.expected_columns}")))
+        return "skip"
+
+    try:  # one thread: pyarrow then knows each bad line's number; strings are checked row by row below
+        table = csv.read_csv(path, read_options=csv.ReadOptions(use_threads=False),
+                             parse_options=csv.ParseOptions(invalid_row_handler=wrong_field_count),
+                             convert_options=csv.ConvertOptions(check_utf8=False))
+    except Exception as error:  # noqa: BLE001 - pyarrow's ArrowInvalid names the problem
+        raise DatasetError(f"dataset {path}: cannot be read as CSV: {error}") from None
+    return table, bad_lines
+
+
+def _arrow_rows(table, path: Path, columns: Columns) -> Iterator[tuple[str, dict | DatasetError]]:
+    """Rows of an Arrow table as dicts, only the mapped columns (a bad byte elsewhere is no matter)."""
+    wanted = {columns.prompt, columns.label, "metadata", *columns.metadata}
+    table = table.select([name for name in table.column_names if name in wanted])
+    index = 0
+    for batch in table.to_batches():
+        try:
+            rows = batch.to_pylist()
+        except UnicodeDecodeError:  # a string that is not UTF-8 (a CSV read unchecked): find its row
+            rows = [_arrow_row(batch, i) for i in range(batch.num_rows)]
+        for row in rows:
+            index += 1
+            where = f"{path}:row {index}"
+            yield where, row if isinstance(row, dict) else DatasetError(f"{where}: {row}")
+
+
+def _arrow_row(batch, i: int) -> dict | str:
+    """Row `i` of a record batch, or why it cannot be read."""
+    row = {}
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        try:
+            row[name] = column[i].as_py()
+        except UnicodeDecodeError as error:
+            return f"not valid UTF-8 (byte {error.object[error.start]:#04x} in column {name!r})"
+    return row
 
 
 def _saved_dataset(path: Path, split: str):
@@ -164,7 +267,7 @@ def _saved_dataset(path: Path, split: str):
             raise DatasetError(f"dataset {path} has the splits {sorted(loaded)}, not {split!r} "
                                "(data.train_split / data.eval_split)")
         loaded = loaded[split]
-    return loaded
+    return loaded.with_format("arrow")[:]  # an Arrow table, read as every other table format
 
 
 def _import(module: str, what: str):
@@ -238,3 +341,13 @@ class PromptSampler:
             batch.append(self.records[self._order[self.index]])
             self.index += 1
         return batch
+
+
+def repeated_prompts_note(prompts_per_step: int, num_train: int) -> str | None:
+    """What to say at start when a step draws more prompts than the train split holds (each step
+    then goes round the data more than once: some prompts are trained on several times per step)."""
+    if prompts_per_step <= num_train:
+        return None
+    return (f"data.prompts_per_step ({prompts_per_step}) is more than the {num_train} train prompts: each step "
+            f"trains each prompt {prompts_per_step / num_train:.1f} times on average (lower data.prompts_per_step "
+            f"to at most {num_train} to see each prompt at most once per step)")

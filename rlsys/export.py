@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
-from rlsys.checkpointing import CheckpointStore
+from rlsys.checkpointing import CheckpointStore, trainer_state_problem
 from rlsys.config import ConfigError, load_config
+from rlsys.errors import UsageError, why_not_a_directory
 
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -16,24 +18,58 @@ _TOKENIZER_FILES = (
 )
 
 
+def checkpoint_to_export(store: CheckpointStore, step: int | None) -> Path:
+    """The checkpoint of `step`, or (None) the latest whose trainer state is whole: an incomplete
+    latest one is passed over with a note naming it and the one exported instead."""
+    complete = store.complete_checkpoints()
+    steps = [int(p.name.removeprefix("step_")) for p in complete]
+    if step is not None:
+        if not store.has(step):
+            raise ConfigError(f"no checkpoint of step {step} in {store.root.parent}; the checkpointed steps: {steps}")
+        problem = trainer_state_problem(store.path_for(step))
+        if problem:
+            usable = [s for s, p in zip(steps, complete, strict=True) if s != step and not trainer_state_problem(p)]
+            raise ConfigError(f"checkpoint {store.path_for(step)} is incomplete: {problem}; "
+                              + (f"export another with --step N, one of {usable}" if usable else "no other checkpoint "
+                                 "is complete"))
+        return store.path_for(step)
+    passed_over = []
+    for checkpoint in reversed(complete):
+        problem = trainer_state_problem(checkpoint)
+        if problem is None:
+            for skipped, why in passed_over:
+                print(f"rlsys: {skipped} is incomplete ({why}); exporting {checkpoint.name}, the latest complete "
+                      "checkpoint", file=sys.stderr)
+            return checkpoint
+        passed_over.append((checkpoint, problem))
+    if not complete:
+        raise ConfigError(f"no checkpoint in {store.root.parent} (checkpoints are in RUN_DIR/checkpoints/step_N)")
+    raise ConfigError(f"no complete checkpoint in {store.root.parent}: "
+                      + "; ".join(f"{p.name}: {why}" for p, why in passed_over))
+
+
 def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path) -> Path:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    store = CheckpointStore(run_dir)
-    checkpoint = store.latest() if step is None else store.path_for(step)
-    if checkpoint is None or not (checkpoint / "dcp").is_dir():
-        available = [p.name for p in store.complete_checkpoints()]
-        raise ConfigError(f"no checkpoint {'(latest)' if step is None else step} in {run_dir}; found {available}")
+    checkpoint = checkpoint_to_export(CheckpointStore(run_dir), step)
     config = load_config(run_dir / "config.yaml")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot export to {out_dir}: {why_not_a_directory(out_dir, error)}; "
+                         "choose another output directory") from None
     base = Path(config.model.path)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     # The trainer's DCP keys are the model's own parameter names; load only the model part.
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
+    except Exception as error:  # noqa: BLE001 - a damaged shard the size check could not see
+        raise ConfigError(f"checkpoint {checkpoint} cannot be read ({type(error).__name__}: {error}); "
+                          "export another one with --step N") from None
     model.load_state_dict(state["model"])
-    out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer_dir = Path(config.model.tokenizer_dir)
     for name in _TOKENIZER_FILES:

@@ -77,6 +77,11 @@ def _module_from_file(path: Path, field: str) -> ModuleType:
     path = path.expanduser().resolve()
     if not path.is_file():
         raise RewardFunctionError(f"{field}: no such file {str(path)!r}")
+    if path.stem in sys.stdlib_module_names:
+        # Its folder goes first on the import path, where the file would stand in for that module
+        # (a reward worker's own start-up imports it, and breaks).
+        raise RewardFunctionError(f"{field}: the file {path.name!r} has the name of Python's standard-library "
+                                  f"module {path.stem!r}, which it would hide; rename the file")
     # Its own folder goes on the import path (as `python path/to/file.py` would put it), so the
     # file can import modules beside it, at load time or later inside the function.
     if str(path.parent) not in sys.path:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from rlsys.config import ConfigError
+from rlsys.errors import why_not_a_directory
 
 LOCK_FILE = "rlsys.lock"
 
@@ -54,7 +55,11 @@ class RunDirLock:
         self._held = False
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"run_dir {self.path.parent} cannot be used: "
+                              f"{why_not_a_directory(self.path.parent, error)}; choose another run_dir") from None
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": psutil.Process().create_time(),
               "locked_at": time.time()}
         for _ in range(2):

@@ -72,12 +72,13 @@ class ScoredBatch:
 
     def reward_metrics(self) -> dict:
         """Task rewards of every sample scored this step (before dynamic sampling drops any), and
-        what the reward function failed on."""
+        what the reward function failed on; reward_mean and reward_std are None when none scored."""
         rewards = self.task_rewards
-        mean = sum(rewards) / max(len(rewards), 1)
+        # No sample scored (every group's reward failed): missing (null), never a 0.0 that looks measured.
+        mean = sum(rewards) / len(rewards) if rewards else None
         metrics = {
             "reward_mean": mean,
-            "reward_std": (sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1)) ** 0.5,
+            "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5 if rewards else None,
             "reward_errors": self.reward_errors,
             "dropped_groups": self.dropped_groups,
         }

@@ -12,6 +12,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlsys.errors import UsageError, why_not_a_directory
+
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 # Every printable ASCII character except the ones that tokenizers treat specially in vocab files.
 CHARACTERS = list(string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/=?:>,.()[]")
@@ -28,6 +30,14 @@ class TinyModelSpec:
     intermediate_size: int = 256
     max_position_embeddings: int = 512
     seed: int = 0
+
+    def __post_init__(self):
+        # Rotary embeddings rotate pairs of a head's dimensions: each head needs an even size.
+        if self.hidden_size <= 0 or self.hidden_size % (2 * self.num_heads):
+            raise UsageError(f"--hidden-size must be a positive multiple of {2 * self.num_heads} ({self.num_heads} "
+                             f"attention heads of an even size), got {self.hidden_size}")
+        if self.num_layers < 1:
+            raise UsageError(f"--num-layers must be at least 1, got {self.num_layers}")
 
 
 # Chat variant: Qwen's turn markers (special tokens at the end of the vocabulary, so the plain
@@ -76,14 +86,25 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def _make_output_dir(out_dir: str | Path) -> Path:
+    """`out_dir`, created if missing; an existing file there, or a path that cannot be a directory,
+    is refused (UsageError) before anything is written."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot write to {out_dir}: {why_not_a_directory(out_dir, error)}; "
+                         "choose another output directory") from None
+    return out_dir
+
+
 def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), chat: bool = False) -> Path:
     """Write a tokenizer and a random-init Qwen2ForCausalLM (fp32, untied head) to `out_dir`;
     `chat`: the tokenizer has a chat template in its tokenizer_config, as Qwen's instruct models do."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _make_output_dir(out_dir)
     tokenizer = build_tokenizer(chat)
     # Twice: beside the model (rlsys loads it from there), and alone in tokenizer/. transformers'
     # AutoTokenizer (SGLang's loader) builds a Qwen2 BPE tokenizer for a directory whose config.json

@@ -235,3 +235,45 @@ class RewardService:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+def refused_by_cli(*args: str) -> str:
+    """Run `python -m rlsys.cli ARGS`; check that it ended as a user error (exit 2, one
+    `rlsys: error:` message, no traceback) and return its stderr."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "rlsys.cli", *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "rlsys: error: " in result.stderr and "Traceback" not in result.stderr, result.stderr
+    return result.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs mounted at tmp_path/"disk" (a disk that fills up), unmounted at the end; needs
+    root, as the machines that run the tests give."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def fill_disk(directory: Path) -> Path:
+    """Fill the file system of `directory` to the last byte with one file; returns it."""
+    import errno
+
+    filler = directory / "filler"
+    with filler.open("wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(b"\0" * 65536)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC, error
+    return filler

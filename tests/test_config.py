@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from rlsys.config import ConfigError, load_config
-from tests.conftest import write_config
+from tests.conftest import refused_by_cli, write_config
 
 
 def test_dotted_overrides_replace_values(tmp_path, tiny_model_dir):
@@ -110,3 +110,69 @@ def test_sampling_options_reach_the_engine_request_and_bad_ones_are_refused(tmp_
                         ("rollout.sampling.stop_token_ids=[-1]", "token ids >= 0")]:
         with pytest.raises(ConfigError, match=reason):
             load_config(path, [bad])
+
+
+def test_a_config_file_that_is_not_utf8_names_its_line(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    path.write_bytes(path.read_bytes() + b"# caf\xe9\n")
+    lines = path.read_bytes().count(b"\n")
+    with pytest.raises(ConfigError, match=rf"c\.yaml is not UTF-8 text \(byte 0xe9 on line {lines}\)"):
+        load_config(path)
+    assert "is not UTF-8 text (byte 0xe9" in refused_by_cli("train", str(path))
+
+
+def test_a_model_config_json_that_is_not_json_is_refused_by_train_and_plan(tmp_path, tiny_model_dir):
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    (model / "config.json").write_text('{"model_type": "qwen2",\n  "hidden_size": 64,,\n}')
+    path = write_config(tmp_path / "c.yaml", model)
+    for command in ("train", "plan"):
+        stderr = refused_by_cli(command, str(path))
+        assert f"{model / 'config.json'} is not valid JSON (Expecting property name enclosed in double quotes: " \
+               "line 2 column 21" in stderr, (command, stderr)
+
+
+def test_a_run_dir_that_is_a_file_or_under_one_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
+    from rlsys.run_lock import RunDirLock
+
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a directory")
+    stderr = refused_by_cli("train", str(path), f"run_dir={a_file}")
+    assert f"run_dir {a_file} cannot be used: {a_file} is a file, not a directory; choose another run_dir" in stderr
+    with pytest.raises(ConfigError, match=f"run_dir {a_file / 'run'} cannot be used: {a_file} is a file, not a dir"):
+        RunDirLock(a_file / "run").acquire()
+    assert a_file.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("override, shown", [
+    ("trainer.total_steps=true", "trainer.total_steps: expects a number, not true/false (got true)"),
+    ("trainer.lr=false", "trainer.lr: expects a number, not true/false (got false)"),
+    ("eval.max_prompts=true", "eval.max_prompts: expects a number, not true/false (got true)"),
+    ("rollout.max_staleness=true", "rollout.max_staleness: expects a number, not true/false (got true)"),
+    ("trainer.betas=[true, 0.9]", "trainer.betas: expects a number, not true/false (got [true, 0.9])"),
+    ("rollout.sampling.stop_token_ids=[2, true]", "rollout.sampling.stop_token_ids: expects a number"),
+    ("placement.engine_node_resources={gpu_node: true}", "placement.engine_node_resources: expects a number"),
+])
+def test_a_boolean_where_a_number_is_expected_is_refused(tmp_path, tiny_model_dir, override, shown):
+    """Read as 1 or 0 it would run silently wrong (total_steps=true: one step)."""
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, [override])
+    assert shown in str(error.value)
+
+
+def test_numbers_and_booleans_still_load_where_they_belong(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    config = load_config(path, ["trainer.lr=1e-5", "trainer.total_steps=3", "trainer.betas=[0, 0.5]",
+                                "trainer.offload_between_steps=true", "rollout.engine.radix_cache=false",
+                                "placement.engine_node_resources={gpu_node: 1}", "eval.max_prompts=null"])
+    assert (config.trainer.lr, config.trainer.total_steps, config.trainer.betas) == (1e-5, 3, (0.0, 0.5))
+    assert config.trainer.offload_between_steps is True and config.rollout.engine.radix_cache is False
+    assert config.placement.engine_node_resources == {"gpu_node": 1.0} and config.eval.max_prompts is None
+
+
+def test_a_directory_given_as_the_config_is_called_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory; name a YAML file"):
+        load_config(tmp_path)

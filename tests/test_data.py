@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from rlsys.config import ConfigError, DataConfig, SyntheticTaskConfig
-from rlsys.data import DatasetError, PromptSampler, load_splits, read_jsonl
+from rlsys.data import DatasetError, PromptRecord, PromptSampler, load_splits, read_jsonl, repeated_prompts_note
 from rlsys.reward_pool import RewardCall, score_calls
 from rlsys.rewards import RewardFunctionError, exact_match, last_number_match, load_reward_function
 from rlsys.rollout.engine import Generation
@@ -148,6 +148,18 @@ def test_reward_function_from_a_file_or_the_working_directory(tmp_path, monkeypa
         load_reward_function("broken_reward.py:score")
 
 
+def test_a_reward_file_named_like_a_standard_library_module_is_refused_at_load(tmp_path, monkeypatch):
+    """Its folder goes first on the import path: `string.py` would stand in for `string` in the
+    reward worker, which breaks while starting."""
+    (tmp_path / "string.py").write_text("def score(prompt, response, label, metadata):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(RewardFunctionError, match="reward.function: the file 'string.py' has the name of Python's "
+                                                  "standard-library module 'string', which it would hide; rename"):
+        load_reward_function("string.py:score")
+    assert str(tmp_path) not in sys.path  # refused before its folder went on the import path
+
+
 def test_a_reward_file_imports_modules_beside_it(tmp_path, monkeypatch):
     """Named by path from another working directory, at load time and inside the call."""
     task = tmp_path / "my_task"
@@ -191,3 +203,14 @@ def test_raising_reward_drops_its_group_and_is_counted(tiny_model_dir):
     assert batch.reward_errors == 2 and batch.dropped_groups == 1
     assert [s.record.prompt for s in batch.samples] == ["good", "good"]
     assert "KeyError" in batch.first_error
+
+
+def test_more_prompts_per_step_than_train_prompts_is_said_at_start():
+    """The sampler goes round the data within a step; the start-up note says so, with the numbers."""
+    records = [PromptRecord(f"p{i}", "0") for i in range(3)]
+    batch = PromptSampler(records, batch_size=7, seed=0).next_batch()
+    assert len(batch) == 7 and len({r.prompt for r in batch}) == 3  # the same prompts, several times
+    assert repeated_prompts_note(7, 3) == (
+        "data.prompts_per_step (7) is more than the 3 train prompts: each step trains each prompt 2.3 times on "
+        "average (lower data.prompts_per_step to at most 3 to see each prompt at most once per step)")
+    assert repeated_prompts_note(3, 3) is None

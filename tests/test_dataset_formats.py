@@ -79,3 +79,77 @@ def test_unsupported_or_missing_datasets_are_named(tmp_path):
     (tmp_path / "plain_dir").mkdir()
     with pytest.raises(DatasetError, match="written by datasets' save_to_disk"):
         read_records(tmp_path / "plain_dir")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv"])
+def test_an_empty_table_file_is_called_empty(tmp_path, suffix):
+    (tmp_path / f"d{suffix}").write_text("")
+    with pytest.raises(DatasetError, match=f"dataset {tmp_path / ('d' + suffix)} is empty: no rows$"):
+        read_records(tmp_path / f"d{suffix}", COLUMNS)
+
+
+def test_a_table_file_the_loader_refuses_gives_a_reason(tmp_path):
+    (tmp_path / "d.json").write_text("  \n")  # not empty, yet no JSON in it
+    with pytest.raises(DatasetError, match=r"cannot be read: \S") as error:
+        read_records(tmp_path / "d.json", COLUMNS)
+    assert not str(error.value).endswith(": ")
+
+
+def _rows_with_a_bad_byte(path):
+    """Three rows, the second's prompt holding the byte 0xe9 (Latin-1 "é"), which is not UTF-8, in
+    the format `path` names. Arrow writes no such string itself; a binary column viewed as text
+    stands in for a file another tool wrote."""
+    import pyarrow as pa
+
+    prompts = [b"2+2?", b"caf\xe9?", b"3*3?"]
+    if path.suffix in (".jsonl", ".json") and "array" not in path.name:
+        path.write_bytes(b"".join(b'{"question": "%s", "answer": %d}\n' % (p, i) for i, p in enumerate(prompts)))
+    elif path.suffix == ".json":
+        path.write_bytes(b"[" + b", ".join(b'{"question": "%s", "answer": %d}' % (p, i)
+                                           for i, p in enumerate(prompts)) + b"]")
+    elif path.suffix == ".csv":
+        path.write_bytes(b"question,answer\n" + b"".join(b"%s,%d\n" % (p, i) for i, p in enumerate(prompts)))
+    else:
+        table = pa.table({"question": pa.array(prompts, pa.binary()).view(pa.string()), "answer": [0, 1, 2]})
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, path)
+        else:
+            import datasets
+
+            datasets.Dataset(table).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("name, where", [
+    ("d.jsonl", r"d\.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 18\)"),
+    ("lines.json", r"lines\.json:2: not valid UTF-8 \(byte 0xe9 at column 18\)"),
+    ("array.json", r"array\.json:row 2: not valid UTF-8 \(byte 0xe9 in field 'question'\)"),
+    ("d.csv", r"d\.csv:row 2: not valid UTF-8 \(byte 0xe9 in column 'question'\)"),
+    ("d.parquet", r"d\.parquet:row 2: not valid UTF-8 \(byte 0xe9 in column 'question'\)"),
+    ("saved", r"saved:row 2: not valid UTF-8 \(byte 0xe9 in column 'question'\)"),
+])
+def test_a_row_that_is_not_utf8_is_named_or_skipped_and_counted_in_every_format(tmp_path, name, where):
+    path = _rows_with_a_bad_byte(tmp_path / name)
+    columns = Columns(prompt="question", label="answer")
+    with pytest.raises(DatasetError, match=where):
+        read_records(path, columns)
+    config = DataConfig(train_path=str(path), prompt_key="question", label_key="answer", skip_invalid_rows=True)
+    splits = load_splits(config, seed=0)
+    assert [(r.prompt, r.label) for r in splits.train] == [("2+2?", "0"), ("3*3?", "2")]
+    assert splits.skipped_rows == 1
+
+
+def test_csv_lines_with_the_wrong_field_count_and_bad_json_lines_are_rows_to_skip(tmp_path):
+    columns = Columns(prompt="question", label="answer")
+    (tmp_path / "d.csv").write_text("question,answer\n2+2?,4\n3*3?,9,extra\n1+1?,2\n")
+    with pytest.raises(DatasetError, match=r"d\.csv:3: 3 fields, the header has 2"):
+        read_records(tmp_path / "d.csv", columns)
+    records, skipped = read_records(tmp_path / "d.csv", columns, skip_invalid=True)
+    assert [r.prompt for r in records] == ["2+2?", "1+1?"] and skipped == 1
+    (tmp_path / "d.json").write_text('{"question": "2+2?", "answer": 4}\n{"question": \n{"question": "b", "answer": 1}\n')
+    with pytest.raises(DatasetError, match=r"d\.json:2: not valid JSON"):
+        read_records(tmp_path / "d.json", columns)
+    records, skipped = read_records(tmp_path / "d.json", columns, skip_invalid=True)
+    assert [r.prompt for r in records] == ["2+2?", "b"] and skipped == 1

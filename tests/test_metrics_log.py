@@ -3,11 +3,16 @@ new log, and truncation on resume that rewrites the file atomically."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import re
 from pathlib import Path
 
-from rlsys.metrics import MetricsLog
+import pytest
+
+from rlsys.metrics import MetricsFileError, MetricsLog, read_metrics
+from tests.conftest import fill_disk
 
 
 def _lines(path: Path) -> list[dict]:
@@ -115,3 +120,50 @@ def test_truncate_from_without_a_file_does_nothing(tmp_path):
     path = tmp_path / "metrics.jsonl"
     MetricsLog(path).truncate_from(3)
     assert list(tmp_path.iterdir()) == []
+
+
+def _torn(path: Path, rows: int) -> None:
+    """`rows` whole rows, then the first half of one more: an append a kill or a full disk cut off."""
+    whole = "".join(json.dumps({"step": step, "loss": 0.5}) + "\n" for step in range(rows))
+    path.write_text(whole + json.dumps({"step": rows, "loss": 0.5})[:9])
+
+
+def test_a_cut_off_last_line_is_dropped_with_a_warning_naming_it(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    _torn(path, 3)
+    assert read_metrics(path) == [{"step": step, "loss": 0.5} for step in range(3)]
+    assert f"rlsys: warning: {path}:4: the last line is cut off" in capsys.readouterr().err
+
+
+def test_any_other_bad_line_names_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for text, line in [('{"step": 0}\n{"step": 1, "lo\n{"step": 2}\n', 2),  # torn, then appended to
+                       ('{"step": 0}\n{"step": 1\n', 2),  # a whole line (it ends) that is not JSON
+                       ('{"step": 0}\n[1, 2]\n', 2),  # JSON, but not a row
+                       ('\xff{"step": 0}\n{"step": 1}\n', 1)]:
+        path.write_text(text, encoding="latin-1")
+        with pytest.raises(MetricsFileError, match=f"^{re.escape(str(path))}:{line}: not a JSON object"):
+            read_metrics(path)
+
+
+def test_a_resume_rewrites_a_file_with_a_cut_off_last_line_whole_and_warns_once(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    _torn(path, 5)
+    log = MetricsLog(path)
+    log.truncate_from(3)  # as a resume from the step-3 checkpoint does
+    log.append({"step": 3, "loss": 0.25})
+    assert _lines(path) == [{"step": 0, "loss": 0.5}, {"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.5},
+                            {"step": 3, "loss": 0.25}]
+    assert capsys.readouterr().err.count("the last line is cut off") == 1
+
+
+def test_an_append_on_a_full_disk_leaves_no_cut_off_line(small_disk):
+    path = small_disk / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.append({"step": 0})
+    fill_disk(small_disk)
+    # longer than what is left of the file's page: part of it is written before the disk refuses
+    with pytest.raises(OSError) as error:
+        log.append({"step": 1, "note": "x" * 8192})
+    assert error.value.errno == errno.ENOSPC
+    assert _lines(path) == [{"step": 0}] == log.rows == MetricsLog(path).rows

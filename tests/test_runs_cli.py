@@ -3,12 +3,14 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from rlsys.cli import main
 from rlsys.metrics import MetricsLog
 from rlsys.runs import compare_rows
+from tests.conftest import refused_by_cli, write_config
 
 
 def _fake_run(root, name, state, rewards, evals_every=10, total=None, started=1_800_000_000.0):
@@ -105,3 +107,106 @@ def test_the_command_skips_only_the_teardown_atexit_handlers_output_and_exit_cod
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "is not a run directory" in bad.stderr
     assert "atexit handler ran" in bad.stdout
+
+
+def test_status_of_something_that_is_not_a_url_is_a_usage_error():
+    for url in ("not-a-url", "http://127.0.0.1:99999"):
+        assert f"{url!r} is not the http:// URL of a status server" in refused_by_cli("status", url)
+
+
+def test_serve_refuses_a_port_out_of_range(runs_root):
+    stderr = refused_by_cli("serve", str(runs_root / "baseline"), "--port", "99999")
+    assert "--port must be a TCP port, 0-65535 (0 picks a free one), got 99999" in stderr
+
+
+def test_make_tiny_model_refuses_a_file_in_the_way_and_impossible_sizes(tmp_path):
+    a_file = tmp_path / "model"
+    a_file.write_text("keep me")
+    assert f"cannot write to {a_file}: {a_file} is a file, not a directory" in refused_by_cli("make-tiny-model", str(a_file))
+    assert a_file.read_text() == "keep me"
+    for flags, message in [(["--hidden-size", "-4"], "--hidden-size must be a positive multiple of 8"),
+                           (["--hidden-size", "12"], "--hidden-size must be a positive multiple of 8"),
+                           (["--num-layers", "0"], "--num-layers must be at least 1, got 0")]:
+        assert message in refused_by_cli("make-tiny-model", str(tmp_path / "new"), *flags)
+        assert not (tmp_path / "new").exists()
+
+
+def _checkpointed_run(run_dir, model_dir, steps):
+    """A run directory as `rlsys train` leaves it: config.yaml and a real trainer checkpoint (DCP
+    shards, rank state, coordinator.json) after each of `steps`, the weights changed between them;
+    returns each checkpoint's model weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlsys.actors.checkpoint import save_trainer_checkpoint
+    from rlsys.checkpointing import CheckpointStore, CoordinatorState
+
+    run_dir.mkdir()
+    write_config(run_dir / "config.yaml", model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    store, weights = CheckpointStore(run_dir), {}
+    for step in steps:
+        model(torch.tensor([[4, 5, 6, 7]]), labels=torch.tensor([[4, 5, 6, 7]])).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        store.save(step, lambda directory: save_trainer_checkpoint(Path(directory), model, optimizer, scheduler, 0),
+                   CoordinatorState(step, step, 0, 0))
+        weights[step] = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    return weights
+
+
+def test_export_passes_over_a_truncated_checkpoint_and_refuses_a_file_as_output(tmp_path, tiny_model_dir):
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    weights = _checkpointed_run(run_dir, tiny_model_dir, steps=[1, 2])
+    shard = run_dir / "checkpoints" / "step_00000002" / "dcp" / "__0_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])  # a copy cut short
+
+    stderr = refused_by_cli("export", str(run_dir), str(tmp_path / "out"), "--step", "2")
+    assert (f"step_00000002 is incomplete: dcp/__0_0.distcp is truncated ({size // 2} of {size} bytes); "
+            "export another with --step N, one of [1]") in stderr
+    a_file = tmp_path / "out.safetensors"
+    a_file.write_text("keep me")
+    assert f"cannot export to {a_file}: {a_file} is a file, not a directory" in refused_by_cli(
+        "export", str(run_dir), str(a_file))
+    assert a_file.read_text() == "keep me"
+
+    result = subprocess.run([sys.executable, "-m", "rlsys.cli", "export", str(run_dir), str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "step_00000002 is incomplete (dcp/__0_0.distcp is truncated" in result.stderr
+    assert "exporting step_00000001, the latest complete checkpoint" in result.stderr
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert exported.keys() == weights[1].keys()
+    assert all(torch.equal(exported[name], weights[1][name]) for name in exported)
+    assert not all(torch.equal(weights[1][name], weights[2][name]) for name in exported)  # step 1 it is
+
+
+def test_runs_compare_and_serve_read_a_run_whose_last_metrics_line_is_cut_off(runs_root, capsys):
+    from rlsys.status.state import RunStatus
+
+    metrics = runs_root / "dapo" / "metrics.jsonl"
+    with metrics.open("a") as handle:
+        handle.write('{"step": 12, "reward_m')  # the driver was killed in the middle of an append
+    assert main(["runs", str(runs_root)]) == 0
+    captured = capsys.readouterr()
+    dapo = next(line for line in captured.out.splitlines() if "dapo" in line)
+    assert [cell.strip() for cell in dapo.split("│")[1:4]] == ["dapo", "running", "12 / 30"]
+    assert f"rlsys: warning: {metrics}:13: the last line is cut off" in captured.err
+    assert main(["compare", str(runs_root / "baseline"), str(runs_root / "dapo")]) == 0
+    assert RunStatus.from_run_dir(runs_root / "dapo").step == 12  # what `rlsys serve` shows
+
+
+def test_runs_compare_and_serve_name_the_file_and_line_of_any_other_bad_metrics_line(runs_root, capsys):
+    metrics = runs_root / "dapo" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(lines[:4]) + "garbage\n" + "".join(lines[4:]))
+    for command in (["runs", str(runs_root)], ["compare", str(runs_root / "baseline"), str(runs_root / "dapo")],
+                    ["serve", str(runs_root / "dapo"), "--port", "0"]):
+        assert main(command) == 2
+        assert capsys.readouterr().err.startswith(f"rlsys: error: {metrics}:5: not a JSON object")

@@ -65,3 +65,27 @@ def test_truncated_responses_leave_the_loss_only_when_asked(tokenizer):
     assert masked[0].loss_mask is None and masked[1].loss_mask == [0, 0, 0]
     assert [s.loss_tokens for s in masked] == [1, 0]
     assert truncated_fraction(generations) == 0.5
+
+
+def test_a_step_with_no_scored_sample_reports_its_reward_as_missing_not_zero(tokenizer, tmp_path):
+    """Every group's reward failed: metrics.jsonl, trackers, the status page and `rlsys runs` show no reward
+    for the step, rather than a 0.0 that reads like a measured one."""
+    from rlsys.metrics import MetricsLog, read_metrics
+    from rlsys.runs import RunSummary
+    from rlsys.status.server import prometheus_text
+    from rlsys.status.state import RunStatus
+    from rlsys.tracking import numeric_metrics
+
+    records = [PromptRecord("a", "1")]
+    batch = score_groups(records, [_generation(tokenizer, t) for t in ("1", "0")], 2, tokenizer,
+                         lambda calls: score_calls(lambda *a: float("nan"), calls, timeout_s=10))
+    metrics = batch.reward_metrics()
+    assert metrics["reward_errors"] == 2 and metrics["reward_mean"] is None and metrics["reward_std"] is None
+    row = {"step": 0, **metrics}
+    MetricsLog(tmp_path / "metrics.jsonl").append(row)
+    assert read_metrics(tmp_path / "metrics.jsonl") == [row]  # null in the file
+    assert "reward_mean" not in numeric_metrics(row) and numeric_metrics(row)["reward_errors"] == 2.0
+    status = RunStatus(run_id="r", total_steps=1, run_dir=str(tmp_path))
+    status.record_step(row)
+    assert "rlsys_reward_mean" not in prometheus_text(status) and "rlsys_reward_errors 2" in prometheus_text(status)
+    assert RunSummary.read(tmp_path).last_reward is None

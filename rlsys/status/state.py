@@ -7,6 +7,7 @@ RUN_DIR/status.json so `rlsys serve RUN_DIR` can show a finished run.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -149,7 +150,16 @@ class RunStatus:
             snapshot = {**self.summary(), "actors": [asdict(a) for a in self.actors]}
         path = Path(self.run_dir) / "status.json"
         temporary = path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(snapshot))
+        try:
+            temporary.write_text(json.dumps(snapshot))
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            if error.errno != errno.ENOSPC or not path.is_file():
+                raise
+            # A full disk: rewritten in place, in the space the old snapshot frees, so that a failed
+            # run's end is still recorded (not atomic, but a stale "running" state would stay forever).
+            path.write_text(json.dumps(snapshot))
+            return
         os.replace(temporary, path)
 
     @classmethod
