@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import ray
 
-from rlsys.interrupts import children_shielded_from_stop_signals
+from rlsys.interrupts import children_in_process_groups_of_their_own
 
 # Every actor process: one BLAS thread each (the machine's cores are shared by all ranks).
 ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -27,7 +27,7 @@ def ray_cluster(address: str | None, local_num_cpus: int, local_resources: dict[
     else:
         # A local cluster keeps Ray's default token authentication; its start-up warning that token
         # auth is on (RAY_AUTH_MODE unset) asks nothing of a user of this one-process cluster.
-        with _quiet(_RAY_AUTH_LOGGER), children_shielded_from_stop_signals():
+        with _quiet(_RAY_AUTH_LOGGER), children_in_process_groups_of_their_own():
             ray.init(num_cpus=local_num_cpus, resources=local_resources or None, include_dashboard=False,
                      runtime_env={"env_vars": ACTOR_ENV}, **kwargs)
     try:

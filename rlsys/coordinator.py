@@ -24,7 +24,7 @@ from pathlib import Path
 from ray.exceptions import RayError
 
 from rlsys.assets import RunAssets, load_assets
-from rlsys.checkpointing import Checkpointer, CheckpointStore, CoordinatorState
+from rlsys.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume
 from rlsys.cluster import ray_cluster
 from rlsys.config import RunConfig, dump_config
 from rlsys.data import PromptSampler, repeated_prompts_note
@@ -291,7 +291,7 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
         try:
             return train_loop(run)
         except RayError as error:
-            checkpoint = store.latest()
+            checkpoint, _ = store.latest_loadable()
             if resumes >= run.config.checkpoint.max_auto_resumes or checkpoint is None:
                 raise
             group = run.parts.trainer
@@ -431,7 +431,7 @@ def _stop_on_signals(status: RunStatus) -> None:
     """SIGTERM, or SIGINT (Ctrl-C), stops the run as POST /api/v1/stop does: after the current
     step, with a checkpoint. A second one stops at once (engines and trainers are still shut down).
     The processes a signal to the whole process group also reaches never receive it
-    (`children_shielded_from_stop_signals`)."""
+    (rlsys.interrupts)."""
     def _stop(signum, frame):
         if status.stop_requested:
             raise StoppedAtOnce(signum)
@@ -480,7 +480,7 @@ def run(config: RunConfig) -> Path:
     config = with_absolute_paths(config, config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
     run_dir = Path(config.run_dir)
     store = CheckpointStore(run_dir, config.checkpoint.keep_last)
-    checkpoint = store.latest() if config.checkpoint.resume == "auto" else None
+    checkpoint = checkpoint_to_resume(store) if config.checkpoint.resume == "auto" else None
     lock = RunDirLock(run_dir)
     lock.acquire()  # before anything is written there
     try:

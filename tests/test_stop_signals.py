@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from rlsys.coordinator import StoppedAtOnce, _stop_on_signals
-from rlsys.interrupts import children_shielded_from_stop_signals
+from rlsys.interrupts import children_in_process_groups_of_their_own, children_shielded_from_stop_signals
 from rlsys.status.state import RunStatus
 from rollout.server import _die_with_parent
 from tests.conftest import REPO, Leftovers, started_run
@@ -56,6 +56,34 @@ def test_a_child_that_installs_its_own_handler_still_does_not_get_the_signal(sig
     assert child.wait(timeout=30) == 0  # slept its 2 s to the end
 
 
+@pytest.mark.parametrize("signum", STOP_SIGNALS)
+def test_ray_daemons_lead_process_groups_no_group_signal_reaches_yet_their_own_sigterm_ends_them(signum):
+    """How the local Ray cluster starts (rlsys.cluster): GCS and raylet install SIGTERM handlers and
+    exit on them, so the driver's group signal must not reach them; ray.shutdown's own SIGTERM must
+    (it waits 1 s per process that ignores it before SIGKILL)."""
+    child_code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); "
+                  "signal.signal(signal.SIGINT, lambda *a: sys.exit(4)); print('ready', flush=True); time.sleep(600)")
+    # the test's own process group, so that the group signal below reaches nothing else
+    group_leader = subprocess.Popen([sys.executable, "-c", (
+        "import signal, subprocess, sys, time\n"
+        "from rlsys.interrupts import children_in_process_groups_of_their_own\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "with children_in_process_groups_of_their_own():\n"
+        f"    child = subprocess.Popen([sys.executable, '-c', {child_code!r}], stdout=subprocess.PIPE, text=True)\n"
+        "assert child.stdout.readline().strip() == 'ready'\n"
+        "import os; print(os.getpgid(child.pid) == child.pid != os.getpgid(0), flush=True)\n"
+        f"os.killpg(0, {int(signum)}); time.sleep(1)\n"
+        "print(child.poll(), flush=True)\n"
+        "child.terminate(); print(child.wait(timeout=60), flush=True)\n")],
+        stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    out, _ = group_leader.communicate(timeout=120)
+    assert group_leader.returncode == 0
+    assert out.split() == ["True", "None", "3"]  # its own group; untouched by the group signal; SIGTERM ends it
+    with children_in_process_groups_of_their_own():
+        pass
+    assert subprocess.Popen.__init__.__qualname__ == "Popen.__init__"  # the patch is gone after the block
+
+
 def test_it_works_from_any_thread_and_leaves_that_threads_mask_as_it_was():
     seen = []
 
@@ -76,7 +104,7 @@ def test_spawned_multiprocessing_workers_never_get_them_even_the_first():
     is not running yet."""
     code = ("import multiprocessing, signal\n"
             "from concurrent.futures import ProcessPoolExecutor\n"
-            "from rlsys.interrupts import children_shielded_from_stop_signals\n"
+            "from rlsys.interrupts import children_in_process_groups_of_their_own, children_shielded_from_stop_signals\n"
             "if __name__ == '__main__':\n"
             "    with children_shielded_from_stop_signals():\n"
             "        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'))\n"
