@@ -72,6 +72,33 @@ def read_model_config(model_dir: str | Path) -> dict:
     return model_config
 
 
+# The tokenizer's own JSON files, as transformers reads them (config.json is read_model_config's).
+_TOKENIZER_JSON_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                         "vocab.json")
+
+
+def _load_tokenizer_checked(config: RunConfig, tokenizer_dir: Path):
+    """`load_tokenizer`; when it fails on a file that is not JSON (a copy cut short, an edit gone
+    wrong), a ConfigError naming the file and the setting that points at it. The files are looked
+    at only after a failure: a good tokenizer.json is parsed once, by transformers."""
+    option = "model.tokenizer_path" if config.model.tokenizer_path else "model.path"
+    try:
+        return load_tokenizer(tokenizer_dir)
+    except Exception:
+        for path in (tokenizer_dir / name for name in _TOKENIZER_JSON_FILES):
+            if not path.is_file():
+                continue
+            try:
+                content = json.loads(path.read_bytes())
+            except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+                raise ConfigError(f"invalid config: {option} {tokenizer_dir}: {path} is not valid JSON ({error}); "
+                                  f"point {option} at a complete tokenizer") from None
+            if not isinstance(content, dict):
+                raise ConfigError(f"invalid config: {option} {tokenizer_dir}: {path} must hold a JSON object, "
+                                  f"not a {type(content).__name__}") from None
+        raise
+
+
 def load_assets(config: RunConfig) -> RunAssets:
     model_dir = Path(config.model.path)
     if not (model_dir / "config.json").is_file():
@@ -90,7 +117,7 @@ def load_assets(config: RunConfig) -> RunAssets:
     if not (tokenizer_dir / "tokenizer_config.json").is_file():
         raise ConfigError(f"invalid config: no tokenizer in {tokenizer_dir} (no tokenizer_config.json); "
                           "set model.tokenizer_path to the tokenizer's directory")
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = _load_tokenizer_checked(config, tokenizer_dir)
     if config.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"invalid config: data.apply_chat_template is on but the tokenizer in {tokenizer_dir} "
                           "has no chat template")

@@ -65,6 +65,18 @@ class CheckpointStore:
         complete = self.complete_checkpoints()
         return complete[-1] if complete else None
 
+    def latest_loadable(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The latest checkpoint whose trainer state is whole (`trainer_state_problem`), and the
+        later ones passed over, newest first, each with why: files cut short after the save (a copy
+        interrupted, a disk filled by something else)."""
+        passed_over = []
+        for checkpoint in reversed(self.complete_checkpoints()):
+            problem = trainer_state_problem(checkpoint)
+            if problem is None:
+                return checkpoint, passed_over
+            passed_over.append((checkpoint, problem))
+        return None, passed_over
+
     def save(self, step: int, write_trainer_state: Callable[[str], None], state: CoordinatorState) -> Path:
         """Write a checkpoint named after `step` (the number of finished steps) atomically."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -119,6 +131,22 @@ def trainer_state_problem(checkpoint: Path) -> str | None:
         if shard.stat().st_size < size:
             return f"dcp/{name} is truncated ({shard.stat().st_size} of {size} bytes)"
     return None
+
+
+def checkpoint_to_resume(store: CheckpointStore) -> Path | None:
+    """The checkpoint `--resume` continues from: the latest loadable one, saying in one line which
+    later ones it passes over and why (loading one would fail on every trainer rank after Ray and
+    the engines started). None when there is no checkpoint; a ConfigError when none is loadable."""
+    from rlsys.config import ConfigError
+
+    checkpoint, passed_over = store.latest_loadable()
+    reasons = "; ".join(f"{path} is incomplete ({why})" for path, why in passed_over)
+    if passed_over and checkpoint is None:
+        raise ConfigError(f"no checkpoint in {store.root} can be resumed: {reasons}; copy the run directory "
+                          "again, or start over in another run_dir")
+    if passed_over:
+        print(f"rlsys: {reasons}; resuming from {checkpoint.name}, the latest complete checkpoint", flush=True)
+    return checkpoint
 
 
 def python_random_state() -> list:

@@ -69,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
     # A finished run takes no control calls; beyond loopback its reads need the token.
     token = os.environ.get("RLSYS_STATUS_TOKEN") or None
     server = StatusServer(status, args.host, args.port, token=token,
-                          allow_unauthenticated_read=args.allow_unauthenticated_read)
+                          allow_unauthenticated_read=args.allow_unauthenticated_read, option_prefix="--")
     url = server.start()
     print(f"rlsys: serving {args.run_dir} ({status.state}, {status.step} steps) at {url}/", flush=True)
     try:

@@ -33,15 +33,12 @@ def checkpoint_to_export(store: CheckpointStore, step: int | None) -> Path:
                               + (f"export another with --step N, one of {usable}" if usable else "no other checkpoint "
                                  "is complete"))
         return store.path_for(step)
-    passed_over = []
-    for checkpoint in reversed(complete):
-        problem = trainer_state_problem(checkpoint)
-        if problem is None:
-            for skipped, why in passed_over:
-                print(f"rlsys: {skipped} is incomplete ({why}); exporting {checkpoint.name}, the latest complete "
-                      "checkpoint", file=sys.stderr)
-            return checkpoint
-        passed_over.append((checkpoint, problem))
+    checkpoint, passed_over = store.latest_loadable()
+    if checkpoint is not None:
+        for skipped, why in passed_over:
+            print(f"rlsys: {skipped} is incomplete ({why}); exporting {checkpoint.name}, the latest complete "
+                  "checkpoint", file=sys.stderr)
+        return checkpoint
     if not complete:
         raise ConfigError(f"no checkpoint in {store.root.parent} (checkpoints are in RUN_DIR/checkpoints/step_N)")
     raise ConfigError(f"no complete checkpoint in {store.root.parent}: "

@@ -133,6 +133,29 @@ def test_a_model_config_json_that_is_not_json_is_refused_by_train_and_plan(tmp_p
                "line 2 column 21" in stderr, (command, stderr)
 
 
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json"])
+def test_a_tokenizer_file_that_is_not_json_is_refused_by_train_naming_it(tmp_path, tiny_model_dir, name):
+    """A copy cut short: `rlsys train` names the file and model.path (or model.tokenizer_path) with
+    exit 2, before anything starts (`rlsys plan` does not read the tokenizer)."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    text = (model / name).read_text()
+    (model / name).write_text(text[: len(text) // 2])
+    try:
+        json.loads(text[: len(text) // 2])
+    except json.JSONDecodeError as error:
+        reason = str(error)
+    path = write_config(tmp_path / "c.yaml", model)
+    stderr = refused_by_cli("train", str(path))
+    assert f"invalid config: model.path {model}: {model / name} is not valid JSON ({reason}); " \
+           "point model.path at a complete tokenizer" in stderr, stderr
+    separate = write_config(tmp_path / "separate.yaml", tiny_model_dir, model={
+        "path": str(tiny_model_dir), "tokenizer_path": str(model)})
+    assert f"model.tokenizer_path {model}: {model / name} is not valid JSON" in refused_by_cli("train", str(separate))
+
+
 def test_a_run_dir_that_is_a_file_or_under_one_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
     from rlsys.run_lock import RunDirLock
 

@@ -119,6 +119,19 @@ def test_serve_refuses_a_port_out_of_range(runs_root):
     assert "--port must be a TCP port, 0-65535 (0 picks a free one), got 99999" in stderr
 
 
+def test_serve_on_a_port_in_use_or_an_address_not_of_this_machine_is_a_usage_error(runs_root):
+    import socket
+
+    run_dir = str(runs_root / "baseline")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        stderr = refused_by_cli("serve", run_dir, "--port", str(port))
+    assert f"--port {port} on 127.0.0.1 is in use; pick another --port, or --port 0 for a free one" in stderr
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no machine's address
+    stderr = refused_by_cli("serve", run_dir, "--host", "192.0.2.1", "--port", "0", "--allow-unauthenticated-read")
+    assert "--host 192.0.2.1 is not an address of this machine" in stderr
+
+
 def test_make_tiny_model_refuses_a_file_in_the_way_and_impossible_sizes(tmp_path):
     a_file = tmp_path / "model"
     a_file.write_text("keep me")
@@ -185,6 +198,35 @@ def test_export_passes_over_a_truncated_checkpoint_and_refuses_a_file_as_output(
     assert exported.keys() == weights[1].keys()
     assert all(torch.equal(exported[name], weights[1][name]) for name in exported)
     assert not all(torch.equal(weights[1][name], weights[2][name]) for name in exported)  # step 1 it is
+
+
+def test_resume_passes_over_a_truncated_checkpoint_naming_it_and_the_one_it_resumes_from(tmp_path, tiny_model_dir,
+                                                                                         capsys):
+    import shutil
+
+    from rlsys.checkpointing import STATE_FILE, CheckpointStore, checkpoint_to_resume
+    from rlsys.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    _checkpointed_run(run_dir, tiny_model_dir, steps=[1, 2])
+    store = CheckpointStore(run_dir)
+    assert checkpoint_to_resume(store) == store.path_for(2) and capsys.readouterr().out == ""
+    # a save that did not finish (no coordinator.json, written last) is no checkpoint: passed over unsaid
+    unfinished = shutil.copytree(store.path_for(2), store.path_for(3))
+    (unfinished / STATE_FILE).unlink()
+    assert checkpoint_to_resume(store) == store.path_for(2) and capsys.readouterr().out == ""
+
+    shard = store.path_for(2) / "dcp" / "__0_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])  # a copy cut short
+    assert checkpoint_to_resume(store) == store.path_for(1)
+    assert capsys.readouterr().out == (
+        f"rlsys: {store.path_for(2)} is incomplete (dcp/__0_0.distcp is truncated ({size // 2} of {size} bytes)); "
+        "resuming from step_00000001, the latest complete checkpoint\n")
+    (store.path_for(1) / "dcp" / ".metadata").unlink()
+    with pytest.raises(ConfigError, match=f"no checkpoint in {store.root} can be resumed: {store.path_for(2)} is "
+                       r"incomplete \(dcp/__0_0.distcp is truncated .*; .*step_00000001 is incomplete \(its index"):
+        checkpoint_to_resume(store)
 
 
 def test_runs_compare_and_serve_read_a_run_whose_last_metrics_line_is_cut_off(runs_root, capsys):

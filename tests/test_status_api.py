@@ -124,6 +124,30 @@ def test_binding_beyond_loopback_needs_a_token_or_an_explicit_opt_in(tmp_path):
     assert read_token_for("10.1.2.3", None, True) is None  # published on purpose
 
 
+def test_the_runs_status_server_on_a_port_in_use_or_an_address_not_of_this_machine_is_a_config_error(
+        tmp_path, tiny_model_dir):
+    """`rlsys train`'s status server (started before Ray): ConfigError, printed as `rlsys: error:`
+    with exit 2, naming the setting; no RuntimeError from the server's thread."""
+    import socket
+
+    from rlsys.config import ConfigError, load_config
+    from rlsys.status.reporting import status_server
+    from tests.conftest import write_config
+
+    path = write_config(tmp_path / "config.yaml", tiny_model_dir)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        config = load_config(path, [f"status.port={port}"])
+        message = f"status.port {port} on 127.0.0.1 is in use; pick another status.port, or status.port=0 for a free one"
+        with pytest.raises(ConfigError, match=message), status_server(config, _status(tmp_path)):
+            pass
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no machine's address
+    config = load_config(path, ["status.host=192.0.2.1", "status.port=0", "status.allow_unauthenticated_read=true"])
+    with pytest.raises(ConfigError, match="status.host 192.0.2.1 is not an address of this machine"), \
+            status_server(config, _status(tmp_path)):
+        pass
+
+
 def test_reads_need_the_token_when_the_server_is_exposed(tmp_path):
     client = TestClient(build_app(_status(tmp_path), token="s3cret", read_token="s3cret"))
     for path in ("/api/v1/status", "/api/v1/metrics", "/api/v1/actors", "/metrics"):

@@ -217,30 +217,47 @@ def read_token_for(host: str, token: str | None, allow_unauthenticated_read: boo
     return token
 
 
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is fine
-        try:
-            sock.bind((host, port))
-            return True
-        except OSError:
-            return False
+def listening_socket(host: str, port: int, option_prefix: str = "status.") -> socket.socket:
+    """A socket listening on host:port for uvicorn to serve on. Bound here, in the caller's thread,
+    because uvicorn's own bind fails inside its thread with only a log line, and a free-port check
+    before it races with other processes. `option_prefix` names the user's settings in messages:
+    "status." (the run's config) or "--" (`rlsys serve`'s flags)."""
+    import errno
+    import os
+
+    from rlsys.config import ConfigError
+
+    host_option, port_option = f"{option_prefix}host", f"{option_prefix}port"
+    zero = f"{port_option}=0" if option_prefix == "status." else f"{port_option} 0"
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as error:
+        raise ConfigError(f"{host_option} {host} is not an address of this machine: {error.strerror}") from None
+    try:
+        return socket.create_server(address[:2], family=family)  # SO_REUSEADDR, as uvicorn: TIME_WAIT is fine
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{port_option} {port} on {host} is in use; pick another {port_option}, "
+                              f"or {zero} for a free one") from None
+        if error.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"{host_option} {host} is not an address of this machine "
+                              f"({os.strerror(error.errno)})") from None
+        raise ConfigError(f"cannot serve on {host} port {port} ({host_option}, {port_option}): "
+                          f"{os.strerror(error.errno) if error.errno else error}") from None
 
 
 class StatusServer:
     """uvicorn serving `build_app` on a background thread."""
 
     def __init__(self, status: RunStatus, host: str, port: int, token: str | None,
-                 allow_unauthenticated_read: bool = False):
-        from rlsys.config import ConfigError
-
+                 allow_unauthenticated_read: bool = False, option_prefix: str = "status."):
         read_token = read_token_for(host, token, allow_unauthenticated_read)
-        if port and not port_is_free(host, port):
-            raise ConfigError(f"status.port {port} on {host} is in use; pick another, or status.port=0 for a free one")
+        self._socket = listening_socket(host, port, option_prefix)
         config = uvicorn.Config(build_app(status, token, read_token), host=host, port=port, log_level="warning",
                                 access_log=False, lifespan="off", limit_concurrency=MAX_CONCURRENT_REQUESTS)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="rlsys-status", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="rlsys-status", daemon=True)
         self.host = host
 
     def start(self, timeout_s: float = 15.0) -> str:
@@ -250,7 +267,7 @@ class StatusServer:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError("the status server did not start")
             time.sleep(0.05)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
+        port = self._socket.getsockname()[1]
         self.url = f"http://{self.host}:{port}"
         return self.url
 
