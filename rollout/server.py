@@ -128,7 +128,9 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int, api_
     if api_key and api_key_in(engine.extra_args) is None:
         # The server listens on its node's address: every request, weight updates included, must
         # carry the run's key (SGLang's add_api_key_middleware; /health and /metrics stay open).
-        command += ["--api-key", api_key]
+        # One token with `=`: a key beginning with "-" (secrets.token_urlsafe gives one in 64) would be
+        # read by argparse as an option and SGLang would refuse to start.
+        command.append(f"--api-key={api_key}")
     if not spec.radix_cache:
         command.append("--disable-radix-cache")
     if engine.skip_tokenizer_init:

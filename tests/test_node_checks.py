@@ -127,7 +127,7 @@ def test_engines_listen_on_the_address_given_and_require_their_key(tiny_model_di
     server = SGLangServer(spec, make_backend(False), "engine-0", "/tmp/unused.log", host="127.0.0.1")
     command = build_command(spec, make_backend(False), "127.0.0.1", server.port, server.api_key)
     assert command[command.index("--host") + 1] == "127.0.0.1"
-    assert command[command.index("--api-key") + 1] == server.api_key == server.address.api_key
+    assert f"--api-key={server.api_key}" in command and server.api_key == server.address.api_key
     assert server.api_key not in repr(server.address) and server.api_key not in str(server.address)
     assert build_env(spec, make_backend(False), "127.0.0.1")[GLOO_INTERFACE_ENV] == "lo"
     # a key the user set in extra_args is the one used, and not passed twice
@@ -135,6 +135,8 @@ def test_engines_listen_on_the_address_given_and_require_their_key(tiny_model_di
     own_server = SGLangServer(own, make_backend(False), "engine-1", "/tmp/unused.log")
     assert own_server.api_key == "mine"
     assert build_command(own, make_backend(False), "127.0.0.1", 1, own_server.api_key).count("--api-key") == 1
+    assert not any(arg.startswith("--api-key=") for arg in build_command(own, make_backend(False), "127.0.0.1", 1,
+                                                                          own_server.api_key))
 
 
 def test_the_client_sends_the_engines_key():
@@ -189,3 +191,22 @@ def test_an_engine_a_trainer_rank_cannot_reach_is_reported_at_connect_time_namin
     message = str(caught.value)
     assert f"engine-1 ({url}): /model_info failed: trainer rank 0 on node 10.0.0.11 cannot reach it" in message
     assert "(node 127.0.0.1)" in message and "nodes must reach each other's addresses" in message
+
+
+def test_a_key_that_begins_with_a_dash_reaches_sglang_as_the_key(tiny_model_dir):
+    """secrets.token_urlsafe starts with '-' once in 64 keys; passed as `--api-key -x...` argparse takes
+    it for an option and SGLang refuses to start ("expected one argument")."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from rlsys.config import ModelConfig
+    from rlsys.rollout.server import ServerSpec, build_command
+    from rlsys.weight_sync.backend import make_backend
+
+    parser = argparse.ArgumentParser(prog="sglang serve", exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    command = build_command(ServerSpec(ModelConfig(path=str(tiny_model_dir))), make_backend(False), "127.0.0.1", 1,
+                            "-Xk_3")
+    arguments = command[command.index("sglang.launch_server") + 1:]
+    assert parser.parse_args(arguments).api_key == "-Xk_3"
