@@ -1,5 +1,5 @@
 """Trainer-side checkpoints: sharded model + optimizer through torch.distributed.checkpoint (DCP),
-plus each rank's scheduler and RNG states. The caller (rlsys/checkpointing.py) makes the
+plus each rank's scheduler and RNG states. The caller (rlsys/run/checkpointing.py) makes the
 directory appear atomically."""
 
 from __future__ import annotations

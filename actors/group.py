@@ -9,7 +9,7 @@ import ray
 from rlsys.actors.batching import TrainSequence, split_evenly
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker
 from rlsys.algorithms.grpo import sequence_loss_weights
-from rlsys.topology import Topology
+from rlsys.system.topology import Topology
 
 
 class TrainerGroup:

@@ -5,7 +5,7 @@ A trainer needs, per response token, log p(token) and sometimes the entropy; nev
 name, same tie to the embeddings, same FSDP group), so checkpoints, weight sync and export see
 the model unchanged. Inside `head.computing(targets, ...)`, the model's forward returns, in place
 of logits, a [batch, seq, 1 or 2] tensor of (log-prob, entropy) computed in chunks of tokens
-(rlsys/algorithms/logprobs.py): no full-vocabulary tensor is kept for backward. Outside it the
+(actors/chunked_logprobs.py): no full-vocabulary tensor is kept for backward. Outside it the
 head is the plain linear layer it replaced.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.algorithms.logprobs import target_logprobs, target_logprobs_reference
+from rlsys.actors.chunked_logprobs import target_logprobs, target_logprobs_reference
 
 
 @dataclass

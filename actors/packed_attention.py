@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from rlsys.weight_sync.backend import PACKED_SDPA
+from rlsys.system.backend import PACKED_SDPA
 
 
 def sequence_starts(position_ids: torch.Tensor) -> list[int]:

@@ -1,4 +1,4 @@
-"""Ray placement: one placement group laid out as the topology says (`rlsys.topology`)."""
+"""Ray placement: one placement group laid out as the topology says (`rlsys.system.topology`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.topology import CPUS_PER_ACTOR, Slot, Topology
+from rlsys.system.topology import CPUS_PER_ACTOR, Slot, Topology
 
 
 @dataclass

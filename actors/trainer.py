@@ -34,11 +34,11 @@ from rlsys.algorithms.grpo import (
     truncated_importance_weights,
 )
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
-from rlsys.node import bind_gloo_to_node_address, node_address
-from rlsys.reaper import start_actor_reaper, stop_reaper
-from rlsys.rollout.client import SGLangClient, check_reachable
-from rlsys.topology import Topology
-from rlsys.weight_sync.backend import make_backend
+from rlsys.rollout.sglang.client import SGLangClient, check_reachable
+from rlsys.system.backend import make_backend
+from rlsys.system.node import bind_gloo_to_node_address, node_address
+from rlsys.system.reaper import start_actor_reaper, stop_reaper
+from rlsys.system.topology import Topology
 from rlsys.weight_sync.broadcast import BroadcastWeightSender
 from rlsys.weight_sync.colocated import ColocatedWeightSender, StagingBuffer
 from rlsys.weight_sync.sync import sync_weights
@@ -53,7 +53,7 @@ class TrainerSpec:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     temperature: float = 1.0  # the rollout's: trainer log-probs are of the distribution it sampled
     seed: int = 0
-    has_gpu: bool = False  # decided by the driver from the cluster's resources (weight_sync/backend.py)
+    has_gpu: bool = False  # decided by the driver from the cluster's resources (rlsys/system/backend.py)
     # Processes of the run computing on a rank's node while it trains (Topology.cpu_sharers); the
     # rank's threads are its node's cores over this. None (standalone groups): one thread.
     cpu_sharers: int | None = None
@@ -158,7 +158,7 @@ class TrainerWorker:
         self.rank = rank
         self.world_size = world_size
         self.backend = make_backend(spec.has_gpu, spec.model.dtype)
-        bind_gloo_to_node_address(node_address())  # its groups may span nodes (rlsys/node.py)
+        bind_gloo_to_node_address(node_address())  # its groups may span nodes (rlsys/system/node.py)
         self._reaper = start_actor_reaper()  # if this rank is killed: its staging buffer in this node's /dev/shm
         torch.set_num_threads(spec.threads(len(os.sched_getaffinity(0))))
         torch.manual_seed(spec.seed)

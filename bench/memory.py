@@ -70,8 +70,8 @@ def load_peaks(model_dir: Path) -> dict:
 
     from rlsys.actors.group import TrainerGroup
     from rlsys.actors.trainer import TrainerSpec
-    from rlsys.cluster import ACTOR_ENV
     from rlsys.config import ModelConfig, TrainerConfig
+    from rlsys.system.cluster import ACTOR_ENV
 
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV})
     try:
@@ -117,7 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = parser.parse_args()
-    from rlsys.tiny_model import write_random_checkpoint
+    from rlsys.tools.tiny_model import write_random_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

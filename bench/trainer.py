@@ -22,9 +22,9 @@ import ray
 from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
 from rlsys.actors.trainer import TrainerSpec
-from rlsys.cluster import ACTOR_ENV
 from rlsys.config import ModelConfig, TrainerConfig
-from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+from rlsys.system.cluster import ACTOR_ENV
+from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
 
 def mixed_length_batch(count: int, seed: int) -> list[TrainSequence]:

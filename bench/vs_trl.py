@@ -75,8 +75,8 @@ SHAPES = {
 
 def build_workload(shape: Shape, work_dir: Path) -> dict:
     from rlsys.config import SyntheticTaskConfig
-    from rlsys.tasks import generate_task
-    from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+    from rlsys.data.tasks import generate_task
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     model_dir = work_dir / "model"
     make_tiny_model(model_dir, TinyModelSpec(hidden_size=shape.hidden_size, num_layers=shape.num_layers,

@@ -39,11 +39,11 @@ import torch
 from rlsys.actors.group import TrainerGroup
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker
 from rlsys.config import EngineConfig, ModelConfig, TrainerConfig
-from rlsys.rollout.client import EngineAddress
 from rlsys.rollout.manager import RolloutManager
-from rlsys.rollout.server import ServerSpec
-from rlsys.tiny_model import TinyModelSpec, make_tiny_model
-from rlsys.topology import Topology
+from rlsys.rollout.sglang.client import EngineAddress
+from rlsys.rollout.sglang.server import ServerSpec
+from rlsys.system.topology import Topology
+from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
 
 class PeakRSS:

@@ -8,10 +8,10 @@ import os
 import sys
 
 from rlsys.config import ConfigError
-from rlsys.data import DatasetError
+from rlsys.data.datasets import DatasetError
 from rlsys.errors import UsageError
-from rlsys.metrics import MetricsFileError
-from rlsys.rewards import RewardFunctionError
+from rlsys.observability.metrics import MetricsFileError
+from rlsys.rewards.loading import RewardFunctionError
 
 # Errors that mean "your input is wrong": printed as one clear message, without a traceback.
 USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError, MetricsFileError, UsageError)
@@ -19,8 +19,8 @@ USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError, MetricsFileError,
 
 def _train(args: argparse.Namespace) -> int:
     from rlsys.config import load_config
-    from rlsys.coordinator import StoppedAtOnce, run
     from rlsys.errors import RunFailed
+    from rlsys.run.coordinator import StoppedAtOnce, run
 
     overrides = list(args.overrides) + (["checkpoint.resume=auto"] if args.resume else [])
     config = load_config(args.config, overrides)
@@ -37,7 +37,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from rlsys.config import load_config
-    from rlsys.memory_plan import memory_plan, print_plan
+    from rlsys.run.memory_plan import memory_plan, print_plan
 
     plan = memory_plan(load_config(args.config, list(args.overrides)))
     print_plan(plan, args.json)
@@ -45,7 +45,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from rlsys.export import export_hf
+    from rlsys.tools.export import export_hf
 
     out = export_hf(args.run_dir, args.step, args.out_dir)
     print(f"rlsys: Hugging Face checkpoint written to {out}")
@@ -56,8 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
     import os
     import time
 
-    from rlsys.status.server import StatusServer
-    from rlsys.status.state import RunStatus
+    from rlsys.observability.status.server import StatusServer
+    from rlsys.observability.status.state import RunStatus
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be a TCP port, 0-65535 (0 picks a free one), got {args.port}")
@@ -135,7 +135,7 @@ def _runs(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from rlsys.runs import find_runs, runs_table
+    from rlsys.observability.runs import find_runs, runs_table
 
     root = Path(args.dir)
     try:
@@ -155,8 +155,8 @@ def _compare(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from rlsys.metrics import read_metrics
-    from rlsys.runs import compare_table, is_run_dir, plot_compare
+    from rlsys.observability.metrics import read_metrics
+    from rlsys.observability.runs import compare_table, is_run_dir, plot_compare
 
     runs = [Path(args.run_a), Path(args.run_b)]
     for run in runs:
@@ -185,7 +185,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
     print(f"rlsys: tiny model written to {make_tiny_model(args.out_dir, spec, chat=args.chat)}")

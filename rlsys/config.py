@@ -55,7 +55,10 @@ def _accepts(annotation, value) -> bool:
 
 class ModelConfig(_Section):
     path: str = Field(description="Local directory of a Hugging Face checkpoint (never a hub id).")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype of the trainer ranks and the engines. bfloat16: FSDP2 mixed precision "
+        "(bf16 params, fp32 reduce; master weights stay fp32) and flash-attn 2 on GPU when installed.",
+    )
     tokenizer_path: str | None = Field(
         None, description="Local directory of the tokenizer when it is not model.path's (the engine gets it as "
         "--tokenizer-path).",
@@ -67,26 +70,32 @@ class ModelConfig(_Section):
 
 
 class SyntheticTaskConfig(_Section):
-    task: Literal["max_digit", "first_digit", "last_digit", "sum_mod10", "calculator"] = "max_digit"
+    task: Literal["max_digit", "first_digit", "last_digit", "sum_mod10", "calculator"] = Field(
+        "max_digit", description="The built-in task whose prompts and labels are generated (rlsys/data/tasks.py).",
+    )
     num_digits: int = Field(3, ge=1, le=12, description="Digits per prompt (the digit tasks).")
-    num_train: int = Field(2000, ge=1)
-    num_eval: int = Field(128, ge=1)
-    seed: int = 0
+    num_train: int = Field(2000, ge=1, description="Training prompts generated.")
+    num_eval: int = Field(128, ge=1, description="Eval prompts generated (none of them among the training ones).")
+    seed: int = Field(0, description="Seed of the generator that draws the prompts.")
 
 
 class DataConfig(_Section):
     train_path: str | None = Field(
         None, description="Prompts: .jsonl, .parquet, .json, .csv, or a directory written by datasets' save_to_disk.",
     )
-    eval_path: str | None = None
+    eval_path: str | None = Field(
+        None, description="Held-out eval prompts, in train_path's formats (their prompts are removed from train).",
+    )
     prompt_key: str = Field("prompt", description="The field (column) holding the prompt text.")
     label_key: str = Field("label", description="The field holding the label the reward function gets.")
     metadata_keys: list[str] = Field(default_factory=list, description="Fields passed to the reward as metadata.")
     train_split: str = Field("train", description="The split of a saved DatasetDict that train_path names.")
     eval_split: str = Field("test", description="The split of a saved DatasetDict that eval_path names.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Held out of train_path when no eval_path.")
-    synthetic: SyntheticTaskConfig | None = None
-    prompts_per_step: int = Field(16, ge=1)
+    synthetic: SyntheticTaskConfig | None = Field(
+        None, description="Generate a built-in task instead of reading train_path (exactly one of the two).",
+    )
+    prompts_per_step: int = Field(16, ge=1, description="Prompts (GRPO groups) per training step.")
     apply_chat_template: bool = Field(
         False, description="Wrap each prompt as a user turn of the tokenizer's chat template (with the "
         "assistant turn opened).",
@@ -106,7 +115,8 @@ class DataConfig(_Section):
 class RewardConfig(_Section):
     function: str = Field(
         "rlsys.rewards:exact_match",
-        description="Import path 'package.module:function' of fn(prompt, response, label, metadata) -> float.",
+        description="'package.module:function' or 'path/to/file.py:function' (relative to the working "
+        "directory) of fn(prompt, response, label, metadata) -> float.",
     )
     max_error_fraction: float = Field(
         0.5, ge=0.0, le=1.0,
@@ -118,7 +128,7 @@ class RewardConfig(_Section):
     num_workers: int = Field(1, ge=1, description="Processes that compute rewards (side by side).")
     url: str | None = Field(
         None, description="A reward service; when set, reward.function is not used. Batches are POSTed here as "
-        '{"items": [{prompt, response, label, metadata}]} and {"scores": [...]} comes back (rlsys/remote_reward.py).',
+        '{"items": [{prompt, response, label, metadata}]} and {"scores": [...]} comes back (rlsys/rewards/remote.py).',
     )
     batch_size: int = Field(64, ge=1, description="reward.url: items per request.")
     max_concurrency: int = Field(4, ge=1, description="reward.url: requests in flight at once.")
@@ -133,13 +143,21 @@ class RewardConfig(_Section):
 
 
 class EngineConfig(_Section):
-    tp_size: int = Field(1, ge=1)
-    mem_fraction_static: float = Field(0.3, gt=0.05, le=0.95)
-    max_total_tokens: int = Field(16384, ge=256)
-    context_length: int = Field(512, ge=16)
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel GPUs per engine (colocated: 1).")
+    mem_fraction_static: float = Field(
+        0.3, gt=0.05, le=0.95, description="Fraction of the GPU SGLang takes for weights and KV cache "
+        "(--mem-fraction-static).",
+    )
+    max_total_tokens: int = Field(
+        16384, ge=256, description="Cap on the tokens the engine's KV cache holds (--max-total-tokens).",
+    )
+    context_length: int = Field(
+        512, ge=16, description="Longest prompt + response the engine takes (--context-length); prompts longer "
+        "than context_length - max_new_tokens are dropped and counted.",
+    )
     skip_tokenizer_init: bool = Field(False, description="Engine works on token ids only.")
-    startup_timeout_s: float = Field(300.0, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
+    startup_timeout_s: float = Field(300.0, gt=0, description="Seconds an engine's server may take to start.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Seconds one HTTP request to an engine may take.")
     health_timeout_s: float = Field(
         60.0, gt=0, description="An engine that does not answer for this long is stopped and restarted.",
     )
@@ -162,7 +180,9 @@ class EngineConfig(_Section):
         "(each turn of a trajectory extends the last); off for single-turn rollouts on CPU, where the n samples of "
         "a prompt arrive together and never hit it, and its bookkeeping costs a fifth of a small step.",
     )
-    extra_args: list[str] = Field(default_factory=list)
+    extra_args: list[str] = Field(
+        default_factory=list, description="Extra SGLang server arguments, appended to the launch command.",
+    )
 
 
 class SamplingConfig(_Section):
@@ -173,8 +193,10 @@ class SamplingConfig(_Section):
     """
 
     top_k: int = Field(-1, description="Sample among the k most likely tokens (-1: all).")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="Drop tokens less likely than this fraction of the most likely one (0: off).",
+    )
+    repetition_penalty: float = Field(1.0, gt=0.0, description="SGLang's repetition penalty (1.0: off).")
     min_new_tokens: int = Field(0, ge=0, description="Stop tokens are ignored until this many are generated.")
     ignore_eos: bool = Field(False, description="Generate max_new_tokens whatever is sampled.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a response.")
@@ -189,14 +211,21 @@ class SamplingConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    num_engines: int = Field(1, ge=1)
+    num_engines: int = Field(1, ge=1, description="SGLang engines (colocated: at most trainer.num_ranks).")
     n_samples_per_prompt: int = Field(8, description="GRPO group size.")
-    temperature: float = Field(1.0, gt=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(32, ge=1)
-    stop: list[str] = Field(default_factory=list)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    temperature: float = Field(
+        1.0, gt=0.0, description="Sampling temperature of training rollouts (the trainer's log-probs use it too).",
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: sample from this probability mass.")
+    max_new_tokens: int = Field(32, ge=1, description="Longest response, in tokens.")
+    stop: list[str] = Field(
+        default_factory=list, description="Strings that end a response (with engine.skip_tokenizer_init: "
+        "single-token ones only).",
+    )
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig, description="Further SGLang sampling parameters.",
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The SGLang servers.")
     generate_function: str | None = Field(
         None, description="An async function (path/to/file.py:fn or package.module:fn) that builds one sample: "
         "it may call the engine several times and run tools in between (rlsys.rollout.trajectory). "
@@ -241,20 +270,25 @@ class RolloutConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    num_ranks: int = Field(2, ge=1)
-    total_steps: int = Field(100, ge=1)
-    lr: float = Field(1e-4, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0.0)
+    num_ranks: int = Field(2, ge=1, description="Trainer ranks (processes; one GPU each on GPU) sharing the model "
+                           "with FSDP2.")
+    total_steps: int = Field(100, ge=1, description="Training steps (rollout batches) of the run.")
+    lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate (the peak, with a schedule).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's moment decay rates.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Gradient norm clipped to this before each optimizer step.")
     packing: bool = Field(True, description="Pack sequences back to back (no padding) in micro-batches.")
     max_tokens_per_microbatch: int = Field(4096, ge=16, description="Token budget of a packed micro-batch.")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per padded micro-batch (packing off).")
     mini_batches_per_step: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
-    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After the warmup: lr throughout, or cosine decay to min_lr_ratio * lr.",
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward instead of keeping them (less memory, more compute).",
+    )
     offload_between_steps: bool | None = Field(
         None, description="Colocated: sleep (offload params, grads, optimizer) outside the train phase, so the "
         "engines get the device. Default: on when the run uses GPUs; off on CPU, where the trainer and the engines "
@@ -286,25 +320,30 @@ class OverlongPenaltyConfig(_Section):
     """DAPO's soft overlong punishment, added to the reward: 0 up to max_new_tokens - buffer_tokens,
     then falling linearly to -factor at max_new_tokens."""
 
-    buffer_tokens: int = Field(ge=1)
-    factor: float = Field(1.0, ge=0.0)
+    buffer_tokens: int = Field(ge=1, description="Length of the ramp before max_new_tokens, in tokens.")
+    factor: float = Field(1.0, ge=0.0, description="The penalty at max_new_tokens.")
 
 
 class TISConfig(_Section):
     """Truncated importance sampling against the engine/trainer mismatch: the policy loss of each
     token is weighted by min(exp(trainer_old_logprob - engine_logprob), cap)."""
 
-    enabled: bool = False
-    cap: float = Field(2.0, gt=0.0)
+    enabled: bool = Field(
+        False, description="Apply these weights (turned on by rollout.max_staleness: 1 unless the config sets it).",
+    )
+    cap: float = Field(2.0, gt=0.0, description="Upper bound of a weight.")
     level: Literal["token", "sequence"] = Field(
         "token", description="token: one ratio per token; sequence: the product of a response's token ratios.",
     )
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo"] = "grpo"
-    clip_eps_low: float = Field(0.2, ge=0.0)
-    clip_eps_high: float = Field(0.2, ge=0.0)
+    name: Literal["grpo"] = Field("grpo", description="The algorithm (GRPO only).")
+    clip_eps_low: float = Field(0.2, ge=0.0, description="PPO clip: the ratio is kept above 1 - clip_eps_low.")
+    clip_eps_high: float = Field(
+        0.2, ge=0.0, description="PPO clip: the ratio is kept below 1 + clip_eps_high (above clip_eps_low: "
+        "DAPO's clip-higher).",
+    )
     adv_norm: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage = reward - group mean, divided by the group's reward std (group), the "
         "batch's reward std (batch) or nothing (none, Dr. GRPO).",
@@ -318,9 +357,13 @@ class AlgorithmConfig(_Section):
     )
     use_kl_loss: bool = Field(False, description="KL to the frozen reference as a loss term.")
     kl_in_reward: bool = Field(False, description="Subtract kl_coef * sequence KL from the reward instead.")
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0.0)
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL term (needed > 0 when KL is on).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Per-token KL estimate: k1 = log p - log q, k2 = (log p - log q)^2 / 2, "
+        "k3 = exp(log q - log p) - (log q - log p) - 1.",
+    )
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus: coef * entropy is subtracted from each "
+                                "token's loss.")
     dynamic_sampling: bool = Field(
         False, description="DAPO: drop groups whose rewards are all equal (no gradient) and sample more prompts "
         "until the step has data.prompts_per_step groups or max_sampling_rounds is reached.",
@@ -332,8 +375,10 @@ class AlgorithmConfig(_Section):
         False, description="A response cut off by max_new_tokens contributes no loss (its reward still counts in "
         "its group's advantages).",
     )
-    overlong_penalty: OverlongPenaltyConfig | None = None
-    tis: TISConfig = Field(default_factory=TISConfig)
+    overlong_penalty: OverlongPenaltyConfig | None = Field(
+        None, description="DAPO's soft overlong punishment (off when unset).",
+    )
+    tis: TISConfig = Field(default_factory=TISConfig, description="Truncated importance sampling.")
 
     @model_validator(mode="before")
     @classmethod
@@ -354,7 +399,7 @@ class AlgorithmConfig(_Section):
 
 class CheckpointConfig(_Section):
     interval: int = Field(0, ge=0, description="Save every this many steps (and at the end); 0 = never.")
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
     resume: Literal["never", "auto"] = Field(
         "never", description="auto: continue from the latest complete checkpoint in run_dir, if any."
     )
@@ -374,12 +419,15 @@ class WeightSyncConfig(_Section):
     verify: bool = Field(False, description="After each sync, check every engine against the trainer (logprob probes).")
     verify_tolerance: float | None = Field(
         None, gt=0.0, description="Max mean |engine - trainer| probe logprob; default 1e-3 (fp32), or in bf16 "
-        "2^-8 * sqrt(layers) * mean |probe logprob| (what bf16 rounding explains; rlsys/verify.py).",
+        "2^-8 * sqrt(layers) * mean |probe logprob| (what bf16 rounding explains; rlsys/run/verify.py).",
     )
 
 
 class PlacementConfig(_Section):
-    mode: Literal["colocated", "disaggregated"] = "colocated"
+    mode: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="colocated: engine i shares trainer rank i's device; disaggregated: trainers "
+        "and engines on separate resources.",
+    )
     ray_address: str | None = Field(None, description="Ray cluster address; a local cluster when unset.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs for a local Ray cluster.")
     device: Literal["auto", "cuda", "cpu"] = Field(
@@ -415,12 +463,12 @@ class PlacementConfig(_Section):
 
 class EvalConfig(_Section):
     interval: int = Field(10, ge=1, description="Evaluate every this many steps (and at the last step).")
-    temperature: float = Field(0.0, ge=0.0)
-    max_prompts: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of eval answers (0: greedy).")
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first this many eval prompts.")
 
 
 class StatusConfig(_Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Serve the dashboard and REST API from the coordinator.")
     host: str = Field("127.0.0.1", description="Bind address; keep loopback unless you set a token.")
     port: int = Field(8470, ge=0, le=65535, description="0 picks a free port.")
     token: str | None = Field(
@@ -433,9 +481,10 @@ class StatusConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    progress_bar: bool = True
+    progress_bar: bool = Field(True, description="Show a progress bar of the steps in the terminal.")
     backends: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=list, description="Where metrics go besides RUN_DIR/metrics.jsonl (rlsys/tracking.py): "
+        default_factory=list, description="Where metrics go besides RUN_DIR/metrics.jsonl "
+        "(rlsys/observability/tracking.py): "
         "TensorBoard event files, wandb (offline unless configured), MLflow (a file store in the run directory).",
     )
     project: str = Field("rlsys", description="wandb project / MLflow experiment.")
@@ -444,19 +493,22 @@ class LoggingConfig(_Section):
 
 class RunConfig(_Section):
     run_dir: str | None = Field(None, description="Where outputs go; runs/<timestamp> when unset.")
-    seed: int = 0
-    model: ModelConfig
-    data: DataConfig
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
-    placement: PlacementConfig = Field(default_factory=PlacementConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    status: StatusConfig = Field(default_factory=StatusConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    seed: int = Field(0, description="Seed of the data split and prompt order, the engines' sampling and the "
+                      "trainers' torch RNG.")
+    model: ModelConfig = Field(description="The policy model.")
+    data: DataConfig = Field(description="Training and eval prompts.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="How samples are scored.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation by the SGLang engines.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The FSDP2 trainer ranks.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="The GRPO loss and its options.")
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig, description="Moving the trainer's weights into the engines after each step.",
+    )
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Where trainers and engines run.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the held-out prompts.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
+    status: StatusConfig = Field(default_factory=StatusConfig, description="The dashboard and REST API.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress and experiment tracking.")
 
     @model_validator(mode="after")
     def _algorithm_fits_rollout(self):

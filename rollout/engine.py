@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlsys.node import node_address
-from rlsys.reaper import start_actor_reaper, stop_reaper
-from rlsys.rollout.client import EngineAddress, EngineDied, EngineError
-from rlsys.rollout.server import ServerSpec, SGLangServer
-from rlsys.shm_sweep import sweep_shared_memory
-from rlsys.weight_sync.backend import make_backend
+from rlsys.rollout.sglang.client import EngineAddress, EngineDied, EngineError
+from rlsys.rollout.sglang.server import ServerSpec, SGLangServer
+from rlsys.system.backend import make_backend
+from rlsys.system.node import node_address
+from rlsys.system.reaper import start_actor_reaper, stop_reaper
+from rlsys.system.shm_sweep import sweep_shared_memory
 
 
 @dataclass

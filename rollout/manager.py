@@ -14,10 +14,10 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rlsys.errors import RunFailed
-from rlsys.rollout.client import EngineAddress, EngineDied
 from rlsys.rollout.dispatch import Dispatcher, LoopThread, RequestBatcher
 from rlsys.rollout.engine import Generation, RolloutEngine, SamplingParams
-from rlsys.rollout.server import ServerSpec
+from rlsys.rollout.sglang.client import EngineAddress, EngineDied
+from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.rollout.trajectory import (
     GenerateFunction,
     RolloutContext,

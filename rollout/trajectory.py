@@ -26,7 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from rlsys.data import PromptRecord
+from rlsys.data.datasets import PromptRecord
 from rlsys.rollout.engine import Generation, SamplingParams
 
 

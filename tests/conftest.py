@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from rlsys.tiny_model import make_tiny_model
+    from rlsys.tools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
@@ -28,7 +28,7 @@ def ray_cluster():
     """A local Ray cluster for the tests that drive actors; shut down (with its workers) at the end."""
     import ray
 
-    from rlsys.cluster import ACTOR_ENV
+    from rlsys.system.cluster import ACTOR_ENV
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,

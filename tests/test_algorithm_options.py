@@ -78,7 +78,7 @@ def test_truncation_options_and_tis_run_end_to_end_against_a_bf16_engine(tmp_pat
     perturbed behaviour policy) and TIS weights are not all 1."""
     import subprocess
 
-    from rlsys.metrics import read_metrics
+    from rlsys.observability.metrics import read_metrics
     from tests.conftest import REPO, train_command
 
     run_dir = tmp_path / "run"

@@ -5,14 +5,14 @@ import pytest
 
 from rlsys.actors.packed_attention import PACKED_SDPA
 from rlsys.config import ConfigError, RunConfig
-from rlsys.topology import Topology
-from rlsys.weight_sync.backend import (
+from rlsys.system.backend import (
     BackendError,
     choose_attention,
     decide_has_gpu,
     engine_attention_backend,
     make_backend,
 )
+from rlsys.system.topology import Topology
 
 
 def _config(mode: str = "colocated", ranks: int = 2, engines: int = 2, tp: int = 1, device: str = "auto") -> RunConfig:

@@ -248,7 +248,7 @@ class _RecordingEngine:
 
 
 def _sync(engine, bucket_bytes: int):
-    from rlsys.weight_sync.backend import make_backend
+    from rlsys.system.backend import make_backend
     from rlsys.weight_sync.colocated import ColocatedWeightSender
     from rlsys.weight_sync.sync import sync_weights
 
@@ -288,7 +288,7 @@ def test_the_staging_buffer_holds_the_largest_tensor_whatever_the_bucket_size():
 
 
 def test_a_sync_allocates_the_staging_buffer_its_size_function_plans():
-    from rlsys.weight_sync.backend import make_backend
+    from rlsys.system.backend import make_backend
     from rlsys.weight_sync.colocated import ColocatedWeightSender
     from rlsys.weight_sync.sync import staging_buffer_bytes, sync_weights
 

@@ -1,4 +1,4 @@
-"""README's "Bring your own task" walk-through, run literally: its bash blocks, in order, in an
+"""docs/bring-your-own-task.md's walk-through, run literally: its bash blocks, in order, in an
 empty directory with .venv/bin first on PATH."""
 
 import os
@@ -13,15 +13,15 @@ from tests.conftest import REPO, Leftovers
 
 
 def walkthrough_script() -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("<!-- byo-task:begin -->", 1)[1].split("<!-- byo-task:end -->", 1)[0]
+    page = (REPO / "docs/bring-your-own-task.md").read_text()
+    section = page.split("<!-- byo-task:begin -->", 1)[1].split("<!-- byo-task:end -->", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 5, "the walk-through's five steps"
     return "set -euo pipefail\n" + "\n".join(blocks)
 
 
 @pytest.mark.slow
-def test_the_readme_walkthrough_runs_as_written(tmp_path):
+def test_the_byo_task_walkthrough_runs_as_written(tmp_path):
     leftovers = Leftovers()
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     result = subprocess.run(["bash", "-c", walkthrough_script()], cwd=tmp_path, env=env, capture_output=True,

@@ -5,7 +5,8 @@ multi-token stop strings work."""
 import pytest
 
 from rlsys.config import ConfigError, load_config
-from rlsys.tiny_model import load_tokenizer, make_tiny_model
+from rlsys.data.tokenizer import load_tokenizer
+from rlsys.tools.tiny_model import make_tiny_model
 from tests.conftest import write_config
 
 
@@ -24,7 +25,7 @@ def test_the_template_lives_in_tokenizer_config_as_in_qwen_releases(chat_model_d
 
 
 def test_prompts_are_wrapped_in_the_chat_template_with_the_system_turn(tmp_path, chat_model_dir):
-    from rlsys.assets import load_assets
+    from rlsys.run.assets import load_assets
 
     path = write_config(tmp_path / "c.yaml", chat_model_dir)
     config = load_config(path, ["data.apply_chat_template=true", "data.system_prompt=Answer with one digit.",
@@ -42,7 +43,7 @@ def test_prompts_are_wrapped_in_the_chat_template_with_the_system_turn(tmp_path,
 
 
 def test_chat_options_that_cannot_work_are_refused(tmp_path, tiny_model_dir, chat_model_dir):
-    from rlsys.assets import load_assets
+    from rlsys.run.assets import load_assets
 
     with pytest.raises(ConfigError, match="system_prompt needs data.apply_chat_template"):
         load_config(write_config(tmp_path / "a.yaml", chat_model_dir), ["data.system_prompt=hi"])
@@ -55,7 +56,7 @@ def test_chat_options_that_cannot_work_are_refused(tmp_path, tiny_model_dir, cha
 def test_an_engine_with_its_own_tokenizer_stops_on_a_multi_token_string(tmp_path, chat_model_dir):
     from rlsys.config import EngineConfig, ModelConfig
     from rlsys.rollout.engine import RolloutEngine, SamplingParams
-    from rlsys.rollout.server import ServerSpec
+    from rlsys.rollout.sglang.server import ServerSpec
 
     tokenizer = load_tokenizer(chat_model_dir)
     model = ModelConfig(path=str(chat_model_dir), tokenizer_path=str(chat_model_dir / "tokenizer"))

@@ -64,7 +64,7 @@ def test_cli_reports_bad_config_without_traceback_or_actors(tmp_path, tiny_model
 
 
 def test_missing_model_directory_fails_before_actors(tmp_path):
-    from rlsys.assets import load_assets
+    from rlsys.run.assets import load_assets
 
     config = load_config(write_config(tmp_path / "c.yaml", tmp_path / "no-model"))
     with pytest.raises(ConfigError, match="model.path .* is not a local Hugging Face checkpoint"):
@@ -74,7 +74,7 @@ def test_missing_model_directory_fails_before_actors(tmp_path):
 def test_model_directory_without_weight_files_fails_before_actors(tmp_path, tiny_model_dir):
     import shutil
 
-    from rlsys.assets import load_assets
+    from rlsys.run.assets import load_assets
 
     no_weights = tmp_path / "model"
     shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -90,8 +90,8 @@ def test_adam_betas_outside_zero_one_are_rejected(tmp_path, tiny_model_dir, beta
 
 
 def test_sampling_options_reach_the_engine_request_and_bad_ones_are_refused(tmp_path, tiny_model_dir):
-    from rlsys.assets import load_assets
-    from rlsys.evaluation import sampling_params
+    from rlsys.run.assets import load_assets
+    from rlsys.run.evaluation import sampling_params
 
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
     config = load_config(path, ["rollout.max_new_tokens=16", "rollout.engine.skip_tokenizer_init=false",
@@ -157,7 +157,7 @@ def test_a_tokenizer_file_that_is_not_json_is_refused_by_train_naming_it(tmp_pat
 
 
 def test_a_run_dir_that_is_a_file_or_under_one_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
-    from rlsys.run_lock import RunDirLock
+    from rlsys.system.run_lock import RunDirLock
 
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
     a_file = tmp_path / "taken"

@@ -1,4 +1,4 @@
-"""The CPU engine's batched decode and prefill attention (rollout/cpu_compat) equal SGLang's own
+"""The CPU engine's batched decode and prefill attention (rollout/sglang/cpu_compat) equal SGLang's own
 one-request-at-a-time loops, and the server's compatibility layer installs them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from rlsys.rollout.server import CPU_COMPAT_SITE
+from rlsys.rollout.sglang.server import CPU_COMPAT_SITE
 
 # Runs where the SGLang server runs: with the compatibility layer first on the path.
 CHECK = r"""

@@ -119,7 +119,7 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir):
                     reason="Debian's chromium is not installed (make test installs it)")
 def test_dashboard_renders_server_strings_as_text(tmp_path):
     """A Ray error (or any string from the server) holding markup is shown, never interpreted."""
-    from rlsys.status.state import ActorHealth, RunStatus
+    from rlsys.observability.status.state import ActorHealth, RunStatus
 
     status = RunStatus(run_id="markup", total_steps=3, run_dir=str(tmp_path))
     status.record_step({"step": 0, "reward_mean": 0.5, "time_step_s": 1.0, "synced_weight_version": 1})

@@ -5,14 +5,15 @@ import sys
 
 import pytest
 
+from rlsys.algorithms.samples import response_text, score_groups
 from rlsys.config import ConfigError, DataConfig, SyntheticTaskConfig
-from rlsys.data import DatasetError, PromptRecord, PromptSampler, load_splits, read_jsonl, repeated_prompts_note
-from rlsys.reward_pool import RewardCall, score_calls
-from rlsys.rewards import RewardFunctionError, exact_match, last_number_match, load_reward_function
+from rlsys.data.datasets import DatasetError, PromptRecord, PromptSampler, load_splits, read_jsonl, repeated_prompts_note
+from rlsys.data.tasks import generate_task
+from rlsys.data.tokenizer import load_tokenizer
+from rlsys.rewards.builtin import exact_match, last_number_match
+from rlsys.rewards.loading import RewardFunctionError, load_reward_function
+from rlsys.rewards.pool import RewardCall, score_calls
 from rlsys.rollout.engine import Generation
-from rlsys.samples import response_text, score_groups
-from rlsys.tasks import generate_task
-from rlsys.tiny_model import load_tokenizer
 
 
 def _write(path, lines):
@@ -58,8 +59,8 @@ def test_invalid_rows_can_be_skipped_and_counted(tmp_path):
 
 
 def test_assets_count_skipped_rows_and_prompts_too_long_for_the_context(tmp_path, tiny_model_dir):
-    from rlsys.assets import load_assets
     from rlsys.config import RunConfig
+    from rlsys.run.assets import load_assets
 
     path = _write(tmp_path / "d.jsonl", [
         json.dumps({"prompt": "1 2>", "label": "2"}),
@@ -187,7 +188,7 @@ def test_builtin_rewards():
 
 
 def test_raising_reward_drops_its_group_and_is_counted(tiny_model_dir):
-    from rlsys.data import PromptRecord
+    from rlsys.data.datasets import PromptRecord
 
     tokenizer = load_tokenizer(tiny_model_dir)
     seven = tokenizer("7")["input_ids"]

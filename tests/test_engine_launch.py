@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from rlsys.config import EngineConfig, ModelConfig, RolloutConfig
-from rlsys.rollout.server import (
+from rlsys.rollout.sglang.server import (
     CPU_COMPAT_SITE,
     SERVED_MODEL_CLASS_ENV,
     SERVED_MODEL_PACKAGE,
@@ -21,7 +21,7 @@ from rlsys.rollout.server import (
     nvml_device_keys,
     served_model_class,
 )
-from rlsys.weight_sync.backend import Backend, make_backend
+from rlsys.system.backend import Backend, make_backend
 
 
 def _command(has_gpu: bool, radix_cache: bool = True) -> list[str]:
@@ -138,7 +138,7 @@ http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
 def _stand_in_server(tmp_path, monkeypatch, *extra: str):
-    from rlsys.rollout import server as server_module
+    from rlsys.rollout.sglang import server as server_module
 
     script, record = tmp_path / "stand_in.py", tmp_path / "requests.log"
     script.write_text(STAND_IN_SERVER)
@@ -176,7 +176,7 @@ def test_the_files_a_process_maps_are_read_from_proc_and_an_exited_one_maps_none
     # The launcher records the server's /dev/shm segments this way, to remove them after a crash.
     import mmap
 
-    from rlsys.rollout.server import _mapped_files
+    from rlsys.rollout.sglang.server import _mapped_files
 
     path = tmp_path / "segment with spaces"
     path.write_bytes(b"\0" * mmap.PAGESIZE)

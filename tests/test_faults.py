@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlsys.run_lock import owner_is_alive
+from rlsys.system.run_lock import owner_is_alive
 from tests.conftest import REPO, Leftovers, started_run, train_command
 
 
@@ -189,7 +189,7 @@ def test_a_request_that_kills_its_freshly_restarted_engine_is_not_sent_again(ray
     from rlsys.config import EngineConfig, ModelConfig
     from rlsys.rollout.engine import SamplingParams
     from rlsys.rollout.manager import PoisonRequest, RolloutManager
-    from rlsys.rollout.server import ServerSpec
+    from rlsys.rollout.sglang.server import ServerSpec
 
     engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120,
                           max_restarts=3)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from rlsys.metrics import read_metrics
+from rlsys.observability.metrics import read_metrics
 from tests.conftest import REPO
 
 
@@ -42,7 +42,7 @@ def test_gpu_colocated_memory_hand_off_frees_each_side_in_turn(tmp_path):
     reservation while the engine generates; bf16 weights reach the engine within bf16's tolerance.
     The model (~95 M parameters, as deploy/gpu_smoke.sh) is large enough that both sides' memory is
     far above the CUDA contexts."""
-    from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(hidden_size=1024, num_layers=24))
     run_dir = tmp_path / "run"
@@ -65,7 +65,7 @@ def test_gpu_colocated_memory_hand_off_frees_each_side_in_turn(tmp_path):
 @pytest.mark.gpu
 def test_gpu_backend_uses_flash_attention_for_bf16_when_installed():
     from rlsys.actors.packed_attention import PACKED_SDPA
-    from rlsys.weight_sync.backend import flash_attn_available, make_backend
+    from rlsys.system.backend import flash_attn_available, make_backend
 
     backend = make_backend(True, "bfloat16")
     assert backend.dist_backend == "nccl" and backend.device().type == "cuda"

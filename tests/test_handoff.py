@@ -1,4 +1,4 @@
-"""The colocated turn order on a shared GPU (rlsys/handoff.py), call by call.
+"""The colocated turn order on a shared GPU (rlsys/run/handoff.py), call by call.
 
 The trainer group and the engines are recording stand-ins here: the order is DeviceHandoff's alone,
 and the real trainer and engines take these turns in tests/test_quickstart.py (slow, Ray + SGLang).
@@ -6,7 +6,7 @@ and the real trainer and engines take these turns in tests/test_quickstart.py (s
 
 import json
 
-from rlsys.handoff import ALL_REGIONS, WEIGHTS, DeviceHandoff
+from rlsys.run.handoff import ALL_REGIONS, WEIGHTS, DeviceHandoff
 
 
 class _Calls(list):

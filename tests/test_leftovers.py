@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from rlsys.run_lock import RunDirInUse, RunDirLock, owner_is_alive
-from rlsys.shm_sweep import creator_pid, sweep_shared_memory
+from rlsys.system.run_lock import RunDirInUse, RunDirLock, owner_is_alive
+from rlsys.system.shm_sweep import creator_pid, sweep_shared_memory
 
 
 def _dead_pid() -> int:

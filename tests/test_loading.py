@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from rlsys.actors.group import TrainerGroup
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint, parameters_on_meta
-from rlsys.tiny_model import write_random_checkpoint
+from rlsys.tools.tiny_model import write_random_checkpoint
 from tests.conftest import trainer_spec
 
 

@@ -9,7 +9,7 @@ the temperature division and the logsumexp)."""
 import pytest
 import torch
 
-from rlsys.algorithms.logprobs import target_logprobs, target_logprobs_reference
+from rlsys.actors.chunked_logprobs import target_logprobs, target_logprobs_reference
 
 
 def _inputs(batch=2, seq=7, hidden=16, vocab=50, dtype=torch.float32, bias=False, seed=0):

@@ -2,8 +2,9 @@
 
 import pytest
 
-from rlsys.reward_pool import RewardCall, score_calls
-from rlsys.rewards import load_reward_function, math_verify
+from rlsys.rewards.builtin import math_verify
+from rlsys.rewards.loading import load_reward_function
+from rlsys.rewards.pool import RewardCall, score_calls
 
 
 @pytest.mark.parametrize("label, response, expected", [

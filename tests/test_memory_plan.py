@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rlsys.config import ConfigError, RunConfig, load_config
-from rlsys.memory_plan import GiB, ModelShape, memory_plan, plan_for_devices, plan_memory
+from rlsys.run.memory_plan import GiB, ModelShape, memory_plan, plan_for_devices, plan_memory
 from tests.conftest import REPO
 
 QWEN = {  # published config.json values (shapes)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlsys.metrics import MetricsFileError, MetricsLog, read_metrics
+from rlsys.observability.metrics import MetricsFileError, MetricsLog, read_metrics
 from tests.conftest import fill_disk
 
 

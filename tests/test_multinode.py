@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlsys.metrics import read_metrics
+from rlsys.observability.metrics import read_metrics
 from tests.conftest import REPO
 from tests.multinode import NamespaceCluster, NodeSpec, our_namespaces, unavailable_reason
 

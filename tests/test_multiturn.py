@@ -9,9 +9,9 @@ import torch
 
 from rlsys.actors.batching import build_micro_batch
 from rlsys.actors.trainer import micro_batch_loss
+from rlsys.algorithms.samples import Sample, generation_text, reward_call, to_train_sequences
 from rlsys.config import AlgorithmConfig
-from rlsys.data import PromptRecord
-from rlsys.generation import trajectory_metrics
+from rlsys.data.datasets import PromptRecord
 from rlsys.rollout.engine import Generation, SamplingParams
 from rlsys.rollout.trajectory import (
     Completion,
@@ -21,8 +21,8 @@ from rlsys.rollout.trajectory import (
     run_generate_function,
     single_turn,
 )
-from rlsys.samples import Sample, generation_text, reward_call, to_train_sequences
-from rlsys.tiny_model import build_tokenizer
+from rlsys.run.generation import trajectory_metrics
+from rlsys.tools.tiny_model import build_tokenizer
 
 
 def hand_built_trajectory() -> Trajectory:

@@ -1,4 +1,4 @@
-"""What every node of the placement must offer before anything trains (rlsys/node_checks.py), and
+"""What every node of the placement must offer before anything trains (rlsys/system/node_checks.py), and
 the address, key and gloo interface each process of a run uses to be reached from other nodes."""
 
 import os
@@ -7,15 +7,15 @@ import socket
 import pytest
 
 from rlsys.config import ConfigError, RunConfig
-from rlsys.node import GLOO_INTERFACE_ENV, gloo_interface_env, interface_with_address
-from rlsys.node_checks import (
+from rlsys.system.node import GLOO_INTERFACE_ENV, gloo_interface_env, interface_with_address
+from rlsys.system.node_checks import (
     NodeCheckFailed,
     NodeReport,
     _run_dir_problem,
     device_memory_budget,
     refuse_unusable_nodes,
 )
-from rlsys.topology import Topology
+from rlsys.system.topology import Topology
 
 GB = 2**30
 
@@ -119,8 +119,8 @@ def test_gloo_binds_to_the_interface_that_holds_the_node_address(monkeypatch):
 
 def test_engines_listen_on_the_address_given_and_require_their_key(tiny_model_dir, monkeypatch):
     from rlsys.config import EngineConfig, ModelConfig
-    from rlsys.rollout.server import ServerSpec, SGLangServer, build_command, build_env
-    from rlsys.weight_sync.backend import make_backend
+    from rlsys.rollout.sglang.server import ServerSpec, SGLangServer, build_command, build_env
+    from rlsys.system.backend import make_backend
 
     monkeypatch.delenv(GLOO_INTERFACE_ENV, raising=False)  # an in-process trainer of another test may have set it
     spec = ServerSpec(ModelConfig(path=str(tiny_model_dir)))
@@ -144,7 +144,7 @@ def test_the_client_sends_the_engines_key():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from rlsys.rollout.client import EngineAddress, EngineError, SGLangClient
+    from rlsys.rollout.sglang.client import EngineAddress, EngineError, SGLangClient
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -171,7 +171,7 @@ def test_the_client_sends_the_engines_key():
 
 
 def test_an_unreachable_engine_is_named_with_its_address():
-    from rlsys.rollout.client import EngineAddress, EngineError, SGLangClient
+    from rlsys.rollout.sglang.client import EngineAddress, EngineError, SGLangClient
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -181,7 +181,7 @@ def test_an_unreachable_engine_is_named_with_its_address():
 
 
 def test_an_engine_a_trainer_rank_cannot_reach_is_reported_at_connect_time_naming_both_nodes():
-    from rlsys.rollout.client import EngineAddress, EngineUnreachable, SGLangClient, check_reachable
+    from rlsys.rollout.sglang.client import EngineAddress, EngineUnreachable, SGLangClient, check_reachable
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -201,8 +201,8 @@ def test_a_key_that_begins_with_a_dash_reaches_sglang_as_the_key(tiny_model_dir)
     from sglang.srt.server_args import ServerArgs
 
     from rlsys.config import ModelConfig
-    from rlsys.rollout.server import ServerSpec, build_command
-    from rlsys.weight_sync.backend import make_backend
+    from rlsys.rollout.sglang.server import ServerSpec, build_command
+    from rlsys.system.backend import make_backend
 
     parser = argparse.ArgumentParser(prog="sglang serve", exit_on_error=False)
     ServerArgs.add_cli_args(parser)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from rlsys.metrics import read_metrics
+from rlsys.observability.metrics import read_metrics
 from tests.conftest import REPO, served_run_dir, train_command
 from tests.test_dashboard_browser import CHROMIUM, _chromium
 

@@ -1,6 +1,6 @@
 """The CPU engine's server acts on a SIGTERM within 0.1 s instead of SGLang's 5 s check, its idle
 scheduler leaves on the shutdown request instead of after one more 1 s idle sleep
-(rollout/cpu_compat/site/rlsys_prompt_shutdown.py), and the shutdown itself is SGLang's."""
+(rollout/sglang/cpu_compat/site/rlsys_prompt_shutdown.py), and the shutdown itself is SGLang's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from rlsys.rollout.server import CPU_COMPAT_SITE
+from rlsys.rollout.sglang.server import CPU_COMPAT_SITE
 
 sys.path.insert(0, str(CPU_COMPAT_SITE))
 import rlsys_prompt_shutdown  # noqa: E402 - lives in the server's compatibility layer

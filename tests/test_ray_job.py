@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlsys.metrics import read_metrics
+from rlsys.observability.metrics import read_metrics
 from tests.conftest import REPO
 
 RAY = str(Path(sys.executable).parent / "ray")

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from rlsys.metrics import read_metrics
+from rlsys.observability.metrics import read_metrics
 from tests.conftest import REPO, RewardService, train_command
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from rlsys.config import RewardConfig
 from rlsys.errors import RunFailed
-from rlsys.remote_reward import RemoteReward, RewardServiceError
-from rlsys.reward_pool import RewardCall, RewardPool, make_reward_scorer
+from rlsys.rewards.pool import RewardCall, RewardPool, make_reward_scorer
+from rlsys.rewards.remote import RemoteReward, RewardServiceError
 from tests.conftest import RewardService
 
 

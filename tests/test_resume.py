@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from rlsys.metrics import read_metrics
+from rlsys.observability.metrics import read_metrics
 from tests.conftest import REPO, RUN_SHM_PREFIXES
 
 
@@ -87,7 +87,7 @@ def test_killed_run_resumes_where_its_checkpoint_left_off(tmp_path, tiny_model_d
 
 
 def test_interrupted_checkpoint_leaves_the_last_good_one(tmp_path):
-    from rlsys.checkpointing import CheckpointStore, CoordinatorState
+    from rlsys.run.checkpointing import CheckpointStore, CoordinatorState
 
     store = CheckpointStore(tmp_path, keep_last=2)
     state = CoordinatorState(next_step=2, weight_version=2, data_epoch=0, data_index=64)

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from rlsys.errors import RunFailed
-from rlsys.reward_pool import RewardCall, RewardPool, score_calls
+from rlsys.rewards.pool import RewardCall, RewardPool, score_calls
 
 REWARDS = '''
 import os, time

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rlsys.cli import main
-from rlsys.metrics import MetricsLog
-from rlsys.runs import compare_rows
+from rlsys.observability.metrics import MetricsLog
+from rlsys.observability.runs import compare_rows
 from tests.conftest import refused_by_cli, write_config
 
 
@@ -152,7 +152,7 @@ def _checkpointed_run(run_dir, model_dir, steps):
     from transformers import AutoModelForCausalLM
 
     from rlsys.actors.checkpoint import save_trainer_checkpoint
-    from rlsys.checkpointing import CheckpointStore, CoordinatorState
+    from rlsys.run.checkpointing import CheckpointStore, CoordinatorState
 
     run_dir.mkdir()
     write_config(run_dir / "config.yaml", model_dir)
@@ -204,8 +204,8 @@ def test_resume_passes_over_a_truncated_checkpoint_naming_it_and_the_one_it_resu
                                                                                          capsys):
     import shutil
 
-    from rlsys.checkpointing import STATE_FILE, CheckpointStore, checkpoint_to_resume
     from rlsys.config import ConfigError
+    from rlsys.run.checkpointing import STATE_FILE, CheckpointStore, checkpoint_to_resume
 
     run_dir = tmp_path / "run"
     _checkpointed_run(run_dir, tiny_model_dir, steps=[1, 2])
@@ -230,7 +230,7 @@ def test_resume_passes_over_a_truncated_checkpoint_naming_it_and_the_one_it_resu
 
 
 def test_runs_compare_and_serve_read_a_run_whose_last_metrics_line_is_cut_off(runs_root, capsys):
-    from rlsys.status.state import RunStatus
+    from rlsys.observability.status.state import RunStatus
 
     metrics = runs_root / "dapo" / "metrics.jsonl"
     with metrics.open("a") as handle:

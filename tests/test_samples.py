@@ -3,13 +3,13 @@ mask and advantages, on hand-built generations (no engine needed)."""
 
 import pytest
 
+from rlsys.algorithms.samples import ScoredBatch, assign_advantages, score_groups, to_train_sequences, truncated_fraction
 from rlsys.config import OverlongPenaltyConfig
-from rlsys.data import PromptRecord
-from rlsys.reward_pool import score_calls
-from rlsys.rewards import exact_match
+from rlsys.data.datasets import PromptRecord
+from rlsys.data.tokenizer import load_tokenizer
+from rlsys.rewards.builtin import exact_match
+from rlsys.rewards.pool import score_calls
 from rlsys.rollout.engine import Generation
-from rlsys.samples import ScoredBatch, assign_advantages, score_groups, to_train_sequences, truncated_fraction
-from rlsys.tiny_model import load_tokenizer
 
 
 def _generation(tokenizer, text: str, finish: str = "stop") -> Generation:
@@ -70,11 +70,11 @@ def test_truncated_responses_leave_the_loss_only_when_asked(tokenizer):
 def test_a_step_with_no_scored_sample_reports_its_reward_as_missing_not_zero(tokenizer, tmp_path):
     """Every group's reward failed: metrics.jsonl, trackers, the status page and `rlsys runs` show no reward
     for the step, rather than a 0.0 that reads like a measured one."""
-    from rlsys.metrics import MetricsLog, read_metrics
-    from rlsys.runs import RunSummary
-    from rlsys.status.server import prometheus_text
-    from rlsys.status.state import RunStatus
-    from rlsys.tracking import numeric_metrics
+    from rlsys.observability.metrics import MetricsLog, read_metrics
+    from rlsys.observability.runs import RunSummary
+    from rlsys.observability.status.server import prometheus_text
+    from rlsys.observability.status.state import RunStatus
+    from rlsys.observability.tracking import numeric_metrics
 
     records = [PromptRecord("a", "1")]
     batch = score_groups(records, [_generation(tokenizer, t) for t in ("1", "0")], 2, tokenizer,

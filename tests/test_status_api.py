@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlsys.status.server import (
+from rlsys.observability.status.server import (
     ActorsResponse,
     ControlResponse,
     HealthResponse,
@@ -19,7 +19,7 @@ from rlsys.status.server import (
     StatusResponse,
     build_app,
 )
-from rlsys.status.state import ActorHealth, RunStatus
+from rlsys.observability.status.state import ActorHealth, RunStatus
 from tests.conftest import served_run_dir
 
 
@@ -115,7 +115,7 @@ def test_serve_rejects_a_directory_that_is_not_a_run(tmp_path):
 
 def test_binding_beyond_loopback_needs_a_token_or_an_explicit_opt_in(tmp_path):
     from rlsys.config import ConfigError
-    from rlsys.status.server import StatusServer, read_token_for
+    from rlsys.observability.status.server import StatusServer, read_token_for
 
     with pytest.raises(ConfigError, match="status.host 0.0.0.0 would expose .* without a token"):
         StatusServer(_status(tmp_path), "0.0.0.0", 0, token=None)
@@ -131,7 +131,7 @@ def test_the_runs_status_server_on_a_port_in_use_or_an_address_not_of_this_machi
     import socket
 
     from rlsys.config import ConfigError, load_config
-    from rlsys.status.reporting import status_server
+    from rlsys.run.reporting import status_server
     from tests.conftest import write_config
 
     path = write_config(tmp_path / "config.yaml", tiny_model_dir)

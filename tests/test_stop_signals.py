@@ -14,10 +14,10 @@ import threading
 
 import pytest
 
-from rlsys.coordinator import StoppedAtOnce, _stop_on_signals
-from rlsys.interrupts import children_in_process_groups_of_their_own, children_shielded_from_stop_signals
-from rlsys.status.state import RunStatus
-from rollout.server import _die_with_parent
+from rlsys.observability.status.state import RunStatus
+from rlsys.rollout.sglang.server import _die_with_parent
+from rlsys.run.coordinator import StoppedAtOnce, _stop_on_signals
+from rlsys.system.interrupts import children_in_process_groups_of_their_own, children_shielded_from_stop_signals
 from tests.conftest import REPO, Leftovers, started_run
 from tests.test_faults import _wait_for_steps
 
@@ -58,7 +58,7 @@ def test_a_child_that_installs_its_own_handler_still_does_not_get_the_signal(sig
 
 @pytest.mark.parametrize("signum", STOP_SIGNALS)
 def test_ray_daemons_lead_process_groups_no_group_signal_reaches_yet_their_own_sigterm_ends_them(signum):
-    """How the local Ray cluster starts (rlsys.cluster): GCS and raylet install SIGTERM handlers and
+    """How the local Ray cluster starts (rlsys.system.cluster): GCS and raylet install SIGTERM handlers and
     exit on them, so the driver's group signal must not reach them; ray.shutdown's own SIGTERM must
     (it waits 1 s per process that ignores it before SIGKILL)."""
     child_code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); "
@@ -66,7 +66,7 @@ def test_ray_daemons_lead_process_groups_no_group_signal_reaches_yet_their_own_s
     # the test's own process group, so that the group signal below reaches nothing else
     group_leader = subprocess.Popen([sys.executable, "-c", (
         "import signal, subprocess, sys, time\n"
-        "from rlsys.interrupts import children_in_process_groups_of_their_own\n"
+        "from rlsys.system.interrupts import children_in_process_groups_of_their_own\n"
         "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "with children_in_process_groups_of_their_own():\n"
         f"    child = subprocess.Popen([sys.executable, '-c', {child_code!r}], stdout=subprocess.PIPE, text=True)\n"
@@ -104,7 +104,8 @@ def test_spawned_multiprocessing_workers_never_get_them_even_the_first():
     is not running yet."""
     code = ("import multiprocessing, signal\n"
             "from concurrent.futures import ProcessPoolExecutor\n"
-            "from rlsys.interrupts import children_in_process_groups_of_their_own, children_shielded_from_stop_signals\n"
+            "from rlsys.system.interrupts import (children_in_process_groups_of_their_own,\n"
+            "                                     children_shielded_from_stop_signals)\n"
             "if __name__ == '__main__':\n"
             "    with children_shielded_from_stop_signals():\n"
             "        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'))\n"
@@ -128,7 +129,7 @@ def test_a_reaper_started_by_a_shielded_actor_still_stops_on_sigterm():
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         with children_shielded_from_stop_signals():
-            reaper = subprocess.Popen([sys.executable, "-m", "rlsys.reaper", str(owner.pid)], cwd=REPO)
+            reaper = subprocess.Popen([sys.executable, "-m", "rlsys.system.reaper", str(owner.pid)], cwd=REPO)
         reaper.terminate()  # pending while still blocked: delivered once the reaper unblocks it
         assert reaper.wait(timeout=60) == -signal.SIGTERM
     finally:
@@ -145,7 +146,7 @@ def test_the_reaper_kills_shielded_processes_at_once_so_the_resource_tracker_can
     """After a driver's kill -9: multiprocessing's resource tracker ignores SIGTERM and unlinks the
     reward workers' semaphores once the last of them, which hold its pipe open, is gone. A worker
     that blocks SIGTERM, left to the end of the grace period, would be killed with the tracker."""
-    from rlsys.reaper import stop_processes
+    from rlsys.system.reaper import stop_processes
 
     read_end, write_end = os.pipe()
     cleaned = tmp_path / "cleaned"

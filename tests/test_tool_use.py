@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from rlsys.metrics import read_metrics
+from rlsys.observability.metrics import read_metrics
 from tests.conftest import REPO, train_command
 
 

@@ -4,8 +4,8 @@ whom; and how the rollout manager deals prompts to engines and puts the answers 
 import pytest
 
 from rlsys.config import RunConfig
-from rlsys.rollout.client import EngineAddress
-from rlsys.topology import Topology
+from rlsys.rollout.sglang.client import EngineAddress
+from rlsys.system.topology import Topology
 
 
 def _config(mode: str, ranks: int, engines: int, tp: int = 1, offload: bool | None = None) -> RunConfig:
@@ -68,7 +68,7 @@ def test_cpu_threads_colocated_phases_take_turns_disaggregated_sides_share():
 def test_threads_divide_the_nodes_cores_unless_set():
     from rlsys.actors.trainer import TrainerSpec
     from rlsys.config import EngineConfig, ModelConfig, TrainerConfig
-    from rlsys.rollout.server import ServerSpec
+    from rlsys.rollout.sglang.server import ServerSpec
 
     model = ModelConfig(path="unused")
     assert TrainerSpec(model, cpu_sharers=2).threads(node_cores=8) == 4
@@ -83,8 +83,8 @@ def test_a_cpu_engine_server_starts_with_its_thread_budget():
     import os
 
     from rlsys.config import ModelConfig
-    from rlsys.rollout.server import ServerSpec, build_env
-    from rlsys.weight_sync.backend import make_backend
+    from rlsys.rollout.sglang.server import ServerSpec, build_env
+    from rlsys.system.backend import make_backend
 
     cores = len(os.sched_getaffinity(0))
     env = build_env(ServerSpec(ModelConfig(path="unused"), cpu_sharers=1), make_backend(False))

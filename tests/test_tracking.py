@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from rlsys.tracking import Trackers, TrackingError, check_backends_installed, flatten, numeric_metrics
+from rlsys.observability.tracking import Trackers, TrackingError, check_backends_installed, flatten, numeric_metrics
 
 CONFIG = {"trainer": {"lr": 0.001, "betas": [0.9, 0.999]}, "model": {"path": "/models/tiny"}}
 ROWS = [{"step": step, "reward_mean": 0.25 * step, "loss": 1.0 - step, "timestamp": 1.8e9 + step,

@@ -41,7 +41,7 @@ def test_training_after_sleep_and_wake_up_is_bit_identical(ray_cluster, tiny_mod
 
 @pytest.fixture(scope="module")
 def medium_model_dir(tmp_path_factory):
-    from rlsys.tiny_model import TinyModelSpec, make_tiny_model
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("medium"), TinyModelSpec(hidden_size=256, num_layers=4))
 

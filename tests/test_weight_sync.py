@@ -9,12 +9,12 @@ import pytest
 from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
 from rlsys.config import EngineConfig, ModelConfig
-from rlsys.rollout.client import EngineAddress
 from rlsys.rollout.engine import SamplingParams
 from rlsys.rollout.manager import RolloutManager
-from rlsys.rollout.server import ServerSpec
-from rlsys.topology import Topology
-from rlsys.verify import WeightSyncMismatch, verify_engine_weights
+from rlsys.rollout.sglang.client import EngineAddress
+from rlsys.rollout.sglang.server import ServerSpec
+from rlsys.run.verify import WeightSyncMismatch, verify_engine_weights
+from rlsys.system.topology import Topology
 from tests.conftest import trainer_spec
 
 FIXED = [[5, 9, 14, 3, 7, 7, 20, 31], [40, 41, 42, 6, 6, 6], [12, 65, 13, 65, 14, 73, 15, 1]]
@@ -229,7 +229,7 @@ def test_a_broadcast_nobody_receives_fails_on_the_host_within_the_timeout(group_
 def test_a_session_left_open_by_a_dead_trainer_is_closed_and_the_next_sync_goes_through(two_engines_two_ranks):
     """A trainer rank killed between /begin_weight_update and /end_weight_update leaves the engines'
     session open; SGLang then refuses every later sync until it is closed."""
-    from rlsys.rollout.client import SGLangClient
+    from rlsys.rollout.sglang.client import SGLangClient
 
     rollout, trainer = two_engines_two_ranks
     for address in rollout.addresses:

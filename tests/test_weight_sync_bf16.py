@@ -10,8 +10,8 @@ from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
 from rlsys.config import EngineConfig, ModelConfig
 from rlsys.rollout.manager import RolloutManager
-from rlsys.rollout.server import ServerSpec
-from rlsys.verify import (
+from rlsys.rollout.sglang.server import ServerSpec
+from rlsys.run.verify import (
     WeightSyncMismatch,
     compare_logprobs,
     model_depth,

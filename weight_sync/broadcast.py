@@ -26,13 +26,13 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from rlsys.weight_sync.backend import Backend
+from rlsys.system.backend import Backend
 from rlsys.weight_sync.buckets import WeightBucket
 from rlsys.weight_sync.colocated import StagingBuffer
 
 
 class BroadcastEndpoints(Protocol):
-    """The engine endpoints this transport needs (`rlsys.rollout.client.SGLangClient` has them)."""
+    """The engine endpoints this transport needs (`rlsys.rollout.sglang.client.SGLangClient` has them)."""
 
     name: str
     tp_size: int

@@ -26,7 +26,7 @@ COLOCATED_ALIGNMENT = 16  # bytes: every tensor's view in a bucket starts aligne
 
 
 class TensorUpdateEndpoints(Protocol):
-    """The engine endpoints this transport needs (`rlsys.rollout.client.SGLangClient` has them)."""
+    """The engine endpoints this transport needs (`rlsys.rollout.sglang.client.SGLangClient` has them)."""
 
     def begin_weight_update(self) -> None: ...
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str,

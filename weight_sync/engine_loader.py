@@ -2,7 +2,7 @@
 
 SGLang calls `load_bucket(model, named_tensors)` for `/update_weights_from_tensor` requests whose
 `load_format` is this function's import path (`LOAD_FORMAT`); the server is started with
-`--custom-weight-loader` naming it (`rlsys.rollout.server.build_command`). The tensors are views into
+`--custom-weight-loader` naming it (`rlsys.rollout.sglang.server.build_command`). The tensors are views into
 the trainer's staging buffer, opened from one IPC handle (torch caches the opened storage by
 handle, so a bucket maps its buffer once, not once per tensor).
 

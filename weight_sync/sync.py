@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from rlsys.weight_sync.backend import Backend
+from rlsys.system.backend import Backend
 from rlsys.weight_sync.buckets import WeightBucket, full_nbytes, gather_bucket, group_into_buckets
 from rlsys.weight_sync.colocated import COLOCATED_ALIGNMENT, StagingBuffer
 

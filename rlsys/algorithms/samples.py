@@ -1,0 +1,184 @@
+"""From engine generations to scored, advantage-weighted training sequences."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rlsys.actors.batching import TrainSequence
+from rlsys.algorithms.grpo import group_advantages, overlong_penalty
+from rlsys.config import OverlongPenaltyConfig
+from rlsys.data.datasets import PromptRecord
+from rlsys.errors import RunFailed
+from rlsys.rewards.pool import RewardCall, RewardOutcome
+from rlsys.rollout.engine import Generation
+
+
+@dataclass
+class Sample:
+    record: PromptRecord
+    generation: Generation
+    response_text: str
+    reward: float = 0.0  # the task's reward
+    shaping: float = 0.0  # what the algorithm adds to it (overlong penalty, KL in reward)
+    advantage: float = 0.0
+
+    @property
+    def score(self) -> float:
+        """The reward advantages are computed from."""
+        return self.reward + self.shaping
+
+    @property
+    def truncated(self) -> bool:
+        """Cut off by max_new_tokens (or the context window) rather than ended by a stop token."""
+        return self.generation.finish_reason == "length"
+
+
+@dataclass
+class ScoredBatch:
+    samples: list[Sample]  # complete groups whose rewards all computed (and, with dynamic sampling, informative)
+    num_generations: int = 0  # every generation scored, kept or not
+    reward_errors: int = 0
+    first_error: str | None = None
+    dropped_groups: int = 0  # groups with a failed reward call
+    filtered_groups: int = 0  # groups whose scores were all equal, dropped by dynamic sampling
+    sampling_rounds: int = 1
+    task_rewards: list[float] = field(default_factory=list)  # of every scored group, filtered or not
+    penalties: list[float] = field(default_factory=list)  # overlong penalties of the same samples
+
+    def merge(self, other: ScoredBatch) -> None:
+        """Add another sampling round's groups and counts to this step's."""
+        self.samples += other.samples
+        self.num_generations += other.num_generations
+        self.reward_errors += other.reward_errors
+        self.first_error = self.first_error or other.first_error
+        self.dropped_groups += other.dropped_groups
+        self.filtered_groups += other.filtered_groups
+        self.task_rewards += other.task_rewards
+        self.penalties += other.penalties
+
+    def filter_uniform_groups(self, group_size: int) -> None:
+        """Dynamic sampling: drop the groups whose scores are all equal (all their advantages are 0)."""
+        kept = []
+        for start in range(0, len(self.samples), group_size):
+            group = self.samples[start:start + group_size]
+            if len({sample.score for sample in group}) > 1:
+                kept += group
+            else:
+                self.filtered_groups += 1
+        self.samples = kept
+
+    def reward_metrics(self) -> dict:
+        """Task rewards of every sample scored this step (before dynamic sampling drops any), and
+        what the reward function failed on; reward_mean and reward_std are None when none scored."""
+        rewards = self.task_rewards
+        # No sample scored (every group's reward failed): missing (null), never a 0.0 that looks measured.
+        mean = sum(rewards) / len(rewards) if rewards else None
+        metrics = {
+            "reward_mean": mean,
+            "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5 if rewards else None,
+            "reward_errors": self.reward_errors,
+            "dropped_groups": self.dropped_groups,
+        }
+        if self.penalties:
+            metrics["overlong_penalty_mean"] = sum(self.penalties) / len(self.penalties)
+        return metrics
+
+
+def response_text(tokenizer, response_ids: list[int]) -> str:
+    """Decode up to (not including) the first end-of-sequence token, special tokens kept."""
+    eos = tokenizer.eos_token_id
+    if eos in response_ids:
+        response_ids = response_ids[: response_ids.index(eos)]
+    return tokenizer.decode(response_ids, skip_special_tokens=False)
+
+
+def generation_text(tokenizer, generation: Generation) -> str:
+    """What the reward reads: a single response up to its end-of-sequence token; a multi-turn
+    trajectory whole (each turn may end with one), special tokens kept."""
+    if generation.multi_turn:
+        return tokenizer.decode(generation.response_ids, skip_special_tokens=False)
+    return response_text(tokenizer, generation.response_ids)
+
+
+def reward_call(record: PromptRecord, generation: Generation, text: str) -> RewardCall:
+    """The reward function's arguments; a trajectory's `info` joins the record's metadata."""
+    metadata = {**record.metadata, **generation.info} if generation.info else record.metadata
+    return RewardCall(record.prompt, text, record.label, metadata)
+
+
+Scorer = Callable[[list[RewardCall]], list[RewardOutcome]]  # e.g. RewardPool.score
+
+
+def score_groups(
+    records: list[PromptRecord], generations: list[Generation], group_size: int, tokenizer, scorer: Scorer,
+    overlong: OverlongPenaltyConfig | None = None, max_new_tokens: int = 0,
+) -> ScoredBatch:
+    """Reward every sample (plus DAPO's overlong penalty when configured); a group with any
+    failing reward is dropped (and counted)."""
+    texts = [generation_text(tokenizer, g) for g in generations]
+    calls = [reward_call(records[i // group_size], g, text)
+             for i, (g, text) in enumerate(zip(generations, texts, strict=True))]
+    outcomes = scorer(calls)
+    batch = ScoredBatch(samples=[], num_generations=len(generations))
+    for group_index, record in enumerate(records):
+        group = range(group_index * group_size, (group_index + 1) * group_size)
+        failed = [outcomes[i].error for i in group if outcomes[i].error is not None]
+        batch.reward_errors += len(failed)
+        if failed:
+            batch.dropped_groups += 1
+            batch.first_error = batch.first_error or failed[0]
+            continue
+        for i in group:
+            sample = Sample(record, generations[i], texts[i], reward=outcomes[i].value)
+            if overlong is not None:
+                penalty = overlong_penalty(len(sample.generation.response_ids), max_new_tokens,
+                                           overlong.buffer_tokens, overlong.factor)
+                sample.shaping += penalty
+                batch.penalties.append(penalty)
+            batch.samples.append(sample)
+            batch.task_rewards.append(sample.reward)
+    return batch
+
+
+def check_reward_errors(scored: ScoredBatch, max_error_fraction: float, step: int) -> None:
+    """Stop the run when more than `max_error_fraction` of a step's reward calls failed."""
+    if scored.reward_errors > max_error_fraction * scored.num_generations:
+        raise RunFailed(
+            f"step {step}: {scored.reward_errors} of {scored.num_generations} rewards raised "
+            f"(reward.max_error_fraction={max_error_fraction}); first error:\n{scored.first_error}"
+        )
+
+
+def assign_advantages(samples: list[Sample], group_size: int, norm: str) -> dict:
+    """Advantages from the samples' scores (algorithms/grpo.py `group_advantages`); their metrics."""
+    if not samples:
+        return {}
+    scores = torch.tensor([s.score for s in samples])
+    advantages = group_advantages(scores, group_size, norm)
+    for sample, advantage in zip(samples, advantages.tolist(), strict=True):
+        sample.advantage = advantage
+    return {"advantage_abs_mean": advantages.abs().mean().item()}
+
+
+def to_train_sequences(samples: list[Sample], mask_truncated: bool = False) -> list[TrainSequence]:
+    """Prompt + response token ids with their advantage. The loss counts the policy's tokens
+    (a trajectory's injected tool output is masked) and, with `mask_truncated`, none of a
+    truncated response's."""
+    return [
+        TrainSequence(
+            token_ids=s.generation.prompt_ids + s.generation.response_ids,
+            prompt_len=len(s.generation.prompt_ids),
+            advantage=s.advantage,
+            engine_logprobs=s.generation.logprobs,
+            loss_mask=[0] * len(s.generation.response_ids) if mask_truncated and s.truncated
+            else s.generation.loss_mask,
+        )
+        for s in samples
+    ]
+
+
+def truncated_fraction(generations: list[Generation]) -> float:
+    return sum(g.finish_reason == "length" for g in generations) / max(len(generations), 1)

@@ -1,0 +1,170 @@
+"""Runs on disk, for `rlsys runs` (a table of runs) and `rlsys compare` (two runs' curves).
+
+A run directory is one holding metrics.jsonl or status.json (what `rlsys train` writes). Nothing
+here needs the run to be alive: everything is read from those two files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlsys.observability.metrics import read_metrics
+
+DEFAULT_COMPARE_METRICS = ("reward_mean", "eval_reward_mean", "response_len_mean")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    name: str
+    path: Path
+    state: str  # as status.json says (running, finished, stopped, failed), or "unknown"
+    steps: int  # steps with a metrics row
+    total_steps: int | None
+    last_reward: float | None
+    last_eval: float | None
+    wall_s: float | None  # start to finish (or to the last step of a run that has not finished)
+    started_at: float | None
+
+    @classmethod
+    def read(cls, path: Path) -> RunSummary:
+        status = _read_json(path / "status.json")
+        rows = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
+        started = status.get("started_at")
+        ended = status.get("finished_at") or (rows[-1].get("timestamp") if rows else None)
+        return cls(
+            name=path.name,
+            path=path,
+            state=status.get("state", "unknown"),
+            steps=len(rows),
+            total_steps=status.get("total_steps"),
+            last_reward=_last(rows, "reward_mean"),
+            last_eval=_last(rows, "eval_reward_mean"),
+            wall_s=(ended - started) if started and ended else None,
+            started_at=started,
+        )
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / "metrics.jsonl").is_file() or (path / "status.json").is_file())
+
+
+def find_runs(root: Path) -> list[RunSummary]:
+    """`root` itself if it is a run, else the runs directly under it, oldest first."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"no directory {root}")
+    paths = [root] if is_run_dir(root) else [p for p in sorted(root.iterdir()) if is_run_dir(p)]
+    runs = [RunSummary.read(p) for p in paths]
+    return sorted(runs, key=lambda r: (r.started_at is None, r.started_at or 0.0, r.name))
+
+
+def runs_table(runs: list[RunSummary], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("run", "state", "steps", "last reward", "last eval", "wall time", "started"):
+        table.add_column(column, justify="left" if column in ("run", "state", "started") else "right")
+    for run in runs:
+        steps = f"{run.steps}" + (f" / {run.total_steps}" if run.total_steps else "")
+        table.add_row(run.name, run.state, steps, _fmt(run.last_reward), _fmt(run.last_eval),
+                      _duration(run.wall_s), _when(run.started_at))
+    return table
+
+
+def compare_rows(a: list[dict], b: list[dict], metrics: tuple[str, ...], max_rows: int = 25) -> list[int]:
+    """The steps to show: those where either run evaluated (when eval is compared), else evenly
+    spaced ones, at most `max_rows`, always with the first and the last step."""
+    steps = sorted({r["step"] for r in a} | {r["step"] for r in b})
+    if not steps:
+        return []
+    if any(m.startswith("eval_") for m in metrics):
+        evaluated = sorted({r["step"] for r in a + b if r.get("eval_reward_mean") is not None})
+        if evaluated:
+            steps = evaluated
+    stride = max(1, math.ceil(len(steps) / max_rows))
+    chosen = steps[::stride]
+    last = max(max((r["step"] for r in a), default=0), max((r["step"] for r in b), default=0))
+    return sorted(set(chosen) | {last})
+
+
+def compare_table(name_a: str, rows_a: list[dict], name_b: str, rows_b: list[dict], metrics: tuple[str, ...]):
+    from rich.table import Table
+
+    by_step_a, by_step_b = {r["step"]: r for r in rows_a}, {r["step"]: r for r in rows_b}
+    table = Table(title=f"{name_a} (A) vs {name_b} (B)")
+    table.add_column("step", justify="right")
+    for metric in metrics:
+        table.add_column(f"{metric}\nA / B", justify="right", no_wrap=True)
+    for step in compare_rows(rows_a, rows_b, metrics):
+        cells = [str(step)]
+        for metric in metrics:
+            cells.append(f"{_fmt(by_step_a.get(step, {}).get(metric))} / {_fmt(by_step_b.get(step, {}).get(metric))}")
+        table.add_row(*cells)
+    return table
+
+
+def plot_compare(name_a: str, rows_a: list[dict], name_b: str, rows_b: list[dict], metrics: tuple[str, ...],
+                 out: Path) -> Path:
+    """One panel per metric, both runs' curves in each; written as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("rlsys compare --plot needs matplotlib: pip install 'rlsys[plot]'") from None
+    figure, axes = plt.subplots(len(metrics), 1, figsize=(8, 2.6 * len(metrics)), squeeze=False)
+    for axis, metric in zip(axes[:, 0], metrics, strict=True):
+        for name, rows in ((name_a, rows_a), (name_b, rows_b)):
+            points = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
+            if points:
+                axis.plot(*zip(*points, strict=True), marker="o" if metric.startswith("eval_") else None,
+                          markersize=3, label=name)
+        axis.set_title(metric)
+        axis.set_xlabel("step")
+        axis.legend()
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _last(rows: list[dict], key: str) -> float | None:
+    for row in reversed(rows):
+        if isinstance(row.get(key), (int, float)):
+            return float(row[key])
+    return None
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _when(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    from datetime import datetime
+
+    return datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M")

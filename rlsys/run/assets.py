@@ -1,0 +1,149 @@
+"""Everything a run needs that can be checked before any actor starts: model files, tokenizer,
+prompt splits (tokenised), the reward function (loaded once to check it) and the stop tokens."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlsys.config import ConfigError, RunConfig
+from rlsys.data.datasets import PromptRecord, load_splits
+from rlsys.data.tokenizer import load_tokenizer
+from rlsys.rewards.loading import load_reward_function
+
+_WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+
+
+@dataclass
+class EncodedPrompt:
+    record: PromptRecord
+    token_ids: list[int]
+
+
+@dataclass
+class RunAssets:
+    tokenizer: object
+    train: list[EncodedPrompt]
+    eval: list[EncodedPrompt]
+    stop_token_ids: list[int]
+    skipped_rows: int
+    too_long_prompts: int
+
+
+def _encode(tokenizer, record: PromptRecord, chat: bool, system_prompt: str | None = None) -> list[int]:
+    if chat:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        messages.append({"role": "user", "content": record.prompt})
+        # Rendered to text, then tokenised without added special tokens (the template holds them
+        # all): the same ids whatever apply_chat_template(tokenize=True) returns in a given version.
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(record.prompt, add_special_tokens=True)["input_ids"]
+
+
+def _stop_token_ids(config: RunConfig, tokenizer) -> list[int]:
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if config.rollout.engine.skip_tokenizer_init:
+        # Without its tokenizer the engine cannot match stop strings; single tokens still work.
+        for stop in config.rollout.stop:
+            encoded = tokenizer(stop, add_special_tokens=False)["input_ids"]
+            if len(encoded) != 1:
+                raise ConfigError(
+                    f"invalid config: rollout.stop entry {stop!r} is {len(encoded)} tokens, but with "
+                    "rollout.engine.skip_tokenizer_init the engine only stops on single tokens"
+                )
+            ids.append(encoded[0])
+    return ids
+
+
+def read_model_config(model_dir: str | Path) -> dict:
+    """The model's config.json, refused here (trainers, engines and `rlsys plan` all read it) when it
+    is not a JSON object."""
+    path = Path(model_dir) / "config.json"
+    try:
+        model_config = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"invalid config: model.path {model_dir}: {path} is not valid JSON ({error}); "
+                          "point model.path at a complete Hugging Face checkpoint") from None
+    if not isinstance(model_config, dict):
+        raise ConfigError(f"invalid config: model.path {model_dir}: {path} must hold a JSON object, "
+                          f"not a {type(model_config).__name__}")
+    return model_config
+
+
+# The tokenizer's own JSON files, as transformers reads them (config.json is read_model_config's).
+_TOKENIZER_JSON_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                         "vocab.json")
+
+
+def _load_tokenizer_checked(config: RunConfig, tokenizer_dir: Path):
+    """`load_tokenizer`; when it fails on a file that is not JSON (a copy cut short, an edit gone
+    wrong), a ConfigError naming the file and the setting that points at it. The files are looked
+    at only after a failure: a good tokenizer.json is parsed once, by transformers."""
+    option = "model.tokenizer_path" if config.model.tokenizer_path else "model.path"
+    try:
+        return load_tokenizer(tokenizer_dir)
+    except Exception:
+        for path in (tokenizer_dir / name for name in _TOKENIZER_JSON_FILES):
+            if not path.is_file():
+                continue
+            try:
+                content = json.loads(path.read_bytes())
+            except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+                raise ConfigError(f"invalid config: {option} {tokenizer_dir}: {path} is not valid JSON ({error}); "
+                                  f"point {option} at a complete tokenizer") from None
+            if not isinstance(content, dict):
+                raise ConfigError(f"invalid config: {option} {tokenizer_dir}: {path} must hold a JSON object, "
+                                  f"not a {type(content).__name__}") from None
+        raise
+
+
+def load_assets(config: RunConfig) -> RunAssets:
+    model_dir = Path(config.model.path)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
+            "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
+        )
+    read_model_config(model_dir)
+    weights = [p.name for pattern in _WEIGHT_FILES for p in model_dir.glob(pattern)]
+    if not weights:
+        raise ConfigError(
+            f"invalid config: model.path {model_dir} holds no weight files ({', '.join(_WEIGHT_FILES)}); "
+            "point it at a complete Hugging Face checkpoint"
+        )
+    tokenizer_dir = Path(config.model.tokenizer_dir)
+    if not (tokenizer_dir / "tokenizer_config.json").is_file():
+        raise ConfigError(f"invalid config: no tokenizer in {tokenizer_dir} (no tokenizer_config.json); "
+                          "set model.tokenizer_path to the tokenizer's directory")
+    tokenizer = _load_tokenizer_checked(config, tokenizer_dir)
+    if config.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"invalid config: data.apply_chat_template is on but the tokenizer in {tokenizer_dir} "
+                          "has no chat template")
+    if config.reward.url is None:
+        load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
+    splits = load_splits(config.data, config.seed)
+    budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
+    if budget < 1:
+        raise ConfigError(
+            "invalid config: rollout.max_new_tokens must be below rollout.engine.context_length"
+        )
+
+    def encode_all(records: list[PromptRecord]) -> tuple[list[EncodedPrompt], int]:
+        data = config.data
+        encoded = [EncodedPrompt(r, _encode(tokenizer, r, data.apply_chat_template, data.system_prompt)) for r in records]
+        kept = [e for e in encoded if 0 < len(e.token_ids) <= budget]
+        return kept, len(encoded) - len(kept)
+
+    train, too_long_train = encode_all(splits.train)
+    eval_, too_long_eval = encode_all(splits.eval)
+    if not train:
+        raise ConfigError(
+            f"no training prompt fits in {budget} tokens (context_length - max_new_tokens)"
+        )
+    return RunAssets(
+        tokenizer=tokenizer, train=train, eval=eval_,
+        stop_token_ids=_stop_token_ids(config, tokenizer),
+        skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval,
+    )

@@ -1,0 +1,537 @@
+"""The run: `run(config)` starts everything and `train_loop` drives the GRPO steps.
+
+One step: (eval when due) -> engines generate n samples per prompt -> rewards -> trainer wakes,
+group advantages, old/ref log-probs and optimizer steps -> weight sync into the engines ->
+(checkpoint when due) -> trainer sleeps (colocated). `train_loop` is the table of contents: every
+line is a call into a component; start-up, restore and shutdown live in rlsys/run/lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from ray.exceptions import RayError
+
+from rlsys.algorithms.samples import (
+    ScoredBatch,
+    assign_advantages,
+    check_reward_errors,
+    score_groups,
+    to_train_sequences,
+    truncated_fraction,
+)
+from rlsys.config import RunConfig, dump_config
+from rlsys.data.datasets import PromptSampler, repeated_prompts_note
+from rlsys.errors import RunFailed
+from rlsys.observability.metrics import MetricsLog
+from rlsys.observability.status.state import RunStatus
+from rlsys.observability.tracking import Trackers, check_backends_installed
+from rlsys.rewards.pool import RewardPool, make_reward_scorer
+from rlsys.rewards.remote import RemoteReward
+from rlsys.rollout.manager import EngineCallFailed, EngineRestartLimit, is_engine_death
+from rlsys.run.assets import RunAssets, load_assets
+from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume, disk_full_failure
+from rlsys.run.evaluation import Evaluator, sampling_params
+from rlsys.run.generation import SampleMaker, trajectory_metrics
+from rlsys.run.lifecycle import (
+    Components,
+    bring_engines_up_to_date,
+    restart_trainers,
+    restore,
+    start_components,
+    sync_engines,
+)
+from rlsys.run.reporting import HealthMonitor, new_status, status_server
+from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
+from rlsys.system.cluster import ray_cluster
+from rlsys.system.reaper import start_reaper
+from rlsys.system.run_lock import RunDirLock
+from rlsys.system.shm_sweep import sweep_shared_memory
+from rlsys.system.topology import Topology
+
+__all__ = ["RunFailed", "run"]
+
+
+@dataclass
+class Run:
+    """Everything the loop works with, started and restored by `run`."""
+
+    config: RunConfig
+    assets: RunAssets
+    parts: Components
+    state: CoordinatorState
+    status: RunStatus
+    log: MetricsLog
+    sampler: PromptSampler
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    health: HealthMonitor
+    rewards: RewardPool | RemoteReward
+    trackers: Trackers
+    maker: SampleMaker
+    trainer_restarts: int = 0  # automatic resumes after a trainer rank died
+
+    @contextmanager
+    def phase(self, row: dict, state: str, timing: str):
+        """Shows `state` in the status and adds the block's seconds to row["time_<timing>_s"]."""
+        self.status.set_state(state)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            row[f"time_{timing}_s"] = row.get(f"time_{timing}_s", 0.0) + time.perf_counter() - start
+
+    def continue_from(self, checkpoint: Path | None) -> None:
+        """Trainer, engines, data position and metrics as `checkpoint` left them (fresh if None)."""
+        self.state = restore(self.config, self.parts, checkpoint)
+        self.log.truncate_from(self.state.next_step)  # rows of steps that will run again
+        self.status.replace_steps(self.log.rows)
+        self.sampler.restore(self.state.data_epoch, self.state.data_index)
+        self.health.refresh(self.status)
+        self.parts.handoff.to_engines({})  # a sleeping trainer leaves the device to the engines
+
+    def steps(self) -> Iterator[int]:
+        """The steps still to run, with a progress bar; waits while paused, ends on a stop request."""
+        from tqdm import tqdm
+
+        total = self.config.trainer.total_steps
+        bar = tqdm(range(self.state.next_step, total), initial=self.state.next_step, total=total, desc="GRPO",
+                   disable=not self.config.logging.progress_bar, dynamic_ncols=True)
+        last_eval = None
+        for step in bar:
+            _wait_while_paused(self.status)
+            if self.status.stop_requested:
+                return
+            yield step
+            row = self.log.rows[-1]
+            last_eval = row.get("eval_reward_mean", last_eval)
+            reward = row.get("reward_mean")  # None: no sample of the step was scored
+            bar.set_postfix(reward="-" if reward is None else f"{reward:.2f}",
+                            eval="-" if last_eval is None else f"{last_eval:.2f}")
+
+
+def train_loop(run: Run) -> None:
+    config, parts, state = run.config, run.parts, run.state
+    sampling = sampling_params(config, run.assets, config.rollout.temperature, config.rollout.top_p)
+    next_batch = NextBatch(run, sampling) if config.rollout.max_staleness else None
+    try:
+        for step in run.steps():
+            row: dict = {"step": step}
+            step_start = time.perf_counter()
+            batch = next_batch.take(row) if next_batch else None
+            if batch is None:
+                with run.phase(row, "rollout", "generate"):
+                    batch = collect_step_batch(run, sampling, step)
+            row.update(batch.metrics, data_epoch=batch.start[0], data_index=batch.start[1])
+            row.update(batch.scored.reward_metrics())  # task rewards, before any penalty
+            if run.evaluator.due(step):  # the engines are idle here and hold this step's weights
+                with run.phase(row, "evaluating", "eval"):
+                    row.update(run.evaluator.evaluate())
+            if next_batch and step + 1 < config.trainer.total_steps:
+                next_batch.start(step + 1, step_start)  # generates while this step trains
+
+            if parts.handoff.enabled:
+                with run.phase(row, "training", "offload"):
+                    parts.handoff.to_trainer(row)  # engines release their memory, the trainer wakes
+            with run.phase(row, "training", "train"):
+                row.update(_train(config, parts, batch.scored))
+            with run.phase(row, "syncing", "sync"), parts.rollout.weights_updating():
+                sync_engines(config, parts, state.weight_version + 1)
+            if next_batch:
+                row["staleness_mean"] = _staleness(batch.generations, state.weight_version)
+            state.finish_step(step, *batch.end)  # an in-flight next batch is generated again after a resume
+            if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
+                with run.phase(row, "checkpointing", "checkpoint"):
+                    run.checkpointer.save(state)
+            if parts.handoff.enabled:
+                with run.phase(row, "training", "offload"):
+                    parts.handoff.to_engines(row)  # the trainer sleeps, the engines take their memory back
+
+            row["time_step_s"] = time.perf_counter() - step_start
+            row["timestamp"] = time.time()  # wall clock when the step ended (unix seconds)
+            row.update(_rollout_metrics(batch.generations, row["time_step_s"]), synced_weight_version=state.weight_version,
+                       engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
+            _record(run, row, last_step=step + 1 == config.trainer.total_steps)
+    finally:
+        if next_batch:
+            next_batch.close()
+    if run.status.stop_requested:
+        _checkpoint_before_stopping(run)
+
+
+@dataclass
+class StepBatch:
+    """One step's scored groups, every generation made for it, and where the data stood."""
+
+    scored: ScoredBatch
+    generations: list
+    metrics: dict
+    start: tuple[int, int]  # (data epoch, index) before its prompts were drawn
+    end: tuple[int, int]  # and after
+
+
+def collect_step_batch(run: Run, sampling, step: int, recover: bool = True) -> StepBatch:
+    """Prompts -> engine samples -> rewards, one round of data.prompts_per_step prompts. With
+    algorithm.dynamic_sampling, groups whose scores are all equal are dropped and more rounds run
+    until the step has prompts_per_step groups (surplus groups are dropped too) or
+    algorithm.max_sampling_rounds is reached."""
+    config, algorithm = run.config, run.config.algorithm
+    group_size, wanted = config.rollout.n_samples_per_prompt, config.data.prompts_per_step
+    batch, generations, metrics = ScoredBatch(samples=[], sampling_rounds=0), [], {}
+    start = (run.sampler.epoch, run.sampler.index)
+    reward_seconds = 0.0
+    while batch.sampling_rounds < (algorithm.max_sampling_rounds if algorithm.dynamic_sampling else 1):
+        prompts = run.sampler.next_batch()
+        round_generations = run.maker.samples(run.parts.rollout, prompts, sampling, group_size, recover=recover)
+        reward_start = time.perf_counter()
+        scored = score_groups([p.record for p in prompts], round_generations, group_size, run.assets.tokenizer,
+                              run.rewards.score, algorithm.overlong_penalty, config.rollout.max_new_tokens)
+        reward_seconds += time.perf_counter() - reward_start
+        check_reward_errors(scored, config.reward.max_error_fraction, step)
+        if algorithm.dynamic_sampling:
+            scored.filter_uniform_groups(group_size)
+        batch.merge(scored)
+        batch.sampling_rounds += 1
+        generations += round_generations
+        if len(batch.samples) >= wanted * group_size:
+            break
+    batch.samples = batch.samples[:wanted * group_size]
+    if algorithm.dynamic_sampling:
+        metrics.update(filtered_groups=batch.filtered_groups, sampling_rounds=batch.sampling_rounds,
+                       train_groups=len(batch.samples) // group_size)
+    metrics["reward_s"] = reward_seconds  # of the generate phase (or of the overlapped batch), scoring
+    return StepBatch(batch, generations, metrics, start, (run.sampler.epoch, run.sampler.index))
+
+
+class NextBatch:
+    """rollout.max_staleness=1: the next step's batch is generated and scored in a background
+    thread while this step trains (one step off-policy). The engines take the new weights between
+    requests (`RolloutManager.weights_updating`), so a sample's tokens all come from one version.
+    If an engine dies meanwhile, the batch is drawn again and generated in the loop's thread,
+    which restarts the engine; a batch still in flight when the run stops or checkpoints is not
+    saved: its prompts are drawn again after a resume (the checkpoint's data position is the one
+    after the batch just trained)."""
+
+    def __init__(self, run: Run, sampling):
+        self.run, self.sampling = run, sampling
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="next-batch")
+        self._pending: tuple[Future, tuple[int, int], float] | None = None
+
+    def start(self, step: int, step_start: float) -> None:
+        position = (self.run.sampler.epoch, self.run.sampler.index)
+        future = self._executor.submit(self._collect, step, step_start)
+        self._pending = (future, position, step_start)
+
+    def _collect(self, step: int, step_start: float) -> StepBatch:
+        began = time.perf_counter()
+        batch = collect_step_batch(self.run, self.sampling, step, recover=False)
+        # On the row of the step that trains it: how long it generated, and when, from the start
+        # of the step before (the one it overlapped).
+        batch.metrics.update(prefetch_start_s=began - step_start, prefetch_s=time.perf_counter() - began)
+        return batch
+
+    def take(self, row: dict) -> StepBatch | None:
+        """The batch generated during the previous step (waiting for it counts as `generate`), or
+        None when there is none or its generation hit a dead engine."""
+        if self._pending is None:
+            return None
+        future, position, _ = self._pending
+        self._pending = None
+        try:
+            with self.run.phase(row, "rollout", "generate"):
+                return future.result()
+        except (RayError, EngineCallFailed) as error:
+            if not is_engine_death(getattr(error, "error", error)):
+                raise
+            self.run.sampler.restore(*position)
+            return None
+
+    def close(self) -> None:
+        """Wait for a batch in flight (it is dropped) and stop the thread."""
+        if self._pending is not None:
+            try:
+                self._pending[0].result()
+            except BaseException:  # noqa: BLE001 - the batch is dropped either way
+                pass
+            self.run.sampler.restore(*self._pending[1])
+            self._pending = None
+        self._executor.shutdown(wait=True)
+
+
+def _staleness(generations: list, trainer_version: int) -> float:
+    """How many weight versions behind the trainer the trained samples were, on average."""
+    return sum(trainer_version - g.weight_version for g in generations) / max(len(generations), 1)
+
+
+def _checkpoint_before_stopping(run: Run) -> None:
+    """A stop that came after the last step's checkpoint decision still leaves that step saved."""
+    if run.state.next_step == 0 or run.checkpointer.store.has(run.state.next_step):
+        return
+    run.status.set_state("checkpointing")
+    if run.parts.trainer.asleep:
+        run.parts.handoff.to_trainer({})  # a sleeping trainer's storages are empty
+    run.checkpointer.save(run.state)
+
+
+def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
+    """`train_loop`; when a trainer rank dies, the trainer group restarts from the latest
+    checkpoint (at most checkpoint.max_auto_resumes times) and the loop goes on from there."""
+    for resumes in itertools.count():
+        try:
+            return train_loop(run)
+        except RayError as error:
+            checkpoint, _ = store.latest_loadable()
+            if resumes >= run.config.checkpoint.max_auto_resumes or checkpoint is None:
+                raise
+            group = run.parts.trainer
+            dead = [rank["rank"] for rank in group.health(timeout_s=10) if not rank["alive"]]
+            if not dead:
+                raise
+            cause = getattr(error, "cause", None) or error
+            where = ", ".join(f"rank {rank} on node {group.nodes[rank]}" for rank in dead)
+            print(f"rlsys: a trainer rank died ({type(cause).__name__}; {where}); restarting the trainers from "
+                  f"{checkpoint} ({resumes + 1} of {run.config.checkpoint.max_auto_resumes})", flush=True)
+            # A rank killed between /begin_weight_update and /end_weight_update leaves the engines'
+            # session open, and they would refuse the next sync.
+            run.parts.rollout.end_abandoned_weight_updates()
+            restart_trainers(run.config, run.parts)
+            print(f"rlsys: trainer ranks are back, on node(s) {', '.join(sorted(set(run.parts.trainer.nodes)))}",
+                  flush=True)
+            run.continue_from(checkpoint)
+            run.trainer_restarts = resumes + 1
+
+
+def _train(config: RunConfig, parts: Components, scored: ScoredBatch) -> dict:
+    """Optional KL-in-reward, group advantages, then the trainer's step; its metrics. A step left
+    with no token to train on (every group's reward failed, dynamic sampling found no informative
+    group, or mask_truncated masked every response) makes no optimizer step: Adam would still move
+    the weights on a zero gradient."""
+    algorithm, metrics = config.algorithm, {}
+    if not any(s.loss_tokens for s in to_train_sequences(scored.samples, algorithm.mask_truncated)):
+        print("rlsys: no token to train on this step; its optimizer step is skipped", flush=True)
+        return {"train_tokens": 0.0, "skipped_train_steps": 1}
+    if algorithm.kl_in_reward:
+        # score -= kl_coef * sum_t KL_t(policy || reference)
+        kls = parts.trainer.compute_sequence_kl(to_train_sequences(scored.samples))
+        for sample, kl in zip(scored.samples, kls, strict=True):
+            sample.shaping -= algorithm.kl_coef * kl
+        metrics["kl_reward_penalty"] = algorithm.kl_coef * sum(kls) / max(len(kls), 1)
+    metrics.update(assign_advantages(scored.samples, config.rollout.n_samples_per_prompt, algorithm.adv_norm))
+    sequences = to_train_sequences(scored.samples, algorithm.mask_truncated)
+    return {**metrics, **parts.trainer.train_step(sequences)}
+
+
+def _rollout_metrics(generations: list, step_seconds: float) -> dict:
+    tokens = sum(len(g.prompt_ids) + len(g.response_ids) for g in generations)
+    return {
+        "response_len_mean": sum(len(g.response_ids) for g in generations) / max(len(generations), 1),
+        "truncated_fraction": truncated_fraction(generations),
+        "weight_version": min((g.weight_version for g in generations), default=None),  # what sampled them
+        "tokens_per_s": tokens / step_seconds,
+        **trajectory_metrics(generations),
+    }
+
+
+def _record(run: Run, row: dict, last_step: bool) -> None:
+    run.log.append(row)
+    run.trackers.log(row)
+    run.status.record_step(row)
+    if run.health.due(last_step):
+        run.health.refresh(run.status)
+    run.status.save_snapshot()
+
+
+def _wait_while_paused(status: RunStatus) -> None:
+    if status.pause_requested and not status.stop_requested:
+        status.set_state("paused")
+        status.save_snapshot()
+        while status.pause_requested and not status.stop_requested:
+            time.sleep(0.2)
+
+
+# ---- the run's life ---------------------------------------------------------------------------
+
+def with_absolute_paths(config: RunConfig, run_dir: str) -> RunConfig:
+    """The config with run_dir and the model's paths made absolute: trainers and engines on other
+    nodes (or in another working directory) must not resolve them against their own."""
+    model = config.model.model_copy(update={
+        "path": str(Path(config.model.path).absolute()),
+        "tokenizer_path": str(Path(config.model.tokenizer_path).absolute()) if config.model.tokenizer_path else None,
+    })
+    return config.model_copy(update={"run_dir": str(Path(run_dir).absolute()), "model": model})
+
+
+def prepare_run_dir(config: RunConfig, run_dir: Path, resuming: bool) -> None:
+    if not resuming and (run_dir / "metrics.jsonl").exists():
+        raise RunFailed(
+            f"run directory {run_dir} already holds a run (metrics.jsonl) and no checkpoint to resume; "
+            "choose another run_dir, or pass --resume to continue a checkpointed run"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(config.model_copy(update={"run_dir": str(run_dir)}), run_dir / "config.yaml")
+
+
+def _first_lines(text: str, count: int) -> str:
+    lines = text.splitlines()
+    return "\n".join(lines[:count] + (["..."] if len(lines) > count else []))
+
+
+@contextmanager
+def _failures_reported(status: RunStatus):
+    """Any error ends the run as `failed` in the status; a dead or raising actor becomes RunFailed."""
+    try:
+        yield
+    except BaseException as error:
+        failure = disk_full_failure(error, Path(status.run_dir))  # in this process or in an actor
+        if failure is not None:
+            message = str(failure)
+        elif isinstance(error, (RayError, EngineRestartLimit)):
+            cause = getattr(error, "cause", None) or error  # the remote exception, without Ray's wrapping
+            message = f"{type(cause).__name__}: {_first_lines(str(cause), 40)}"
+            failure = RunFailed(f"a trainer rank or rollout engine failed: {message}")
+        else:
+            message = f"{type(error).__name__}: {error}"
+        status.fail(message)
+        try:
+            status.save_snapshot()
+        except OSError as unsaved:  # reported, but the run's own error stays the one that ends it
+            print(f"rlsys: could not record the failure in status.json: {unsaved}", file=sys.stderr, flush=True)
+        if failure is None:
+            raise
+        raise failure from error
+
+
+class StoppedAtOnce(SystemExit):
+    """A second stop signal: the run ends inside its step, without a checkpoint (exit 128 + signal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signal_name = _signal_name(signum)
+
+    def __str__(self) -> str:
+        return f"stopped at once by a second {self.signal_name}, without a checkpoint"
+
+
+def _signal_name(signum: int) -> str:
+    return "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def _stop_on_signals(status: RunStatus) -> None:
+    """SIGTERM, or SIGINT (Ctrl-C), stops the run as POST /api/v1/stop does: after the current
+    step, with a checkpoint. A second one stops at once (engines and trainers are still shut down).
+    The processes a signal to the whole process group also reaches never receive it
+    (rlsys.system.interrupts)."""
+    def _stop(signum, frame):
+        if status.stop_requested:
+            raise StoppedAtOnce(signum)
+        print(f"rlsys: {_signal_name(signum)}: stopping after this step, with a checkpoint (again to stop at once)",
+              flush=True)
+        status.request("stop")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+
+
+def _run_uses_gpus(config: RunConfig, layout: Topology) -> bool:
+    """From the Ray cluster's resources: the driver may sit on a GPU-less head node."""
+    try:
+        has_gpu = decide_has_gpu(config.placement.device, cluster_gpus(), layout.gpus_needed())
+    except BackendError as error:
+        raise RunFailed(str(error)) from None
+    print(f"rlsys: {'GPUs' if has_gpu else 'CPUs only'} (placement.device={config.placement.device}, "
+          f"{cluster_gpus():g} GPUs in the Ray cluster)", flush=True)
+    return has_gpu
+
+
+def _describe_data(assets: RunAssets) -> str:
+    dropped = []
+    if assets.skipped_rows:
+        dropped.append(f"{assets.skipped_rows} invalid rows skipped")
+    if assets.too_long_prompts:
+        dropped.append(f"{assets.too_long_prompts} prompts longer than the context window dropped")
+    return f"{len(assets.train)} train and {len(assets.eval)} eval prompts" + (f" ({', '.join(dropped)})" if dropped else "")
+
+
+def _describe_rewards(config: RunConfig) -> str:
+    if config.reward.url:
+        return f"the reward service at {config.reward.url} (reward.function is not used)"
+    return f"{config.reward.function} in {config.reward.num_workers} worker process(es)"
+
+
+def run(config: RunConfig) -> Path:
+    """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
+    check_backends_installed(config.logging.backends)
+    run_start = time.perf_counter()
+    assets = load_assets(config)  # every input check happens before any actor starts
+    maker = SampleMaker(config, assets.tokenizer)  # loads rollout.generate_function, if any
+    random.seed(config.seed)
+    config = with_absolute_paths(config, config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
+    run_dir = Path(config.run_dir)
+    store = CheckpointStore(run_dir, config.checkpoint.keep_last)
+    checkpoint = checkpoint_to_resume(store) if config.checkpoint.resume == "auto" else None
+    lock = RunDirLock(run_dir)
+    lock.acquire()  # before anything is written there
+    try:
+        prepare_run_dir(config, run_dir, resuming=checkpoint is not None)
+        log = MetricsLog(run_dir / "metrics.jsonl")  # a bad line is refused here, before anything starts
+    except BaseException:
+        lock.release()
+        raise
+    print(f"rlsys: run directory {run_dir.resolve()}", flush=True)
+    print(f"rlsys: data: {_describe_data(assets)}", flush=True)
+    if note := repeated_prompts_note(config.data.prompts_per_step, len(assets.train)):
+        print(f"rlsys: {note}", flush=True)
+    if checkpoint is not None:
+        print(f"rlsys: resuming from {checkpoint}", flush=True)
+    status = new_status(config, run_dir, assets)
+    layout = Topology.from_config(config, has_gpu=False)  # CPU counts do not depend on the GPUs
+    with ExitStack() as stack:
+        stack.callback(lock.release)
+        sweep_shared_memory()  # what runs killed without warning left on this machine
+        stack.callback(sweep_shared_memory)  # and, at the end, what a killed engine left of this run
+        stack.callback(start_reaper(run_dir).terminate)  # cleans up if this process is killed
+        dashboard = stack.enter_context(status_server(config, status))
+        trackers = Trackers(config.logging.backends, run_dir, config.model_dump(mode="json"), config.logging.project,
+                            config.logging.run_name or run_dir.resolve().name)
+        stack.callback(trackers.close)
+        ray_start = time.perf_counter()
+        stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or layout.local_cpus(),
+                                        layout.custom_resources()))
+        print(f"rlsys: Ray cluster up in {time.perf_counter() - ray_start:.1f} s", flush=True)
+        _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own
+        stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
+        topology = Topology.from_config(config, _run_uses_gpus(config, layout))
+        rewards = make_reward_scorer(config.reward)
+        print(f"rlsys: rewards from {_describe_rewards(config)}", flush=True)
+        stack.callback(rewards.close)
+        rewards.start()  # its workers load the reward function while the engines start
+        parts = start_components(config, topology, run_dir, stack)
+        run = Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
+                  PromptSampler(assets.train, config.data.prompts_per_step, config.seed),
+                  Evaluator(config, assets, parts.rollout, rewards.score, maker),
+                  Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts),
+                  HealthMonitor(parts), rewards, trackers, maker)
+        parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.state.weight_version)
+        sync_start = time.perf_counter()
+        run.continue_from(checkpoint)
+        print(f"rlsys: engines hold the trainer's weights (version {run.state.weight_version}) after "
+              f"{time.perf_counter() - sync_start:.1f} s", flush=True)
+        print(f"rlsys: training (started in {time.perf_counter() - run_start:.0f} s)"
+              + (f"; dashboard at {dashboard}/" if dashboard else ""), flush=True)
+        _train_resuming_dead_trainers(run, store)
+        status.set_state("stopped" if status.stop_requested else "finished")
+        status.save_snapshot()
+    print(f"rlsys: {status.state}; metrics in {(run_dir / 'metrics.jsonl').resolve()}", flush=True)
+    return run_dir

@@ -1,0 +1,61 @@
+"""Which way samples are made: one engine call each (the default), or the configured
+rollout.generate_function (multi-turn, tools; rollout/trajectory.py)."""
+
+from __future__ import annotations
+
+import inspect
+
+from rlsys.config import RunConfig
+from rlsys.rewards.loading import RewardFunctionError, load_user_function
+from rlsys.rollout.engine import Generation, SamplingParams
+from rlsys.rollout.manager import RolloutManager
+from rlsys.rollout.trajectory import GenerateFunction, RolloutPrompt
+from rlsys.run.assets import EncodedPrompt
+
+
+def load_generate_function(import_path: str) -> GenerateFunction:
+    function = load_user_function(import_path, "rollout.generate_function")
+    if not inspect.iscoroutinefunction(function):
+        raise RewardFunctionError(
+            f"rollout.generate_function {import_path!r} must be an async function "
+            "(async def fn(prompt, ctx) -> Trajectory | None)"
+        )
+    try:
+        inspect.signature(function).bind("prompt", "ctx")
+    except TypeError as error:
+        raise RewardFunctionError(f"rollout.generate_function {import_path!r} must accept (prompt, ctx): {error}") \
+            from error
+    return function
+
+
+class SampleMaker:
+    """`samples(rollout, prompts, sampling, n)`: n generations per prompt, grouped by prompt."""
+
+    def __init__(self, config: RunConfig, tokenizer):
+        self.path = config.rollout.generate_function
+        self.function = load_generate_function(self.path) if self.path else None
+        self.tokenizer = tokenizer
+        self.tool_timeout_s = config.rollout.tool_timeout_s
+
+    def samples(self, rollout: RolloutManager, prompts: list[EncodedPrompt], sampling: SamplingParams, n: int,
+                recover: bool = True) -> list[Generation]:
+        if self.function is None:
+            return rollout.generate([p.token_ids for p in prompts], sampling, n, recover=recover)
+        return rollout.trajectories([RolloutPrompt(p.record, p.token_ids) for p in prompts], self.function, sampling,
+                                    n, self.tokenizer, self.tool_timeout_s, recover=recover, function_path=self.path)
+
+
+def trajectory_metrics(generations: list[Generation]) -> dict:
+    """Turns, tool calls and tool errors per sample, and the share of response tokens the policy
+    sampled (the rest were injected: tool output, markup); {} for single-turn samples."""
+    if not any(g.multi_turn for g in generations):
+        return {}
+    count = max(len(generations), 1)
+    response_tokens = sum(len(g.response_ids) for g in generations)
+    policy_tokens = sum(len(g.response_ids) if g.loss_mask is None else sum(g.loss_mask) for g in generations)
+    return {
+        "turns_mean": sum(g.turns for g in generations) / count,
+        "tool_calls_mean": sum(g.tool_calls for g in generations) / count,
+        "tool_errors": sum(g.stop_reason is not None for g in generations),
+        "policy_tokens_fraction": policy_tokens / max(response_tokens, 1),
+    }

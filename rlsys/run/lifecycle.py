@@ -1,0 +1,164 @@
+"""A run's components: started in order, restored from a checkpoint, and stopped by the caller's
+ExitStack whatever happens (engines first: their servers hold shared-memory handles from the
+trainers)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray.exceptions import RayError
+
+from rlsys.actors.group import TrainerGroup
+from rlsys.actors.placement import Placement, create_placement
+from rlsys.actors.trainer import TrainerSpec
+from rlsys.config import RunConfig
+from rlsys.rollout.manager import RolloutManager
+from rlsys.rollout.sglang.server import ServerSpec
+from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
+from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
+from rlsys.run.memory_plan import plan_for_devices
+from rlsys.run.verify import model_depth, verify_engine_weights
+from rlsys.system.cluster import ACTOR_ENV
+from rlsys.system.node import node_address
+from rlsys.system.node_checks import PlacementNodes, device_memory_budget, probe_nodes, refuse_unusable_nodes
+from rlsys.system.topology import Topology
+
+
+@dataclass
+class Components:
+    topology: Topology
+    placement: Placement
+    rollout: RolloutManager | None = None
+    trainer: TrainerGroup | None = None
+    handoff: DeviceHandoff | None = None
+    cpu_sharers: tuple[int, int] = (1, 1)  # (trainer, engine): Topology.cpu_sharers on this placement
+
+    def shutdown(self) -> None:
+        """Stop whatever has started: engines, then trainer ranks, then the placement group."""
+        if self.rollout is not None:
+            self.rollout.shutdown()
+        if self.trainer is not None:
+            self.trainer.shutdown()
+        self.placement.remove()
+
+
+def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack: ExitStack) -> Components:
+    """Engines start in the background while the trainer ranks build their models (on GPUs,
+    colocated, the engines first: `Topology.engines_start_first`); then each rank is connected to
+    the engine(s) it feeds. `stack` stops them, whatever happens."""
+    start = time.perf_counter()
+    parts = Components(topology, create_placement(topology))
+    stack.callback(parts.shutdown)
+    check_placement_nodes(config, topology, parts.placement, run_dir)  # before any trainer or engine starts
+    parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
+    server = ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
+                        memory_saver=topology.trainers_sleep, cpu_sharers=parts.cpu_sharers[1],
+                        radix_cache=config.rollout.uses_radix_cache(topology.has_gpu))
+    parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
+                                   parts.placement.engine_options())
+    if topology.engines_start_first:
+        parts.rollout.wait_ready()
+    parts.trainer = _trainer_group(config, parts)
+    ranks = parts.trainer.describe()
+    print(f"rlsys: trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
+          f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads each) "
+          f"ready after {time.perf_counter() - start:.1f} s", flush=True)
+    parts.topology = topology.with_engines(parts.rollout.wait_ready())
+    print(f"rlsys: {topology.num_engines} SGLang engine(s) ready after {time.perf_counter() - start:.1f} s", flush=True)
+    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
+    parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
+                                  run_dir / "logs" / "device_handoff.jsonl")
+    return parts
+
+
+def check_placement_nodes(config: RunConfig, topology: Topology, placement: Placement, run_dir: Path) -> None:
+    """Every node the placement got sees run_dir and the model, and its devices fit the memory plan
+    (rlsys/system/node_checks.py); otherwise a ConfigError naming the node and what to set."""
+    bundle_nodes = placement.bundle_nodes()
+    placed = PlacementNodes()
+    for bundle, roles in sorted(topology.roles_by_bundle().items()):
+        for role in roles:
+            placed.add(bundle_nodes[bundle], role)
+    engine = config.rollout.engine
+    models = (config.model.path,) + ((config.model.tokenizer_path,)
+                                     if config.model.tokenizer_path and not engine.skip_tokenizer_init else ())
+    reports = probe_nodes(placed, run_dir, models)
+    refuse_unusable_nodes(reports, run_dir, models)
+    memory, source = device_memory_budget(reports, topology.has_gpu)
+    trainer_nodes = [r for r in reports if any(role.startswith("trainer") for role in r.roles)]
+    flash = (topology.has_gpu and config.model.dtype in ("bfloat16", "float16")
+             and all(r.flash_attn_installed for r in trainer_nodes))
+    plan = plan_for_devices(config, topology.has_gpu, memory, flash)
+    budget = "placement.gpu_memory_gb" if config.placement.gpu_memory_gb is not None else source
+    print(f"rlsys: memory plan: peak {plan.per_gpu_bytes / 2**30:.2f} GiB per device of "
+          f"{plan.gpu_memory_bytes / 2**30:.1f} GiB ({budget}; rlsys plan CONFIG for every term)", flush=True)
+    driver = node_address()
+    if len(reports) > 1 or reports[0].address != driver:
+        print(f"rlsys: nodes: driver {driver}; " + "; ".join(f"{r.address}: {', '.join(r.roles)}" for r in reports),
+              flush=True)
+
+
+def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:
+    spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
+    return TrainerGroup(spec, parts.topology.num_ranks,
+                        parts.placement.trainer_options(), env_vars=ACTOR_ENV)
+
+
+def restart_trainers(config: RunConfig, parts: Components) -> None:
+    """A fresh trainer group in the same placement slots (a rank died); load a checkpoint next."""
+    parts.trainer.shutdown()
+    parts.trainer = parts.handoff.trainer = _trainer_group(config, parts)
+    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
+
+
+def bring_engines_up_to_date(config: RunConfig, parts: Components, weight_version: int) -> None:
+    """After an engine restart: reconnect the trainer ranks to the engines' new addresses and
+    push the trainer's weights with `weight_version` (waking a sleeping trainer for it)."""
+    parts.topology = parts.topology.with_engines(parts.rollout.addresses)
+    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
+    asleep = parts.trainer.asleep
+    if asleep:
+        parts.handoff.to_trainer({})
+    push_weights(config, parts, weight_version)
+    if asleep:
+        parts.handoff.to_engines({})
+
+
+def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> None:
+    """`push_weights`, restarting any engine that died meanwhile and pushing again."""
+    try:
+        push_weights(config, parts, weight_version)
+    except RayError as error:
+        dead = parts.rollout.dead_engines()
+        if not dead:
+            raise
+        for index in dead:
+            parts.rollout.restart(index, f"it died during a weight sync: {getattr(error, 'cause', None) or error}")
+        push_weights(config, parts, weight_version)
+
+
+def push_weights(config: RunConfig, parts: Components, weight_version: int) -> None:
+    """Trainer -> engines over the topology's transport; then, with weight_sync.verify, check
+    that every engine computes what the trainer computes."""
+    parts.handoff.weights_to_engines()
+    parts.trainer.sync_weights(int(config.weight_sync.bucket_size_mb * 2**20), weight_version)
+    if config.weight_sync.verify:
+        # The probes need the engines' KV cache: back beside the awake trainer (a debugging aid,
+        # it costs the memory that the hand-off otherwise saves).
+        parts.rollout.resume_memory(list(ALL_REGIONS))
+        verify_engine_weights(parts.trainer, parts.rollout, weight_version, config.weight_sync.verify_tolerance,
+                              config.seed, config.model.dtype, model_depth(config.model.path))
+
+
+def restore(config: RunConfig, parts: Components, checkpoint: Path | None) -> CoordinatorState:
+    """Load the trainer from `checkpoint` and bring the engines to the same weights and version."""
+    if checkpoint is None:
+        return CoordinatorState(next_step=0, weight_version=0, data_epoch=0, data_index=0)
+    state = CheckpointStore.load_state(checkpoint)
+    parts.trainer.load_checkpoint(str(checkpoint))
+    push_weights(config, parts, state.weight_version)
+    restore_python_random_state(state.python_random_state)
+    return state

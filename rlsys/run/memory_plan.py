@@ -1,0 +1,335 @@
+"""The memory plan: what each GPU will hold, per phase of a step, before anything starts.
+
+Read from the model's config.json (the model is built on the meta device: shapes only) and the run
+config. Trainer terms are per rank (FSDP2 shards the fp32 master weights, gradients and AdamW's
+two moments over `trainer.num_ranks`; one decoder layer at a time is all-gathered in the compute
+dtype, plus the next one prefetched, while the root group — embeddings, final norm, output layer
+— stays gathered through forward and backward; none of that when one fp32 rank trains the model
+whole, `uses_fsdp`). Backward adds the larger of two transients: the output layer's [V, H]
+weight gradient in fp32 (`logprob_head_backward`) and FSDP's fp32 reduce-scatter input of the
+largest group with its unsharded gradients (`gradient_reduce`). The weight-sync staging buffer is
+its largest bucket, at least the largest tensor; every process on a GPU also holds a CUDA context
+and NCCL buffers (two processes per GPU colocated). Engine terms follow SGLang's sizing: its static
+pool is `mem_fraction_static` of the GPU, the weights come out of it and the rest is KV cache
+(capped by `max_total_tokens`; sglang/srt/model_executor/model_runner.py, profile_max_num_token).
+
+Phases: colocated with sleeping trainers, a GPU holds the engine (weights + KV cache) while it
+generates, the trainer (everything it trains with) while the engine's memory is released, and
+the trainer's weights and optimizer plus the staging buffer and the engine's weights during the sync; its
+peak is the largest phase. Colocated without sleep, everything at once. Disaggregated: trainer
+GPUs and engine GPUs separately; the peak is the larger. On CPU the "GPU" is a process's host
+memory. Activations are an estimate (what a Qwen2/Llama decoder layer saves for backward), the
+rest is exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rlsys.actors.parallelize import uses_fsdp
+from rlsys.config import ConfigError, RunConfig
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Per process on a GPU and outside any tensor (torch.cuda.memory_allocated never shows them):
+# the CUDA context (kernels loaded lazily, cuBLAS workspaces) and NCCL's communicator buffers.
+# They vary with GPU, driver and topology, so these are the upper end of published figures
+# (NVIDIA/nccl#964: 544-688 MB per communicator on 4 A100s; a trainer holds FSDP's group and
+# the weight-sync ones, an engine its TP and weight-update groups).
+CUDA_CONTEXT_BYTES = 512 * 2**20
+NCCL_BUFFER_BYTES = GiB
+
+# Which config fields shrink each term (the advice printed when a plan does not fit).
+ADVICE = {
+    "trainer_params": "raise trainer.num_ranks (shards the fp32 master weights)",
+    "trainer_grads": "raise trainer.num_ranks",
+    "optimizer_states": "raise trainer.num_ranks (AdamW's moments are sharded too)",
+    "unsharded_layers": "use a GPU with more memory (one layer is always gathered)",
+    "unsharded_root": "use a GPU with more memory (embeddings and output layer are gathered)",
+    "activations": "set trainer.gradient_checkpointing=true or lower trainer.max_tokens_per_microbatch",
+    "attention_scores": "install flash-attn with model.dtype=bfloat16, or lower trainer.max_tokens_per_microbatch",
+    "logits_chunk": "lower trainer.logprob_chunk_tokens",
+    "reference_model": "turn KL off (algorithm.use_kl_loss / kl_in_reward) or use more memory",
+    "logprob_head_backward": "use a GPU with more memory (the output layer's [vocab, hidden] gradient in fp32)",
+    "gradient_reduce": "raise trainer.num_ranks (FSDP's fp32 reduce-scatter input of the largest group)",
+    "weight_sync_staging": "lower weight_sync.bucket_size_mb (the staging buffer holds at least the largest tensor)",
+    "cuda_contexts": "use a GPU with more memory (one CUDA context per process on the GPU)",
+    "nccl_buffers": "use a GPU with more memory (NCCL's buffers, per process on the GPU)",
+    "engine_weights": "raise rollout.engine.tp_size (placement.mode=disaggregated) or use more memory",
+    "engine_kv_cache": "lower rollout.engine.mem_fraction_static or rollout.engine.max_total_tokens",
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int  # distinct parameters (tied weights once)
+    layer_params: int  # the largest decoder layer's
+    root_params: int  # everything outside the decoder layers
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    # Shapes, for what is sized per tensor: FSDP pads each one's dim 0 to a multiple of the ranks,
+    # and the weight-sync staging buffer holds at least the largest (named_parameters order).
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    layer_shapes: tuple[tuple[int, ...], ...] = ()  # the largest decoder layer's
+    root_shapes: tuple[tuple[int, ...], ...] = ()  # outside the decoder layers (embeddings, norm, lm_head)
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> ModelShape:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from rlsys.actors.parallelize import decoder_layers
+        from rlsys.run.assets import read_model_config
+
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"model.path {path} has no config.json (the memory plan reads the model's shapes)")
+        read_model_config(path)
+        try:
+            config = AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as error:  # e.g. a model_type this transformers does not know
+            raise ConfigError(f"model.path {path}: transformers cannot read its config.json: {error}") from None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+        layers = decoder_layers(model)
+        layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        largest = layers[layer_params.index(max(layer_params))]
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        heads = config.num_attention_heads
+        return cls(
+            params=params, layer_params=max(layer_params), root_params=params - sum(layer_params),
+            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=len(layers), heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
+            param_shapes=tuple(tuple(p.shape) for _, p in model.named_parameters()),
+            layer_shapes=tuple(tuple(p.shape) for p in largest.parameters()),
+            root_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in in_layers),
+        )
+
+
+@dataclass
+class MemoryPlan:
+    fits: bool
+    per_gpu_bytes: int
+    gpu_memory_bytes: int
+    terms: dict[str, int]  # name -> bytes on one GPU (engine_kv_cache: what SGLang will allocate)
+    phases: dict[str, int]  # phase -> bytes on one GPU at that time
+    kv_cache_tokens: int
+    mode: str
+    advice: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        lines = [f"memory plan ({self.mode}), per GPU of {self.gpu_memory_bytes / GiB:.1f} GiB:"]
+        lines += [f"  {name:<20} {value / GiB:9.2f} GiB" for name, value in self.terms.items()]
+        lines.append(f"  KV cache holds {self.kv_cache_tokens:,} tokens")
+        lines += [f"  phase {name:<14} {value / GiB:9.2f} GiB" for name, value in self.phases.items()]
+        verdict = "fits" if self.fits else f"does NOT fit: {self.advice}"
+        lines.append(f"  peak {self.per_gpu_bytes / GiB:.2f} GiB of {self.gpu_memory_bytes / GiB:.1f} GiB: {verdict}")
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def device_memory_bytes(config: RunConfig) -> int:
+    """`rlsys plan`'s budget on this machine: placement.gpu_memory_gb, else the detected GPU's
+    memory, else (CPU runs) the host's RAM. (`rlsys train` plans for the devices its placement
+    got instead: `plan_for_devices`.)"""
+    if config.placement.gpu_memory_gb is not None:
+        return int(config.placement.gpu_memory_gb * GiB)
+    import torch
+
+    if torch.cuda.is_available() and config.placement.device != "cpu":
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    if config.placement.device == "cuda":
+        raise ConfigError("placement.device is cuda but this machine has no GPU to read the memory of: set "
+                          "placement.gpu_memory_gb to plan for the cluster's GPUs")
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> int:
+    """What a Qwen2/Llama decoder layer keeps for backward, per token: inputs of the two norms
+    (their fp32 upcasts too), q/k/v and the attention output, o_proj's input, the residuals, and
+    the MLP's gate, up, activation and product (estimate)."""
+    kv_dim = shape.kv_heads * shape.head_dim
+    elements = 8 * shape.hidden + 2 * kv_dim + 4 * shape.intermediate
+    return elements * compute_bytes + 2 * shape.hidden * 4
+
+
+def logprob_head_backward_bytes(shape: ModelShape, weight_bytes: int) -> int:
+    """The output layer's weight gradient in `_ChunkedTargetLogProbs.backward`
+    (actors/chunked_logprobs.py): an fp32 [V, H] accumulator, and per chunk the [V, H] product
+    `chunk_grad.T @ hidden` in the weight's dtype plus its fp32 copy (`.to(dtype)`, a no-op for an
+    fp32 weight) until `+=`; at return, the accumulator's copy in the weight's dtype."""
+    upcast = weight_bytes != 4
+    per_chunk = weight_bytes + (4 if upcast else 0)
+    at_return = weight_bytes if upcast else 0
+    return shape.vocab * shape.hidden * (4 + max(per_chunk, at_return))
+
+
+def _padded_numel(shapes: tuple[tuple[int, ...], ...], ranks: int) -> int:
+    """Elements of a group's reduce-scatter input: each gradient's dim 0 padded to a multiple of
+    the ranks (`_get_dim0_padded_size`, torch/distributed/fsdp/_fully_shard/_fsdp_common.py)."""
+    return sum(-(-(shape or (1,))[0] // ranks) * ranks * math.prod((shape or (1,))[1:]) for shape in shapes)
+
+
+def gradient_reduce_bytes(shape: ModelShape, ranks: int, grad_bytes: int) -> int:
+    """FSDP2's `foreach_reduce` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) for one
+    group: the unsharded gradients (compute dtype) are copied into a `reduce_scatter_input` of the
+    group's padded size at `reduce_dtype` (fp32: parallelize.py's MixedPrecisionPolicy; a fp32
+    model's own dtype) before they are freed, and `reduce_output` takes the shard (a new tensor
+    when gradients accumulate over micro-batches). One group at a time: `post_backward` frees the
+    previous input first (reduce_scatter_max_input_buffers is 1). The root group (embeddings,
+    final norm, output layer) reduces last, so the output layer's gradient, from the first op of
+    backward, waits through every layer's reduce."""
+    def group(shapes: tuple[tuple[int, ...], ...], numel: int) -> int:
+        padded = _padded_numel(shapes, ranks) if shapes else numel
+        return numel * grad_bytes + padded * 4 + padded // ranks * 4
+
+    output_layer_grad = shape.vocab * shape.hidden * grad_bytes
+    return max(group(shape.root_shapes, shape.root_params),
+               group(shape.layer_shapes, shape.layer_params) + output_layer_grad)
+
+
+def staging_bytes(shape: ModelShape, bucket_bytes: int, dtype: str) -> int:
+    """The weight-sync staging buffer as `sync_weights` sizes it (weight_sync/sync.py,
+    `staging_buffer_bytes`): its largest bucket, so at least the largest tensor in the engine's
+    dtype, whatever `bucket_bytes` says. The colocated alignment (16 bytes a tensor) bounds the
+    broadcast's (1)."""
+    if not shape.param_shapes:
+        return bucket_bytes
+    import torch
+
+    from rlsys.weight_sync.colocated import COLOCATED_ALIGNMENT
+    from rlsys.weight_sync.sync import staging_buffer_bytes
+
+    params = [(str(i), torch.empty(s, device="meta")) for i, s in enumerate(shape.param_shapes)]
+    return staging_buffer_bytes(params, bucket_bytes, COLOCATED_ALIGNMENT, getattr(torch, dtype))
+
+
+def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,
+                flash_attention: bool = False) -> MemoryPlan:
+    t, ranks = config.trainer, config.trainer.num_ranks
+    compute = DTYPE_BYTES[config.model.dtype]
+    engine_dtype = DTYPE_BYTES[config.model.dtype]
+    engine = config.rollout.engine
+    colocated = config.placement.mode == "colocated"
+
+    tokens = t.max_tokens_per_microbatch if t.packing else t.micro_batch_size * engine.context_length
+    # Packed rows attend within each sequence (actors/packed_attention.py): at worst, full-length ones.
+    sequence = min(tokens, engine.context_length)
+    sequences = max(1, tokens // sequence) if t.packing else t.micro_batch_size
+    per_layer = activation_bytes_per_token_layer(shape, compute) * tokens
+    if t.gradient_checkpointing:  # layer inputs kept; one layer recomputed at a time
+        activations = shape.layers * tokens * shape.hidden * compute + per_layer
+    else:
+        activations = shape.layers * per_layer
+    # flash-attn: nothing quadratic. SDPA on GPU: packed rows take no mask (its fused kernels keep
+    # nothing quadratic); a padded batch, a [seq, seq] boolean mask per row. SDPA on CPU (math
+    # kernel): fp32 probabilities per head, kept per layer for backward.
+    scores_layers = 1 if t.gradient_checkpointing else shape.layers
+    if flash_attention:
+        attention_scores = 0
+    elif on_gpu:
+        attention_scores = 0 if t.packing else sequences * sequence**2
+    else:
+        attention_scores = sequences * shape.heads * sequence**2 * 4 * scores_layers
+    needs_reference = config.algorithm.use_kl_loss or config.algorithm.kl_in_reward
+    gathers = uses_fsdp(ranks, config.model.dtype, trainable=True)
+    # Processes per GPU: colocated, a trainer rank and an engine (TP) worker; else one.
+    processes = 2 if colocated else 1
+    terms = {
+        "trainer_params": 4 * shape.params // ranks,
+        "trainer_grads": 4 * shape.params // ranks,
+        "optimizer_states": 8 * shape.params // ranks,
+        "unsharded_layers": 2 * shape.layer_params * compute if gathers else 0,
+        "unsharded_root": shape.root_params * compute if gathers else 0,
+        "activations": activations,
+        "attention_scores": attention_scores,
+        "logits_chunk": 3 * max(t.logprob_chunk_tokens or tokens, 1) * shape.vocab * 4,
+        # Its fp32 shards live on the host (CPUOffloadPolicy); on the device, what is gathered.
+        "reference_model": (2 * shape.layer_params + shape.root_params) * compute if needs_reference else 0,
+        # The two transients of backward, never at once (the phases take the larger): the output
+        # layer's gradient first, FSDP's reduce-scatter of each group after.
+        "logprob_head_backward": logprob_head_backward_bytes(shape, compute),
+        "gradient_reduce": gradient_reduce_bytes(shape, ranks, compute) if gathers else 0,
+        "weight_sync_staging": staging_bytes(shape, int(config.weight_sync.bucket_size_mb * 2**20),
+                                             config.model.dtype),
+        "engine_weights": shape.params * engine_dtype // engine.tp_size,
+        "cuda_contexts": processes * CUDA_CONTEXT_BYTES if on_gpu else 0,
+        "nccl_buffers": processes * NCCL_BUFFER_BYTES if on_gpu else 0,
+    }
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * engine_dtype // engine.tp_size
+    kv_room = int(engine.mem_fraction_static * gpu_memory) - terms["engine_weights"]
+    kv_tokens = max(0, min(engine.max_total_tokens, kv_room // max(kv_per_token, 1)))
+    terms["engine_kv_cache"] = kv_tokens * kv_per_token
+
+    transient = max(("logprob_head_backward", "gradient_reduce"), key=lambda name: terms[name])
+    runtime = ("cuda_contexts", "nccl_buffers")  # held by every process through every phase
+    train = ("trainer_params", "trainer_grads", "optimizer_states", "unsharded_layers", "unsharded_root",
+             "activations", "attention_scores", "logits_chunk", "reference_model", transient)
+    sync = ("trainer_params", "optimizer_states", "unsharded_layers", "weight_sync_staging", "engine_weights")
+    serving = ("engine_weights", "engine_kv_cache")
+    if t.sleeps_between_steps(colocated, on_gpu):
+        members = {"generate": serving + runtime, "train": train + runtime, "sync": sync + runtime}
+    elif colocated:
+        other = {"logprob_head_backward", "gradient_reduce"} - {transient}
+        members = {"all_at_once": tuple(name for name in terms if name not in other)}
+    else:
+        members = {"trainer_gpu": train + ("weight_sync_staging",) + runtime, "engine_gpu": serving + runtime}
+    phases = {name: sum(terms[k] for k in names) for name, names in members.items()}
+    notes = []
+    per_gpu = max(phases.values())
+    fits = per_gpu <= gpu_memory and kv_room > 0
+    advice = ""
+    if kv_room <= 0:
+        advice = (f"engine_weights {terms['engine_weights'] / GiB:.1f} GiB exceed rollout.engine.mem_fraction_static "
+                  f"x GPU ({engine.mem_fraction_static} x {gpu_memory / GiB:.1f} GiB): {ADVICE['engine_weights']}")
+    elif not fits:
+        worst_phase = max(phases, key=phases.get)
+        largest = max(members[worst_phase], key=lambda name: terms[name])
+        advice = (f"{worst_phase} needs {phases[worst_phase] / GiB:.1f} GiB of {gpu_memory / GiB:.1f} GiB; "
+                  f"largest term {largest} {terms[largest] / GiB:.1f} GiB: {ADVICE[largest]}")
+    if kv_tokens and kv_tokens < config.rollout.max_new_tokens + 64:
+        notes.append(f"the KV cache holds only {kv_tokens} tokens")
+    return MemoryPlan(fits, per_gpu, gpu_memory, terms, phases, kv_tokens, config.placement.mode, advice, notes)
+
+
+def memory_plan(config: RunConfig) -> MemoryPlan:
+    """`rlsys plan`: the plan of `config` on this machine's device (GPUs when the config asks for
+    them or this machine has one)."""
+    import torch
+
+    from rlsys.system.backend import choose_attention, flash_attn_available
+
+    on_gpu = config.placement.device == "cuda" or (config.placement.device == "auto" and torch.cuda.is_available())
+    flash = choose_attention(on_gpu, config.model.dtype, on_gpu and flash_attn_available()) == "flash_attention_2"
+    return plan_memory(config, ModelShape.from_model_dir(config.model.path), device_memory_bytes(config), on_gpu, flash)
+
+
+def plan_for_devices(config: RunConfig, on_gpu: bool, device_memory: int, flash_attention: bool) -> MemoryPlan:
+    """`rlsys train`'s plan: for the devices its placement got (on_gpu and their memory read on the
+    nodes, rlsys/system/node_checks.py; placement.gpu_memory_gb when set), refusing a config that cannot
+    fit (ConfigError naming the term to change)."""
+    if config.placement.gpu_memory_gb is not None:
+        device_memory = int(config.placement.gpu_memory_gb * GiB)
+    plan = plan_memory(config, ModelShape.from_model_dir(config.model.path), device_memory, on_gpu, flash_attention)
+    if not plan.fits:
+        raise ConfigError(f"memory plan: {plan.advice} (rlsys plan CONFIG shows every term)")
+    return plan
+
+
+def print_plan(plan: MemoryPlan, as_json: bool) -> None:
+    print(json.dumps(plan.as_dict()) if as_json else plan.table())

@@ -1,0 +1,72 @@
+"""Feed a `RunStatus` from the running components: actor health, and the server's life."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from rlsys.config import RunConfig
+from rlsys.observability.status.state import ActorHealth, RunStatus
+from rlsys.run.assets import RunAssets
+
+
+def collect_actor_health(trainer, rollout) -> list[ActorHealth]:
+    now = time.time()
+    actors = [
+        ActorHealth(name=f"trainer-rank-{r['rank']}", kind="trainer", alive=r["alive"],
+                    last_heartbeat=now if r["alive"] else None, memory_bytes=r["memory_bytes"],
+                    detail=r.get("error", ""))
+        for r in trainer.health()
+    ]
+    actors += [
+        ActorHealth(name=f"engine-{e['index']}", kind="engine", alive=e["alive"],
+                    last_heartbeat=now if e["alive"] else None, memory_bytes=e["memory_bytes"],
+                    detail=e.get("error", e.get("url", "")))
+        for e in rollout.health()
+    ]
+    return actors
+
+
+class HealthMonitor:
+    """Refreshes the status's actor table at most every `interval_s` (a health round trip costs
+    the loop time), and always at the last step."""
+
+    def __init__(self, parts, interval_s: float = 5.0):
+        self.parts, self.interval_s = parts, interval_s
+        self._last = float("-inf")
+
+    def due(self, last_step: bool = False) -> bool:
+        return last_step or time.monotonic() - self._last >= self.interval_s
+
+    def refresh(self, status: RunStatus) -> None:
+        status.set_actors(collect_actor_health(self.parts.trainer, self.parts.rollout))
+        self._last = time.monotonic()
+
+
+def new_status(config: RunConfig, run_dir: Path, assets: RunAssets) -> RunStatus:
+    dataset = {"train_prompts": len(assets.train), "eval_prompts": len(assets.eval),
+               "skipped_rows": assets.skipped_rows, "too_long_prompts": assets.too_long_prompts}
+    return RunStatus(run_id=f"{run_dir.name}-{uuid.uuid4().hex[:6]}", total_steps=config.trainer.total_steps,
+                     run_dir=str(run_dir), dataset=dataset)
+
+
+@contextmanager
+def status_server(config: RunConfig, status: RunStatus):
+    """Serve `status` for the duration of the block (nothing when status.enabled is false)."""
+    if not config.status.enabled:
+        yield None
+        return
+    from rlsys.observability.status.server import StatusServer
+
+    token = config.status.token or os.environ.get("RLSYS_STATUS_TOKEN") or None
+    server = StatusServer(status, config.status.host, config.status.port, token,
+                          config.status.allow_unauthenticated_read)
+    url = server.start()
+    print(f"rlsys: status and dashboard at {url}/ (API: {url}/api/v1/status)", flush=True)
+    try:
+        yield url
+    finally:
+        server.stop()

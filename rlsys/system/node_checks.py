@@ -1,0 +1,188 @@
+"""What every node the placement landed on must offer, checked before any trainer or engine starts.
+
+- **Shared run directory.** Trainer ranks write their checkpoint shards, and engines their logs,
+  into `run_dir` from their own nodes, and the driver renames the checkpoint into place from its
+  own: that only works on storage every node sees at the same path. The driver writes a file
+  with a fresh token into `run_dir`; each node must read that token back and be able to create
+  (and remove) a file there. A node-local path (or a relative one, which resolves inside each
+  node's own copy of the job's working directory) fails this on every other node.
+- **The model** at `model.path` (and the tokenizer, if separate) on every node that loads it.
+- **Device memory**, the memory plan's budget: the smallest GPU (NVML: every GPU of the node,
+  whatever CUDA_VISIBLE_DEVICES says) of the nodes holding the run's bundles, or their RAM on a
+  CPU run; and whether flash-attn is installed there. Never the driver's own devices: under
+  `ray job submit` the driver usually sits on a head without GPUs.
+
+Nodes other than the driver's run their part in a zero-CPU Ray task pinned to the node (it fits
+on any node, busy or not); the driver's own node answers in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlsys.config import ConfigError
+
+MARKER_PREFIX = ".rlsys-shared-check-"
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    node_id: str
+    address: str
+    hostname: str
+    roles: tuple[str, ...]  # "trainer rank 0", "engine-1", ...
+    run_dir_problem: str | None  # None: it sees the driver's files and can write beside them
+    model_problem: str | None
+    host_memory_bytes: int
+    gpu_memory_bytes: int | None  # the node's smallest GPU (NVML); None without GPUs
+    flash_attn_installed: bool
+
+    def describe(self) -> str:
+        return f"node {self.address} ({self.hostname}; {', '.join(self.roles)})"
+
+
+class NodeCheckFailed(ConfigError):
+    """A node cannot run its part of the run as configured; the message names it and what to set."""
+
+
+def probe_this_node(run_dir: str, marker: str, token: str, model_paths: tuple[str, ...], node_id: str,
+                    roles: tuple[str, ...]) -> NodeReport:
+    """This node's part of the checks (runs on the node)."""
+    import psutil
+
+    from rlsys.system.node import node_address
+
+    return NodeReport(
+        node_id=node_id, address=node_address(), hostname=socket.gethostname(), roles=roles,
+        run_dir_problem=_run_dir_problem(Path(run_dir), marker, token),
+        model_problem=_model_problem(model_paths),
+        host_memory_bytes=int(psutil.virtual_memory().total),
+        gpu_memory_bytes=_smallest_gpu_bytes(),
+        flash_attn_installed=_installed("flash_attn"),
+    )
+
+
+def _run_dir_problem(run_dir: Path, marker: str, token: str) -> str | None:
+    try:
+        seen = (run_dir / marker).read_text()
+    except FileNotFoundError:
+        return "does not see the driver's files there (a different directory on this node)"
+    except OSError as error:
+        return f"cannot read it: {error}"
+    if seen != token:
+        return "sees another run's check file there (a different directory on this node)"
+    probe = run_dir / f"{MARKER_PREFIX}{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.write_text(token)
+        probe.unlink()
+    except OSError as error:
+        return f"cannot write there: {error}"
+    return None
+
+
+def _model_problem(paths: tuple[str, ...]) -> str | None:
+    for path in paths:
+        if not (Path(path) / "config.json").is_file():
+            return f"{path} has no config.json on this node"
+    return None
+
+
+def _smallest_gpu_bytes() -> int | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None  # no driver: no GPU on this node
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        sizes = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total for i in range(count)]
+        return int(min(sizes)) if sizes else None
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@dataclass
+class PlacementNodes:
+    """The nodes a placement landed on, and what each holds."""
+
+    roles: dict[str, list[str]] = field(default_factory=dict)  # node id -> roles
+
+    def add(self, node_id: str, role: str) -> None:
+        self.roles.setdefault(node_id, []).append(role)
+
+
+def probe_nodes(nodes: PlacementNodes, run_dir: Path, model_paths: tuple[str, ...]) -> list[NodeReport]:
+    """Every node's report (module docstring); the driver's run-dir marker is removed after."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    token = secrets.token_hex(16)
+    marker = f"{MARKER_PREFIX}{token[:8]}"
+    (run_dir / marker).write_text(token)
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        remote_probe = ray.remote(num_cpus=0, max_retries=0)(probe_this_node)
+        pending = {
+            node_id: remote_probe.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+                str(run_dir), marker, token, model_paths, node_id, tuple(roles))
+            for node_id, roles in nodes.roles.items() if node_id != here
+        }
+        reports = [probe_this_node(str(run_dir), marker, token, model_paths, here, tuple(nodes.roles[here]))] \
+            if here in nodes.roles else []
+        reports += [ray.get(call) for call in pending.values()]
+    finally:
+        (run_dir / marker).unlink(missing_ok=True)
+    return reports
+
+
+def refuse_unusable_nodes(reports: list[NodeReport], run_dir: Path, model_paths: tuple[str, ...]) -> None:
+    """NodeCheckFailed naming every node that cannot see the run directory or the model."""
+    blind = [r for r in reports if r.run_dir_problem]
+    if blind:
+        lines = [f"  {r.describe()}: {r.run_dir_problem}" for r in blind]
+        hint = (" (a relative run_dir resolves inside each node's own copy of the job's working directory)"
+                if "runtime_resources" in str(run_dir) else "")
+        raise NodeCheckFailed(
+            f"run_dir {run_dir} is not on storage that every node of the run sees{hint}:\n" + "\n".join(lines)
+            + "\nTrainer ranks write checkpoint shards and engines write logs there from their own nodes. Set run_dir "
+            "to a directory on a filesystem every node mounts at the same path (NFS, a shared volume), e.g. "
+            "run_dir=/mnt/shared/runs/NAME"
+        )
+    missing = [r for r in reports if r.model_problem]
+    if missing:
+        lines = [f"  {r.describe()}: {r.model_problem}" for r in missing]
+        raise NodeCheckFailed(
+            f"the model ({', '.join(model_paths)}) is not on every node that loads it:\n" + "\n".join(lines)
+            + "\nPut it on storage every node mounts at the same path (or copy it to that path on each node) "
+            "and set model.path to it"
+        )
+
+
+def device_memory_budget(reports: list[NodeReport], has_gpu: bool) -> tuple[int, str]:
+    """(bytes of one device, where the figure comes from) over the nodes: the smallest GPU when the
+    run uses GPUs, else the smallest node's RAM (a CPU run's "device" is host memory)."""
+    if has_gpu:
+        gpus = [r for r in reports if r.gpu_memory_bytes]
+        if gpus:
+            smallest = min(gpus, key=lambda r: r.gpu_memory_bytes)
+            return smallest.gpu_memory_bytes, f"the smallest GPU of the run's nodes ({smallest.describe()}, NVML)"
+        raise NodeCheckFailed("the run uses GPUs but NVML reports none on its nodes "
+                              f"({', '.join(r.describe() for r in reports)}); set placement.gpu_memory_gb")
+    smallest = min(reports, key=lambda r: r.host_memory_bytes)
+    return smallest.host_memory_bytes, f"the RAM of {smallest.describe()}"

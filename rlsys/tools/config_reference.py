@@ -1,0 +1,154 @@
+"""The configuration reference (docs/configuration.md), generated from the pydantic models in
+rlsys/config.py so the docs cannot drift from the code (tests/test_docs.py compares them).
+
+    python -m rlsys.tools.config_reference > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import types
+import typing
+from typing import Literal
+
+import annotated_types
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from rlsys.config import RunConfig
+
+COMMAND = "python -m rlsys.tools.config_reference > docs/configuration.md"
+
+INTRO = f"""\
+# Configuration reference
+
+<!-- Generated from rlsys/config.py by `{COMMAND}`; do not edit by hand
+     (tests/test_docs.py fails when this file and the models differ). -->
+
+A run's config is a YAML file of the sections below. Any field can be overridden on the command
+line as `section.field=value` (the value is parsed as YAML), e.g.
+`rlsys train configs/quickstart.yaml trainer.lr=3e-4 rollout.engine.context_length=1024`. The whole
+config is validated before any actor starts; a bad value fails naming the field and the reason, and
+the resolved config is written to `RUN_DIR/config.yaml`. Unknown fields are refused. The fields, types,
+defaults and descriptions here are generated from `rlsys/config.py`.
+"""
+
+_BOUNDS = {annotated_types.Ge: (">=", "ge"), annotated_types.Gt: (">", "gt"),
+           annotated_types.Le: ("<=", "le"), annotated_types.Lt: ("<", "lt")}
+
+
+def _section_model(annotation) -> type[BaseModel] | None:
+    """The model class of a field that holds a section (`X` or `X | None`), else None."""
+    candidates = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    models = [c for c in candidates if inspect.isclass(c) and issubclass(c, BaseModel)]
+    return models[0] if models else None
+
+
+def _is_union(annotation) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
+def type_name(annotation) -> str:
+    """A field's type as a YAML user reads it: `int`, `float | null`, `constant | cosine`, `list[str]`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None) or annotation is None:
+        return "null"
+    if _is_union(annotation):
+        return " | ".join(type_name(arg) for arg in args)
+    if origin is Literal:
+        return " | ".join(str(arg) for arg in args)
+    if origin is list:
+        return f"list[{type_name(args[0])}]"
+    if origin is tuple:
+        return "[" + ", ".join(type_name(arg) for arg in args) + "]"
+    if origin is dict:
+        return f"dict[{type_name(args[0])}, {type_name(args[1])}]"
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return "section"
+    return annotation.__name__
+
+
+def _bounds(info: FieldInfo) -> list[str]:
+    found = []
+    for item in info.metadata:
+        for kind, (symbol, attribute) in _BOUNDS.items():
+            if isinstance(item, kind):
+                found.append(f"{symbol} {getattr(item, attribute)}")
+    return found
+
+
+def _value(value) -> str:
+    if isinstance(value, str):
+        return value if value else '""'
+    return json.dumps(value)  # null, true/false, numbers and lists as YAML also reads them
+
+
+def default_text(info: FieldInfo) -> str:
+    if info.is_required():
+        return "required"
+    if info.default_factory is not None:
+        value = info.default_factory()
+        return "(section)" if isinstance(value, BaseModel) else _value(value)
+    return _value(info.default)
+
+
+def _cell(text: str) -> str:
+    # `|` would end the table cell; `<word>` would be read as an HTML tag and vanish
+    return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;")
+
+
+def _code(text: str) -> str:
+    return f"`{text}`".replace("|", "\\|")
+
+
+def _sections(model: type[BaseModel], prefix: str, description: str):
+    """(dotted name, model, description) of `model` and, depth first, every section inside it."""
+    yield prefix, model, description
+    for name, info in model.model_fields.items():
+        nested = _section_model(info.annotation)
+        if nested is not None:
+            yield from _sections(nested, f"{prefix}.{name}" if prefix else name, info.description or "")
+
+
+def _table(model: type[BaseModel], prefix: str) -> list[str]:
+    lines = ["| field | type | default | description |", "|---|---|---|---|"]
+    for name, info in model.model_fields.items():
+        dotted = f"{prefix}.{name}" if prefix else name
+        if not info.description:
+            raise ValueError(f"{model.__name__}.{name} ({dotted}) has no description: add "
+                             "Field(description=...) in rlsys/config.py")
+        kind = type_name(info.annotation)
+        nested = _section_model(info.annotation)
+        if nested is not None:
+            kind = "section" + (", optional" if _is_union(info.annotation) else "")
+            description = f"{info.description} See [`{dotted}`](#{dotted.replace('.', '')})."
+        else:
+            description = info.description
+        bounds = _bounds(info)
+        if bounds:
+            kind += ", " + ", ".join(bounds)
+        lines.append(f"| `{name}` | {_code(kind)} | {_code(default_text(info))} | {_cell(description)} |")
+    return lines
+
+
+def render() -> str:
+    out = [INTRO]
+    for dotted, model, description in _sections(RunConfig, "", ""):
+        out.append(f"## `{dotted}`" if dotted else "## Top level")
+        out.append("")
+        # the section's own docstring says more than its one-line field description, when it has one
+        note = inspect.cleandoc(model.__doc__ or "") or description
+        if note:
+            out.extend([" ".join(paragraph.split()) + "\n" for paragraph in note.split("\n\n")])
+        out.extend(_table(model, dotted))
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    print(render(), end="")
+
+
+if __name__ == "__main__":
+    main()

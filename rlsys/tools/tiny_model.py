@@ -1,0 +1,168 @@
+"""Build a tiny random-init Qwen2 model and a character-level tokenizer into a local directory.
+
+Nothing here touches a model hub: the tokenizer is built with the `tokenizers` library and the
+model from a `Qwen2Config`, then both are saved in the Hugging Face format that SGLang and
+transformers load from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlsys.errors import UsageError, why_not_a_directory
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+# Every printable ASCII character except the ones that tokenizers treat specially in vocab files.
+CHARACTERS = list(string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/=?:>,.()[]")
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Architecture of the tiny model; defaults give ~0.3 M parameters."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        # Rotary embeddings rotate pairs of a head's dimensions: each head needs an even size.
+        if self.hidden_size <= 0 or self.hidden_size % (2 * self.num_heads):
+            raise UsageError(f"--hidden-size must be a positive multiple of {2 * self.num_heads} ({self.num_heads} "
+                             f"attention heads of an even size), got {self.hidden_size}")
+        if self.num_layers < 1:
+            raise UsageError(f"--num-layers must be at least 1, got {self.num_layers}")
+
+
+# Chat variant: Qwen's turn markers (special tokens at the end of the vocabulary, so the plain
+# ids do not move), a newline token, and Qwen's ChatML layout as a Jinja template.
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(chat: bool = False):
+    """A character-level tokenizer: every character is one token; decoding concatenates. With
+    `chat`, also "\n", Qwen's <|im_start|>/<|im_end|> and its chat template, <|im_end|> as EOS."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS + (["\n"] if chat else []))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # "[\s\S]": every character, the newline too ("." would leave it out)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]" if chat else "."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    if not chat:
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+        )
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<pad>",
+                                   unk_token="<unk>", additional_special_tokens=CHAT_TOKENS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _make_output_dir(out_dir: str | Path) -> Path:
+    """`out_dir`, created if missing; an existing file there, or a path that cannot be a directory,
+    is refused (UsageError) before anything is written."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot write to {out_dir}: {why_not_a_directory(out_dir, error)}; "
+                         "choose another output directory") from None
+    return out_dir
+
+
+def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), chat: bool = False) -> Path:
+    """Write a tokenizer and a random-init Qwen2ForCausalLM (fp32, untied head) to `out_dir`;
+    `chat`: the tokenizer has a chat template in its tokenizer_config, as Qwen's instruct models do."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = _make_output_dir(out_dir)
+    tokenizer = build_tokenizer(chat)
+    # Twice: beside the model (rlsys loads it from there), and alone in tokenizer/. transformers'
+    # AutoTokenizer (SGLang's loader) builds a Qwen2 BPE tokenizer for a directory whose config.json
+    # says qwen2, whatever tokenizer_config names; without a config.json it takes tokenizer.json.
+    # So an engine that runs with its tokenizer gets model.tokenizer_path=DIR/tokenizer.
+    for directory in (out_dir, out_dir / "tokenizer"):
+        _save_tokenizer(tokenizer, directory)
+
+    # Exactly the tokenizer's size: an unused id could be sampled and would decode to nothing.
+    vocab_size = len(tokenizer)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def _save_tokenizer(tokenizer, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(directory))
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    # The class explicit, so every loader that reads it takes tokenizer.json.
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    template = directory / "chat_template.jinja"
+    if template.is_file():  # inside tokenizer_config.json, where Qwen's releases keep it
+        tokenizer_config["chat_template"] = template.read_text()
+        template.unlink()
+    config_path.write_text(json.dumps(tokenizer_config, indent=2))
+
+
+# Published Hugging Face config.json values (shapes only) of models the memory tools are checked on.
+PUBLISHED_SHAPES = {
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+
+
+def write_random_checkpoint(out_dir: str | Path, shape: str, dtype: str = "bfloat16") -> int:
+    """A published model's config.json and random weights of its exact shapes, written one tensor
+    at a time (bf16 files, as released checkpoints are); returns the model's fp32 bytes (what a
+    trainer holds in fp32 master weights). No tokenizer: for loading and memory measurements."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = Qwen2Config(**PUBLISHED_SHAPES[shape], torch_dtype=dtype)
+    config.save_pretrained(str(out_dir))
+    with torch.device("meta"):
+        skeleton = Qwen2ForCausalLM(config)
+    generator = torch.Generator().manual_seed(0)
+    tensors, numel = {}, 0
+    for name, param in skeleton.named_parameters():  # tied weights appear once
+        tensors[name] = (torch.randn(param.shape, generator=generator) * 0.02).to(getattr(torch, dtype))
+        numel += param.numel()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return numel * 4

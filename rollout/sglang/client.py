@@ -1,0 +1,168 @@
+"""`SGLangClient`: the one place that speaks HTTP to an SGLang server, a method per endpoint.
+
+Every failure is an `EngineError` naming the engine, the endpoint and the tail of the server's log
+(when this process can read it: colocated trainer ranks share the engine's node). Both the engine
+actor and the trainer ranks that post IPC payloads straight to their engine use it.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rlsys.system.topology import EngineAddress
+
+
+class EngineError(RuntimeError):
+    """An SGLang endpoint answered with an error, reported failure, or could not be reached."""
+
+    def __init__(self, engine: str, endpoint: str, reason: str, log_tail: str = ""):
+        self.engine, self.endpoint, self.reason, self.log_tail = engine, endpoint, reason, log_tail
+        message = f"{engine}: {endpoint} failed: {reason}"
+        if log_tail:
+            message += f"\nlast lines of its log:\n{log_tail}"
+        super().__init__(message)
+
+    def __reduce__(self):  # crosses Ray's process boundary intact (the default needs __init__(message))
+        return type(self), (self.engine, self.endpoint, self.reason, self.log_tail)
+
+
+class EngineUnreachable(EngineError):
+    """A process of the run cannot reach an engine at the address it listens on."""
+
+
+def check_reachable(client: SGLangClient, caller: str, timeout_s: float = 10.0) -> None:
+    """EngineUnreachable naming both ends when `caller` (e.g. "trainer rank 0 on node 10.0.0.11")
+    cannot reach the engine: at connect time, not as a timeout in the middle of the first sync."""
+    try:
+        client.model_info(timeout_s=timeout_s)
+    except EngineUnreachable:
+        raise
+    except EngineError as error:
+        raise EngineUnreachable(
+            error.engine, "/model_info",
+            f"{caller} cannot reach it at {client.url} (node {client.address.host}): {error.reason}. Engines listen "
+            "on their node's address (the node IP Ray reports); nodes must reach each other's addresses on any port",
+        ) from error
+
+
+class EngineDied(EngineError):
+    """The engine's SGLang server has exited (or was stopped for not answering)."""
+
+
+def read_log_tail(log_path: str | Path, lines: int = 30) -> str:
+    if not log_path:
+        return ""
+    try:
+        return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class SGLangClient:
+    def __init__(self, address: EngineAddress, timeout_s: float = 600.0):
+        self.address = address
+        self.timeout_s = timeout_s
+
+    @property
+    def name(self) -> str:
+        return self.address.name
+
+    @property
+    def url(self) -> str:
+        return self.address.url
+
+    @property
+    def tp_size(self) -> int:
+        return self.address.tp_size
+
+    def _call(self, endpoint: str, payload: dict | None = None, timeout_s: float | None = None,
+              json_answer: bool = True):
+        data = None if payload is None else json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.address.api_key:
+            headers["Authorization"] = f"Bearer {self.address.api_key}"
+        request = urllib.request.Request(
+            f"{self.address.url}{endpoint}", data=data, method="GET" if payload is None else "POST", headers=headers,
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+                body = response.read()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:2000]
+            self._fail(endpoint, f"HTTP {error.code}: {detail}", error)
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+            self._fail(endpoint, f"could not be reached at {self.address.url}: {error}", error)
+        if not json_answer:
+            return body.decode(errors="replace")
+        answer = json.loads(body) if body else None
+        if isinstance(answer, dict) and answer.get("success") is False:
+            self._fail(endpoint, f"the engine reported failure: {answer.get('message')}")
+        return answer
+
+    def _fail(self, endpoint: str, reason: str, cause: BaseException | None = None):
+        raise EngineError(str(self.address), endpoint, reason, read_log_tail(self.address.log_path)) from cause
+
+    # ---- serving ------------------------------------------------------------------------
+    def generate(self, payload: dict) -> list[dict]:
+        """`/generate` with a batch of `input_ids`; one answer per sequence."""
+        return self._call("/generate", payload)
+
+    def model_info(self, timeout_s: float | None = None) -> dict:
+        """Cheap liveness and the engine's weight version (`/health` takes a full second)."""
+        return self._call("/model_info", timeout_s=timeout_s)
+
+    def freeze_gc(self) -> None:
+        """Move every object the server holds now (model, tokenizer, imports) out of Python's
+        garbage collector in its processes (`gc.freeze`). Otherwise a full collection walks those
+        ~800k objects every few seconds under load: 0.4-0.5 s pauses of the whole server, measured
+        here. SGLang sends this itself after its warm-up, before its HTTP server listens when the
+        warm-up is skipped (so it fails); the launcher sends it once the server answers."""
+        self._call("/freeze_gc", {}, json_answer=False)
+
+    # ---- device memory (colocated hand-off) ---------------------------------------------
+    def release_memory_occupation(self, tags: list[str]) -> None:
+        """Give the tagged memory ("weights", "kv_cache", "cuda_graph") back to the device; with
+        --enable-memory-saver (GPU) it is really freed, elsewhere the call only pauses the region."""
+        self._call("/release_memory_occupation", {"tags": list(tags)})
+
+    def resume_memory_occupation(self, tags: list[str]) -> None:
+        """Take released regions back (SGLang refuses a tag that was not released)."""
+        self._call("/resume_memory_occupation", {"tags": list(tags)})
+
+    # ---- weights ------------------------------------------------------------------------
+    def begin_weight_update(self) -> None:
+        self._call("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._call("/end_weight_update", {})
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str,
+                                   flush_cache: bool = False, weight_version: str | None = None) -> None:
+        """Colocated: one serialized payload per TP rank; answers once the engine has loaded it."""
+        self._call("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version,
+        })
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str, timeout_s: float | None = None) -> None:
+        """Disaggregated: blocks in the engine until the broadcast group has formed."""
+        self._call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        }, timeout_s=timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, flush_cache: bool, weight_version: str | None,
+                                        timeout_s: float | None = None) -> None:
+        """Disaggregated: the engine receives one flattened bucket by broadcast, then loads it."""
+        self._call("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "load_format": "flattened_bucket", "flush_cache": flush_cache, "weight_version": weight_version,
+        }, timeout_s=timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._call("/destroy_weights_update_group", {"group_name": group_name}, timeout_s=30)

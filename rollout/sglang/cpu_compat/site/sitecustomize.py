@@ -1,0 +1,153 @@
+"""rlsys CPU compatibility layer for the SGLang server, loaded only on machines without a GPU.
+
+`rlsys.rollout.sglang.server` puts this directory first on the SGLang server's PYTHONPATH when no CUDA
+device is present; Python then imports this file at start-up in the server process. It does
+six things: the first two are needed to run the real SGLang server with `--device cpu`, the
+next two make it start and decode fast enough to compare with plain transformers on a CPU, the
+fifth makes it stop promptly and the sixth start sooner:
+
+1. `sgl_kernel` (SGLang's compiled kernel package) is CUDA-only and cannot be imported without
+   libcuda. On a CPU without AMX, SGLang's CPU path uses plain torch layers and never calls those
+   kernels, but modules import their names. We install an import hook that provides a top-level
+   `sgl_kernel` stand-in whose every attribute is a function raising a clear error if it is ever
+   called. Its submodules stay absent (ImportError), so SGLang's own fallbacks for them apply.
+2. `torch.cuda.synchronize()` is called by `/release_memory_occupation` through the device
+   module and dies on a CUDA build of torch without a driver. With no GPU there is nothing to
+   synchronise, so it becomes a no-op.
+3. The torch_native attention backend's decode attends one request at a time in a Python loop;
+   when SGLang imports it, `rlsys_batched_decode` replaces that loop with one batched SDPA call.
+4. SGLang starts its scheduler and detokenizer processes with multiprocessing's "spawn", because
+   a forked child cannot use a CUDA context its parent created. Without a GPU there is no CUDA
+   context, so they are forked instead: a forked child starts with the server's imports (torch,
+   sglang, transformers) already done, where a spawned one imports them all again while its
+   siblings do the same on the same cores. Start-up of a tiny model's server here: 19 s -> 9.5 s.
+   The children inherit this module's import hooks, so (1) and (3) hold in them too.
+5. SGLang's server checks for a SIGTERM every 5 s before it shuts down, and its idle scheduler
+   finishes a 1 s sleep before it acts on the shutdown request; `rlsys_prompt_shutdown` makes the
+   first 0.1 s and skips the second, so stopping an engine (at the end of every run, and at every
+   engine restart) no longer waits up to 6 s.
+6. SGLang modules call `torch.compile` at import, which sets up TorchDynamo at once (~1.2 s of
+   a server's start) for kernels a CPU never runs; `rlsys_lazy_compile` defers that set-up to a
+   compiled function's first call (compilation itself was already deferred to it).
+"""
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+_STANDIN_ROOT = "sgl_kernel"
+# SGLang methods replaced once their module has executed: module name -> (class, method, rlsys
+# module, wrapper), where wrapper(original method) returns the replacement.
+_PATCHES = {
+    "sglang.srt.layers.attention.torch_native_backend": [
+        ("TorchNativeAttnBackend", "_run_sdpa_forward_decode", "rlsys_batched_decode", "batched_decode"),
+        ("TorchNativeAttnBackend", "_run_sdpa_forward_extend", "rlsys_batched_decode", "batched_extend"),
+    ],
+    "sglang.srt.managers.tokenizer_manager": [
+        ("TokenizerManager", "sigterm_watchdog", "rlsys_prompt_shutdown", "watch_sigterm_often"),
+    ],
+    "sglang.srt.managers.scheduler": [
+        ("Scheduler", "maybe_sleep_on_idle", "rlsys_prompt_shutdown", "skip_idle_sleep_when_exiting"),
+    ],
+}
+
+
+def _replace_once(module, class_name: str, method: str, patcher: str, wrapper: str) -> None:
+    """`class.method` = wrapper(original), keeping the original as `rlsys_original` (tests compare
+    against it); a method already replaced is left alone."""
+    owner = getattr(module, class_name)
+    original = getattr(owner, method)
+    if hasattr(original, "rlsys_original"):
+        return
+    replacement = getattr(importlib.import_module(patcher), wrapper)(original)
+    replacement.rlsys_original = original
+    setattr(owner, method, replacement)
+
+
+def _raise_not_available(qualified_name):
+    def _kernel(*args, **kwargs):
+        raise RuntimeError(
+            f"{qualified_name} is a CUDA kernel from sgl_kernel and was called on a machine "
+            "without a GPU; rlsys's CPU compatibility layer (rollout/sglang/cpu_compat) provides only "
+            "a stand-in. Run on a GPU or report which SGLang code path called it."
+        )
+
+    _kernel.__name__ = qualified_name.rsplit(".", 1)[-1]
+    return _kernel
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _raise_not_available(f"{self.__name__}.{name}")
+
+
+class _StandInLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        module = _StandInModule(spec.name)
+        module.__version__ = "0.0.0+rlsys-cpu-standin"
+        return module
+
+    def exec_module(self, module):
+        return None
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == _STANDIN_ROOT:
+            return importlib.machinery.ModuleSpec(fullname, _StandInLoader())
+        return None
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Finds a module of `_PATCHES` as usual, then patches it once it has executed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _PATCHES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            for replacement in _PATCHES[fullname]:
+                _replace_once(module, *replacement)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _fork_instead_of_spawn():
+    """SGLang calls multiprocessing.set_start_method("spawn", force=True) before it starts its
+    children; on a machine without CUDA, "fork" is used instead (see (4) above)."""
+    import multiprocessing
+
+    set_start_method = multiprocessing.set_start_method
+
+    def _set_start_method(method, force=False):
+        return set_start_method("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = _set_start_method
+
+
+def _install():
+    sys.meta_path.insert(0, _StandInFinder())
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+        from rlsys_lazy_compile import defer_dynamo_setup
+
+        torch.compile = defer_dynamo_setup(torch.compile)
+        sys.meta_path.insert(0, _PatchAfterImport())
+        _fork_instead_of_spawn()
+
+
+_install()
