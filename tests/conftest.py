@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import threading
-import time
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -37,145 +29,6 @@ def ray_cluster():
     ray.shutdown()
 
 
-def trainer_spec(model_dir: Path, *, dtype: str = "float32", **fields):
-    """A TrainerSpec for `model_dir` (compute `dtype`); each keyword goes to the config section
-    that has the field (trainer: lr, packing, ...; algorithm: use_kl_loss, clip_eps_low, ...)."""
-    from rlsys.actors.trainer import TrainerSpec
-    from rlsys.config import AlgorithmConfig, ModelConfig, TrainerConfig
-
-    trainer = {k: v for k, v in fields.items() if k in TrainerConfig.model_fields}
-    algorithm = {k: v for k, v in fields.items() if k in AlgorithmConfig.model_fields}
-    unknown = fields.keys() - trainer.keys() - algorithm.keys()
-    if unknown:
-        raise TypeError(f"no trainer or algorithm field named {sorted(unknown)}")
-    return TrainerSpec(ModelConfig(path=str(model_dir), dtype=dtype), TrainerConfig(**trainer),
-                       AlgorithmConfig(**algorithm))
-
-
-def random_sequences(seed: int, count: int, prompt_lens: tuple[int, int] = (2, 9),
-                     response_lens: tuple[int, int] = (1, 12), vocab: int = 80) -> list:
-    """`count` TrainSequences of random tokens (ids 3..vocab-1), lengths drawn from the inclusive
-    ranges, advantages uniform in [-1.5, 1.5]; the same for the same seed."""
-    import random
-
-    from rlsys.actors.batching import TrainSequence
-
-    rng = random.Random(seed)
-    sequences = []
-    for _ in range(count):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lens))]
-        response = [rng.randrange(3, vocab) for _ in range(rng.randint(*response_lens))]
-        sequences.append(TrainSequence(prompt + response, len(prompt), advantage=rng.uniform(-1.5, 1.5)))
-    return sequences
-
-
-def train_command(config: str, model_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
-    """`rlsys train` of a config in configs/ on the tiny model, quietly, on a free status port."""
-    return [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs" / config),
-            f"model.path={model_dir}", f"run_dir={run_dir}", "logging.progress_bar=false",
-            "status.port=0", *overrides]
-
-
-@contextmanager
-def served_run_dir(run_dir: Path):
-    """`rlsys serve RUN_DIR` on a free port, answering; yields its URL."""
-    import socket
-    import subprocess
-    import time
-    import urllib.request
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "rlsys.cli", "serve", str(run_dir), "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/healthz", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "rlsys serve did not answer"
-                time.sleep(0.3)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-
-
-@contextmanager
-def started_run(config: str, model_dir: Path, run_dir: Path, *overrides: str, own_process_group: bool = False):
-    """`rlsys train` running in the background (stdout/stderr piped); killed if still running at the end.
-    `own_process_group`: the run leads a process group, as a command in a terminal's foreground does."""
-    import subprocess
-
-    run = subprocess.Popen(train_command(config, model_dir, run_dir, *overrides), cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           process_group=0 if own_process_group else None)
-    try:
-        yield run
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-
-
-# Shared-memory files a run makes: torch's, SGLang's and multiprocessing's semaphores.
-RUN_SHM_PREFIXES = ("torch_", "sglang_", "sgl_shm", "sem.mp-")
-
-
-class Leftovers:
-    """What a run leaves behind: new SGLang/Ray processes outside this pytest's own tree, and new
-    shared-memory files of torch, SGLang or multiprocessing. Snapshot before, check after."""
-
-    def __init__(self):
-        import psutil
-
-        self._pids = {p.pid for p in psutil.process_iter()}
-        self._shm = set(os.listdir("/dev/shm"))
-
-    def processes(self) -> list[str]:
-        import psutil
-
-        mine = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
-        found = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            if proc.pid in self._pids or proc.pid in mine:
-                continue
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if "sglang" in cmdline or "ray::" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline:
-                found.append(f"{proc.pid}: {cmdline[:120]}")
-        return found
-
-    def shm_files(self) -> list[str]:
-        return sorted(n for n in set(os.listdir("/dev/shm")) - self._shm if n.startswith(RUN_SHM_PREFIXES))
-
-    def new_pids(self, substring: str) -> list:
-        """New processes whose command line contains `substring` (e.g. to kill one)."""
-        import psutil
-
-        return [p for p in psutil.process_iter(["pid", "cmdline"])
-                if substring in " ".join(p.info["cmdline"] or []) and p.pid not in self._pids]
-
-
-def write_config(path: Path, model_dir: Path, **sections) -> Path:
-    """A small valid config file; keyword arguments replace whole sections."""
-    import yaml
-
-    tree = {
-        "model": {"path": str(model_dir)},
-        "data": {"synthetic": {"task": "max_digit", "num_train": 200, "num_eval": 20}},
-        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 2,
-                    "engine": {"skip_tokenizer_init": True, "context_length": 64}},
-        "trainer": {"num_ranks": 2, "total_steps": 2},
-    }
-    tree.update(sections)
-    path.write_text(yaml.safe_dump(tree))
-    return path
-
-
 def pytest_collection_modifyitems(config, items):
     """`gpu`-marked tests run only where CUDA is available (they are skipped on the CPU machines)."""
     import torch
@@ -186,66 +39,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-class RewardService:
-    """A reward service (reward.url) on a free local port, in a thread: scores 1.0 when
-    response == label. `fail_next` requests get HTTP 503; `hang_s` delays every
-    answer; `mode` switches to protocol errors."""
-
-    def __init__(self):
-        self.requests: list[list[dict]] = []
-        self.fail_next = 0
-        self.hang_s = 0.0
-        self.mode = "ok"
-        service = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
-                service.requests.append(items)
-                if service.fail_next > 0:
-                    service.fail_next -= 1
-                    return self._answer(503, {"detail": "warming up"})
-                time.sleep(service.hang_s)
-                if service.mode == "short":
-                    return self._answer(200, {"scores": [1.0]})
-                if service.mode == "bad_request":
-                    return self._answer(422, {"detail": "items[0].label missing"})
-                scores = [None if item["label"] == "?" else {"error": "cannot grade"} if item["label"] == "!"
-                          else float(item["response"] == item["label"]) for item in items]
-                self._answer(200, {"scores": scores})
-
-            def _answer(self, status, body):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.handle_error = lambda request, address: None  # a client that timed out closed its socket
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def refused_by_cli(*args: str) -> str:
-    """Run `python -m rlsys.cli ARGS`; check that it ended as a user error (exit 2, one
-    `rlsys: error:` message, no traceback) and return its stderr."""
-    import subprocess
-
-    result = subprocess.run([sys.executable, "-m", "rlsys.cli", *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    assert "rlsys: error: " in result.stderr and "Traceback" not in result.stderr, result.stderr
-    return result.stderr
 
 
 @pytest.fixture
@@ -263,17 +56,3 @@ def small_disk(tmp_path):
         yield mount
     finally:
         subprocess.run(["umount", "--lazy", str(mount)], check=True)
-
-
-def fill_disk(directory: Path) -> Path:
-    """Fill the file system of `directory` to the last byte with one file; returns it."""
-    import errno
-
-    filler = directory / "filler"
-    with filler.open("wb", buffering=0) as handle:
-        try:
-            while True:
-                handle.write(b"\0" * 65536)
-        except OSError as error:
-            assert error.errno == errno.ENOSPC, error
-    return filler

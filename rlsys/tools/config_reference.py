@@ -1,5 +1,5 @@
 """The configuration reference (docs/configuration.md), generated from the pydantic models in
-rlsys/config.py so the docs cannot drift from the code (tests/test_docs.py compares them).
+rlsys/config.py so the docs cannot drift from the code (tests/unit/test_docs.py compares them).
 
     python -m rlsys.tools.config_reference > docs/configuration.md
 """
@@ -24,7 +24,7 @@ INTRO = f"""\
 # Configuration reference
 
 <!-- Generated from rlsys/config.py by `{COMMAND}`; do not edit by hand
-     (tests/test_docs.py fails when this file and the models differ). -->
+     (tests/unit/test_docs.py fails when this file and the models differ). -->
 
 A run's config is a YAML file of the sections below. Any field can be overridden on the command
 line as `section.field=value` (the value is parsed as YAML), e.g.

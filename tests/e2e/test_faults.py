@@ -1,0 +1,212 @@
+"""Fault injection: an engine that dies mid-run (colocated: IPC transport; disaggregated: one of two
+engines in the broadcast group) stops the run with a clear message, cleanly."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from rlsys.system.run_lock import owner_is_alive
+from tests.helpers import REPO, Leftovers, started_run, train_command
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "engines"), [("quickstart.yaml", 1)])
+def test_engine_killed_with_no_restarts_left_fails_the_run_with_a_clear_message(tmp_path, tiny_model_dir, config,
+                                                                                 engines):
+    leftovers = Leftovers()
+    run_dir = tmp_path / "run"
+    with started_run(config, tiny_model_dir, run_dir, "trainer.total_steps=2000", "rollout.engine.max_restarts=0") as run:
+        _wait_for_steps(run, run_dir, 3)
+        servers = _engine_servers(leftovers, tiny_model_dir)
+        assert len(servers) == engines
+        os.kill(servers[-1].pid, signal.SIGKILL)  # an engine's server dies without warning
+        _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 1
+    assert "rlsys: run failed: a trainer rank or rollout engine failed" in stderr
+    assert "SGLang server" in stderr and "restarts (rollout.engine.max_restarts) are used up" in stderr
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+    time.sleep(2)
+    assert leftovers.processes() == []
+    assert leftovers.shm_files() == []
+
+
+BAD_REWARDS = '''
+import time
+
+def hangs_or_lies(prompt, response, label, metadata):
+    if label == "7":
+        time.sleep(60)  # hangs: stopped at reward.timeout_s
+    if label == "3":
+        return "1.0"  # not a number
+    return float(response.strip() == label)
+'''
+
+
+@pytest.mark.slow
+def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_path, tiny_model_dir):
+    (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
+    run_dir = tmp_path / "run"
+    # The hanging call sleeps 60 s a time (several per step): the run finishing within the
+    # subprocess timeout at all needs every such call stopped at reward.timeout_s.
+    result = subprocess.run(
+        train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=3", "eval.interval=2",
+                      "reward.function=bad_rewards.py:hangs_or_lies", "reward.timeout_s=0.2"),
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # last_digit prompts end in 7 or 3 about one time in five: their groups are dropped, each counted
+    assert all(r["reward_errors"] > 0 and r["reward_errors"] == 8 * r["dropped_groups"] for r in rows)
+    evals = [r for r in rows if "eval_reward_mean" in r]
+    assert [r["step"] for r in evals] == [0, 2] and all(r["eval_reward_errors"] > 0 for r in evals)
+
+
+def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float = 600) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
+        time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_killed_driver_leaves_no_process_or_shared_memory_and_its_status_says_failed(tmp_path, tiny_model_dir):
+    leftovers = Leftovers()
+    run_dir = tmp_path / "run"
+    with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000") as run:
+        _wait_for_steps(run, run_dir, 2)
+        run.kill()  # the driver alone dies, without warning
+        run.wait()
+    killed_at = time.monotonic()
+    while (leftovers.processes() or leftovers.shm_files()) and time.monotonic() - killed_at < 120:  # waits, never a measure
+        time.sleep(0.5)
+    assert leftovers.processes() == [] and leftovers.shm_files() == []
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "died without finishing" in status["error"]
+    assert not owner_is_alive(run_dir)  # the stale lock will not block the next start
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, tiny_model_dir):
+    """Ctrl-C in a terminal: SIGINT to the run's whole process group, the local Ray cluster's
+    processes and the reward workers included (SIGTERM to the driver alone takes the same path:
+    tests/e2e/test_stop_signals.py)."""
+    leftovers = Leftovers()
+    run_dir = tmp_path / "run"
+    with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000",
+                     own_process_group=True) as run:
+        _wait_for_steps(run, run_dir, 3)
+        # a second run on the same directory is refused while the first lives
+        second = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "--resume"),
+                                cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2 and f"is in use by pid {run.pid}" in second.stderr
+        os.killpg(run.pid, signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-3000:]
+    assert "SIGINT (Ctrl-C): stopping after this step, with a checkpoint" in stdout
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "stopped"
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints[-1] == f"step_{len(steps):08d}"  # the last finished step is saved
+    assert not (run_dir / "rlsys.lock").exists()
+    assert leftovers.processes() == [] and leftovers.shm_files() == []
+
+    resumed = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir,
+                                           f"trainer.total_steps={len(steps) + 2}", "--resume"),
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(len(steps) + 2))  # no step missing or repeated
+    assert [r["weight_version"] for r in rows] == list(range(len(steps) + 2))
+
+
+def _engine_servers(leftovers: Leftovers, model_dir) -> list:
+    return [p for p in leftovers.new_pids("sglang.launch_server") if str(model_dir) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "fault", "total"), [
+    # Colocated: the restarted engine must serve the trainer's policy from then on (logprob_mismatch
+    # on every later step); that the run then learns is test_quickstart's.
+    ("quickstart.yaml", "SIGKILL", 30),
+    # one of two engines in the broadcast group, alive but silent past rollout.engine.health_timeout_s
+    ("quickstart_disaggregated.yaml", "SIGSTOP", 8),
+])
+def test_dead_or_silent_engine_is_restarted_and_the_run_goes_on(tmp_path, tiny_model_dir, config, fault, total):
+    leftovers = Leftovers()
+    run_dir = tmp_path / "run"
+    with started_run(config, tiny_model_dir, run_dir, f"trainer.total_steps={total}", "eval.interval=20",
+                     "rollout.engine.health_timeout_s=5") as run:
+        _wait_for_steps(run, run_dir, 3)
+        victim = _engine_servers(leftovers, tiny_model_dir)[-1]
+        os.kill(victim.pid, getattr(signal, fault))
+        stdout, stderr = run.communicate(timeout=900)
+        assert run.returncode == 0, stderr[-3000:]
+        assert "died; restarting it (1 of 3)" in stdout
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(total))  # no step lost or trained twice
+        assert [r["weight_version"] for r in rows] == list(range(total))  # the new engine got the weights
+        assert rows[-1]["engine_restarts"] >= 1
+        assert max(r["logprob_mismatch"] for r in rows) < 1e-3  # and computes the trainer's policy
+        time.sleep(2)
+        assert leftovers.processes() == [] and leftovers.shm_files() == []
+
+
+@pytest.mark.slow
+def test_killed_trainer_rank_restarts_the_trainers_from_the_latest_checkpoint(tmp_path, tiny_model_dir):
+    leftovers = Leftovers()
+    run_dir = tmp_path / "run"
+    total = 12
+    with started_run("quickstart.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={total}",
+                     "checkpoint.interval=3", "checkpoint.max_auto_resumes=1", "eval.interval=100") as run:
+        _wait_for_steps(run, run_dir, 5)  # a checkpoint at step 3 exists, and steps past it
+        ranks = leftovers.new_pids("ray::TrainerWorker")
+        assert ranks, "no trainer rank process found"
+        os.kill(ranks[-1].pid, signal.SIGKILL)
+        stdout, stderr = run.communicate(timeout=900)
+        assert run.returncode == 0, stderr[-3000:]
+        assert "a trainer rank died" in stdout and "restarting the trainers from" in stdout
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(total))  # replayed steps replaced, none missing
+        assert [r["weight_version"] for r in rows] == list(range(total))
+        assert rows[-1]["trainer_restarts"] == 1
+        time.sleep(2)
+        assert leftovers.processes() == [] and leftovers.shm_files() == []
+
+
+@pytest.mark.slow
+def test_a_request_that_kills_its_freshly_restarted_engine_is_not_sent_again(ray_cluster, tiny_model_dir, tmp_path):
+    """One engine and a request that crashes it (an id past the embedding: the driver's vocabulary
+    check is widened so the id reaches the engine). The engine is restarted once and the request
+    sent again; the fresh engine dies of it too, so the request is blamed and the rest of
+    rollout.engine.max_restarts is kept."""
+    from rlsys.config import EngineConfig, ModelConfig
+    from rlsys.rollout.engine import SamplingParams
+    from rlsys.rollout.manager import PoisonRequest, RolloutManager
+    from rlsys.rollout.sglang.server import ServerSpec
+
+    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120,
+                          max_restarts=3)
+    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine), 1, str(tmp_path), [{"num_cpus": 1}])
+    try:
+        rollout.wait_ready()
+        # SGLang pads its embedding to a multiple of 64 rows: an id past the padding too
+        past_the_embedding = rollout.vocab_size + 500
+        rollout.vocab_size += 1000
+        with pytest.raises(PoisonRequest) as error:
+            rollout.generate([[5, 9, past_the_embedding]], SamplingParams(max_new_tokens=2), n=1)
+        assert rollout.restarts == 1
+        message = str(error.value)
+        assert message.startswith("engine-0 died again just after its restart, with prompts 0..0 of the batch (the "
+                                  f"first's token ids begin [5, 9, {past_the_embedding}]) in flight both times: that "
+                                  "request, not the engine, is taken to be the cause, and it is not sent again "
+                                  "(restarts used: 1 of 3)")
+        assert "IndexError" in (tmp_path / "engine_0.log").read_text()  # what killed it, both times
+    finally:
+        rollout.shutdown()

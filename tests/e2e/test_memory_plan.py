@@ -1,0 +1,310 @@
+"""`rlsys plan`: per-GPU memory from config.json shapes and the run config, checked against hand
+sums on the published Qwen2.5 configs, and against a measured train step on this CPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlsys.config import ConfigError, RunConfig, load_config
+from rlsys.run.memory_plan import GiB, ModelShape, memory_plan, plan_for_devices, plan_memory
+from tests.helpers import REPO
+
+QWEN = {  # published config.json values (shapes)
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+PARAMS = {"1.5b": 1_543_714_304, "7b": 7_615_616_512, "14b": 14_770_033_664, "32b": 32_763_876_352}
+
+
+@pytest.fixture(params=["1.5b", "7b"])
+def qwen(request, tmp_path):
+    config = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16", **QWEN[request.param])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return request.param, tmp_path
+
+
+def _config(model_dir, **sections) -> RunConfig:
+    tree = {"model": {"path": str(model_dir), "dtype": "bfloat16"}, "data": {"synthetic": {"task": "max_digit"}},
+            "trainer": {"num_ranks": 8, "max_tokens_per_microbatch": 16384, "gradient_checkpointing": True},
+            "rollout": {"num_engines": 8, "engine": {"mem_fraction_static": 0.5, "max_total_tokens": 262144,
+                                                   "context_length": 2048}}}
+    for section, fields in sections.items():
+        tree.setdefault(section, {}).update(fields)
+    return RunConfig.model_validate(tree)
+
+
+def test_shapes_come_from_config_json_alone(qwen):
+    name, model_dir = qwen
+    shape = ModelShape.from_model_dir(model_dir)
+    assert shape.params == PARAMS[name]
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_heads * shape.head_dim
+    layer = h * h + 2 * h * kv + h * h + (h + 2 * kv) + 3 * h * i + 2 * h  # q,k,v,o (+qkv bias), MLP, norms
+    assert shape.layer_params == layer
+    assert shape.root_params == shape.params - 28 * layer
+
+
+def test_trainer_and_engine_terms_equal_hand_sums(qwen):
+    name, model_dir = qwen
+    shape = ModelShape.from_model_dir(model_dir)
+    p = PARAMS[name]
+    plan = plan_memory(_config(model_dir), shape, gpu_memory=80 * GiB, on_gpu=True, flash_attention=True)
+    terms = plan.terms
+    assert terms["trainer_params"] == terms["trainer_grads"] == 4 * p // 8  # fp32, sharded over 8 ranks
+    assert terms["optimizer_states"] == 8 * p // 8  # AdamW: two fp32 moments
+    assert terms["unsharded_layers"] == 2 * shape.layer_params * 2  # one gathered + one prefetched, bf16
+    assert terms["unsharded_root"] == shape.root_params * 2
+    assert terms["logits_chunk"] == 3 * 512 * shape.vocab * 4
+    assert terms["attention_scores"] == 0  # flash-attn
+    assert terms["reference_model"] == 0  # KL off
+    # The staging buffer is the largest bucket: at least the [vocab, hidden] bf16 embedding (+16 B alignment).
+    assert terms["weight_sync_staging"] >= shape.vocab * shape.hidden * 2 + 16
+    assert terms["engine_weights"] == 2 * p
+    kv_per_token = 2 * 28 * shape.kv_heads * shape.head_dim * 2  # K and V, every layer, bf16
+    expected_tokens = min(262144, (int(0.5 * 80 * GiB) - 2 * p) // kv_per_token)
+    assert plan.kv_cache_tokens == expected_tokens
+    assert terms["engine_kv_cache"] == expected_tokens * kv_per_token
+    # colocated, sleeping trainers: the peak is the largest phase, not the sum
+    runtime = 2 * (512 * 2**20 + GiB)  # CUDA context and NCCL buffers of a trainer rank and an engine
+    assert plan.phases["generate"] == terms["engine_weights"] + terms["engine_kv_cache"] + runtime
+    assert plan.per_gpu_bytes == max(plan.phases.values()) < sum(terms.values())
+
+
+def test_one_fp32_rank_plans_no_gathered_copies_and_bf16_still_does(qwen):
+    _, model_dir = qwen
+    shape = ModelShape.from_model_dir(model_dir)
+    one_gpu = {"trainer": {"num_ranks": 1}, "rollout": {"num_engines": 1}}
+    fp32 = plan_memory(_config(model_dir, model={"dtype": "float32"}, **one_gpu), shape, 80 * GiB)
+    assert fp32.terms["unsharded_layers"] == fp32.terms["unsharded_root"] == 0  # trained whole, no FSDP
+    bf16 = plan_memory(_config(model_dir, **one_gpu), shape, 80 * GiB)
+    assert bf16.terms["unsharded_layers"] == 2 * shape.layer_params * 2  # FSDP's bf16 compute copies
+
+
+def test_disaggregated_puts_trainers_and_engines_on_separate_gpus(qwen):
+    _, model_dir = qwen
+    config = _config(model_dir, placement={"mode": "disaggregated"}, rollout={"num_engines": 2})
+    plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
+    terms = plan.terms
+    assert set(plan.phases) == {"trainer_gpu", "engine_gpu"}
+    runtime = terms["cuda_contexts"] + terms["nccl_buffers"]
+    assert runtime == 512 * 2**20 + GiB  # one process per GPU
+    assert plan.phases["engine_gpu"] == terms["engine_weights"] + terms["engine_kv_cache"] + runtime
+    # backward's two transients never coexist: only the larger counts
+    smaller = min(terms["logprob_head_backward"], terms["gradient_reduce"])
+    assert plan.phases["trainer_gpu"] == sum(v for k, v in terms.items() if not k.startswith("engine")) - smaller
+
+
+def test_a_plan_that_cannot_fit_names_the_term_to_change(tmp_path):
+    model_dir = tmp_path
+    (model_dir / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                           **QWEN["7b"])))
+    shape = ModelShape.from_model_dir(model_dir)
+    tight = _config(model_dir, trainer={"gradient_checkpointing": False, "num_ranks": 8})
+    plan = plan_memory(tight, shape, 80 * GiB, on_gpu=True, flash_attention=True)
+    assert not plan.fits
+    assert "largest term activations" in plan.advice and "trainer.gradient_checkpointing=true" in plan.advice
+    roomy = plan_memory(_config(model_dir), shape, 80 * GiB, on_gpu=True, flash_attention=True)
+    assert roomy.fits
+    small = plan_memory(_config(model_dir), shape, 24 * GiB, on_gpu=True, flash_attention=True)
+    assert not small.fits and "engine_weights" in small.advice  # 15 GB of weights in half of 24 GB
+
+
+def test_train_refuses_a_config_that_cannot_fit(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                          **QWEN["7b"])))
+    with pytest.raises(ConfigError, match="memory plan: .*rlsys plan CONFIG"):
+        plan_for_devices(_config(tmp_path, placement={"gpu_memory_gb": 24}), on_gpu=True, device_memory=80 * GiB,
+                         flash_attention=True)
+
+
+def test_train_plans_for_the_placements_devices_not_the_drivers(tmp_path):
+    """The driver (a GPU-less head) passes what the nodes reported: 80 GB GPUs fit a 7B colocated
+    run that 24 GB GPUs do not, whatever this machine has."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                          **QWEN["7b"])))
+    plan = plan_for_devices(_config(tmp_path), on_gpu=True, device_memory=80 * GiB, flash_attention=True)
+    assert plan.fits and plan.gpu_memory_bytes == 80 * GiB
+    with pytest.raises(ConfigError, match="memory plan"):
+        plan_for_devices(_config(tmp_path), on_gpu=True, device_memory=24 * GiB, flash_attention=True)
+
+
+def test_plan_for_cuda_on_a_machine_without_a_gpu_asks_for_the_gpu_memory(tmp_path, tiny_model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU to read")
+    with pytest.raises(ConfigError, match="set placement.gpu_memory_gb"):
+        memory_plan(_config(tiny_model_dir, placement={"device": "cuda"}))
+
+
+def test_plan_json_on_the_command_line(tiny_model_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "rlsys.cli", "plan", str(REPO / "configs/quickstart.yaml"),
+         f"model.path={tiny_model_dir}", "placement.gpu_memory_gb=16", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["fits"] is True and plan["gpu_memory_bytes"] == 16 * GiB
+    assert plan["per_gpu_bytes"] == max(plan["phases"].values())
+    assert {"trainer_params", "activations", "logits_chunk", "engine_kv_cache"} <= plan["terms"].keys()
+    too_small = subprocess.run(
+        [sys.executable, "-m", "rlsys.cli", "plan", str(REPO / "configs/quickstart.yaml"),
+         f"model.path={tiny_model_dir}", "placement.gpu_memory_gb=0.001"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert too_small.returncode == 1 and "does NOT fit" in too_small.stdout
+
+
+def test_gpu_memory_must_be_positive():
+    with pytest.raises(ValueError, match="gpu_memory_gb"):
+        RunConfig.model_validate({"model": {"path": "m"}, "data": {"synthetic": {"task": "max_digit"}},
+                                  "placement": {"gpu_memory_gb": 0}})
+
+
+@pytest.mark.slow
+def test_a_measured_train_step_matches_the_plan_and_chunked_log_probs_cut_its_peak(tmp_path):
+    """One rank, a tiny Qwen2 with Qwen's 151,936-token vocabulary, 2,048 tokens in one micro-batch,
+    each variant in a fresh process (the rise of peak RSS over the resident model; on CPU the host
+    is the device): the default chunked log-probs peak at most 0.35x the unchunked full-vocabulary
+    path, and the plan's train phase (minus the weights already resident) is within 30% of it."""
+    from bench.memory import train_step_peaks
+
+    peaks = train_step_peaks(tmp_path)
+    assert peaks["train_step_peak_over_unchunked"] <= 0.35, peaks
+    model_dir = tmp_path / "vocab152k"
+    config = RunConfig.model_validate({
+        "model": {"path": str(model_dir)}, "data": {"synthetic": {"task": "max_digit"}},
+        "trainer": {"num_ranks": 1, "max_tokens_per_microbatch": 2048, "offload_between_steps": True},
+        "rollout": {"num_engines": 1}})
+    plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 24 * GiB, on_gpu=False, flash_attention=False)
+    planned = plan.phases["train"] - plan.terms["trainer_params"]
+    measured = peaks["train_step_peak_rise_bytes_chunked"]
+    assert 0.7 * measured <= planned <= 1.3 * measured, (planned, measured, plan.terms)
+
+
+def test_a_processs_peak_memory_is_its_own_not_its_forking_parents():
+    """Measured peaks (the test above, trainer load reports) come from the process's own address
+    space: getrusage's ru_maxrss also counts the image before exec, so a child of a test runner
+    holding gigabytes reported at least the runner's RSS as its own peak."""
+    held = b"\x01" * (1 << 30)  # the parent (this test runner) holds 1 GiB more
+    probe = "from rlsys.actors.trainer import peak_resident_bytes; print(peak_resident_bytes())"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.split()[-1]) < len(held)  # the child itself never held 1 GiB
+
+
+def _qwen_dir(tmp_path, name):
+    (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                          max_position_embeddings=32768, **QWEN[name])))
+    return tmp_path
+
+
+def _recipe(name, model_dir, *overrides):
+    return load_config(REPO / f"configs/{name}.yaml", [f"model.path={model_dir}", *overrides])
+
+
+@pytest.mark.parametrize("name", ["7b", "14b"])
+def test_gpu_colocated_recipe_plans_every_term_as_the_hand_sum(tmp_path, name):
+    """configs/gpu_colocated.yaml (8 ranks, 16,384-token micro-batches, checkpointing, KL loss, 512 MB
+    buckets, 0.5 of the GPU for SGLang) with Qwen2.5-7B / 14B on 80 GiB GPUs, term by term."""
+    model_dir = _qwen_dir(tmp_path, name)
+    q = QWEN[name]
+    h, i, n_layers, v = q["hidden_size"], q["intermediate_size"], q["num_hidden_layers"], q["vocab_size"]
+    kv = q["num_key_value_heads"] * h // q["num_attention_heads"]
+    layer = 2 * h * h + 2 * h * kv + (h + 2 * kv) + 3 * h * i + 2 * h  # q,o; k,v; qkv bias; MLP; two norms
+    root = 2 * v * h + h  # embeddings, untied output layer, final norm
+    p = n_layers * layer + root
+    assert p == PARAMS[name]
+    tokens = 16384
+    kv_per_token = 2 * n_layers * kv * 2  # K and V, every layer, bf16
+    kv_tokens = min(262144, (int(0.5 * 80 * GiB) - 2 * p) // kv_per_token)
+    expected = {
+        "trainer_params": 4 * p // 8,  # fp32 master weights over 8 ranks
+        "trainer_grads": 4 * p // 8,
+        "optimizer_states": 8 * p // 8,  # AdamW's two fp32 moments
+        "unsharded_layers": 2 * layer * 2,  # one gathered + one prefetched, bf16
+        "unsharded_root": root * 2,
+        # checkpointed: every layer's bf16 input, plus one layer recomputed (the per-token estimate:
+        # 8 hidden + 2 kv + 4 intermediate bf16 values and two fp32 norm upcasts)
+        "activations": n_layers * tokens * h * 2 + ((8 * h + 2 * kv + 4 * i) * 2 + 2 * h * 4) * tokens,
+        "attention_scores": 0,  # flash-attn
+        "logits_chunk": 3 * 512 * v * 4,
+        "reference_model": (2 * layer + root) * 2,  # KL loss: the reference's gathered layers and root
+        # the output layer's weight gradient: fp32 accumulator + a chunk's bf16 [v, h] product + its fp32 copy
+        "logprob_head_backward": (4 + 2 + 4) * v * h,
+        # the root group's reduce: bf16 gradients + fp32 reduce-scatter input + fp32 output shard
+        # (every dim 0 divides by 8: no padding)
+        "gradient_reduce": root * 2 + root * 4 + root * 4 // 8,
+        "weight_sync_staging": v * h * 2 + 16,  # the embedding (or output layer) alone, bf16, aligned
+        "engine_weights": 2 * p,
+        "cuda_contexts": 2 * 512 * 2**20,  # a trainer rank and an engine per GPU
+        "nccl_buffers": 2 * GiB,
+        "engine_kv_cache": kv_tokens * kv_per_token,
+    }
+    # the root's reduce is backward's larger transient: larger than a layer's (which waits with the
+    # output layer's bf16 gradient) and than the output layer's own backward
+    assert layer * 2 + layer * 4 + layer * 4 // 8 + v * h * 2 < expected["gradient_reduce"]
+    assert expected["logprob_head_backward"] < expected["gradient_reduce"]
+    plan = plan_memory(_recipe("gpu_colocated", model_dir), ModelShape.from_model_dir(model_dir), 80 * GiB,
+                       on_gpu=True, flash_attention=True)
+    assert plan.terms == expected
+    e, runtime = expected, expected["cuda_contexts"] + expected["nccl_buffers"]
+    train = (e["trainer_params"] + e["trainer_grads"] + e["optimizer_states"] + e["unsharded_layers"]
+             + e["unsharded_root"] + e["activations"] + e["logits_chunk"] + e["reference_model"]
+             + e["gradient_reduce"] + runtime)
+    sync = e["trainer_params"] + e["optimizer_states"] + e["unsharded_layers"] + e["weight_sync_staging"] \
+        + e["engine_weights"] + runtime
+    assert plan.phases == {"generate": 2 * p + kv_tokens * kv_per_token + runtime, "train": train, "sync": sync}
+    assert plan.per_gpu_bytes == train < 80 * GiB and plan.fits
+
+
+def test_32b_does_not_fit_8x80_colocated_with_the_recipes_settings(tmp_path):
+    """Qwen2.5-32B, colocated (one engine per GPU, tp 1): its bf16 weights (65.5 GB) exceed half a
+    GPU, and even with the whole static pool the sync phase (trainer shards and moments beside the
+    engine's weights) needs more than 80 GiB."""
+    model_dir = _qwen_dir(tmp_path, "32b")
+    shape = ModelShape.from_model_dir(model_dir)
+    p = PARAMS["32b"]
+    plan = plan_memory(_recipe("gpu_colocated", model_dir), shape, 80 * GiB, on_gpu=True, flash_attention=True)
+    assert 2 * p > 0.5 * 80 * GiB and not plan.fits and "engine_weights" in plan.advice
+    roomy_pool = plan_memory(_recipe("gpu_colocated", model_dir, "rollout.engine.mem_fraction_static=0.9"), shape,
+                             80 * GiB, on_gpu=True, flash_attention=True)
+    sync = 4 * p // 8 + 8 * p // 8 + 2 * p  # params + AdamW moments + engine weights, before anything else
+    assert sync > 80 * GiB and not roomy_pool.fits and "sync needs" in roomy_pool.advice
+
+
+def test_gpu_recipes_fit_their_models_on_80gb(tmp_path):
+    """The recipes' own model (1.5B) and the 7B and 14B the README plans with them."""
+    for name in ("1.5b", "7b", "14b"):
+        (tmp_path / name).mkdir()
+        model_dir = _qwen_dir(tmp_path / name, name)
+        for recipe in ("gpu_colocated", "gpu_disaggregated"):
+            plan = plan_for_devices(_recipe(recipe, model_dir), on_gpu=True, device_memory=80 * GiB,
+                                    flash_attention=True)
+            assert plan.fits, (name, recipe, plan.table())
+
+
+def test_train_refuses_what_the_output_layer_and_reduce_scatter_push_past_the_gpu(tmp_path):
+    """Qwen2.5-14B disaggregated over 4 trainer ranks on 80 GiB GPUs: without the output layer's
+    gradient, FSDP's fp32 reduce-scatter input, the real staging buffer and the CUDA context and
+    NCCL buffers, the trainer GPU's sum is 75.4 GiB and the run was let start; it needs 88.0 GiB."""
+    model_dir = _qwen_dir(tmp_path, "14b")
+    config = _recipe("gpu_disaggregated", model_dir, "trainer.num_ranks=4")
+    plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
+    t = plan.terms
+    v, h, root, p = 152064, 5120, 2 * 152064 * 5120 + 5120, PARAMS["14b"]
+    assert t["gradient_reduce"] == root * 2 + root * 4 + root * 4 // 4  # root's bf16 grads, fp32 input and shard
+    assert t["weight_sync_staging"] == v * h * 2 + 16 > 512 * 2**20
+    assert t["cuda_contexts"] + t["nccl_buffers"] == 512 * 2**20 + GiB
+    left_out = t["gradient_reduce"] + t["weight_sync_staging"] - 512 * 2**20 + t["cuda_contexts"] + t["nccl_buffers"]
+    assert plan.phases["trainer_gpu"] - left_out < 80 * GiB < plan.phases["trainer_gpu"]
+    assert 16 * p // 4 < plan.phases["trainer_gpu"]  # the sharded state alone is 16 bytes a parameter / 4
+    with pytest.raises(ConfigError, match="memory plan: trainer_gpu needs 88.0 GiB of 80.0 GiB"):
+        plan_for_devices(config, on_gpu=True, device_memory=80 * GiB, flash_attention=True)

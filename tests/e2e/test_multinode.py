@@ -1,0 +1,301 @@
+"""rlsys on a Ray cluster of several real nodes (tests/multinode.py: network and mount namespaces
+on this one machine): the driver on a head that offers no CPUs to actors (as a KubeRay head with
+num-gpus 0), trainer ranks and engines on worker nodes, run_dir on the storage every node sees.
+Every run is submitted with deploy/submit.sh against the head, as a user would.
+
+Nodes: head (0 CPUs); a (4 CPUs, `trainer_node`); b and c (2 CPUs each, `engine_node`). Runs keep
+trainers and engines apart with placement.trainer_node_resources / engine_node_resources. What this
+cannot show: NCCL and CUDA IPC (no GPU here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlsys.observability.metrics import read_metrics
+from tests.helpers import REPO
+from tests.multinode import NamespaceCluster, NodeSpec, our_namespaces, unavailable_reason
+
+pytestmark = pytest.mark.slow
+
+TRAINER_NODE = {"trainer_node": 8}
+ENGINE_NODE = {"engine_node": 8}
+ON_TRAINER_NODES = "placement.trainer_node_resources={trainer_node: 1}"
+ON_ENGINE_NODES = "placement.engine_node_resources={engine_node: 1}"
+QUIET = ("logging.progress_bar=false", "status.port=0")
+# Columns a resumed run must reproduce exactly: which step, which prompts, which weights sampled them.
+SAME_AFTER_RESUME = ("step", "data_epoch", "data_index", "weight_version", "synced_weight_version")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = unavailable_reason()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"the multi-node tests must run in CI: {reason}")
+        pytest.skip(f"no multi-node test cluster here: {reason}")
+    workdir = tmp_path_factory.mktemp("cluster")
+    with NamespaceCluster(workdir, NodeSpec("head"), [NodeSpec("a", 4, TRAINER_NODE), NodeSpec("b", 2, ENGINE_NODE),
+                                                      NodeSpec("c", 2, ENGINE_NODE)]) as made:
+        yield made
+    assert our_namespaces() == []  # namespaces, links and the nodes' processes are gone with them
+
+
+def test_the_nodes_are_separate_machines_that_share_one_storage(cluster, tmp_path):
+    addresses = [node.address for node in cluster.nodes.values()]
+    assert len(set(addresses)) == 4
+    for name, node in cluster.nodes.items():
+        shown = cluster.run_on(name, ["ip", "-4", "-o", "addr", "show", "eth0"])
+        assert f"inet {node.address}/24" in shown.stdout
+    # each node its own /dev/shm and scratch directory; what is written elsewhere is shared
+    assert cluster.run_on("a", ["sh", "-c", f"echo a > /dev/shm/probe-a && echo a > {cluster.local_path}/probe-a "
+                                            f"&& echo a > {tmp_path}/probe-a"]).returncode == 0
+    assert "probe-a" in cluster.shm_files("a") and "probe-a" not in cluster.shm_files("b")
+    seen_from_b = cluster.run_on("b", ["sh", "-c", f"ls {cluster.local_path}; cat {tmp_path}/probe-a"])
+    assert "probe-a" not in seen_from_b.stdout.splitlines()[:-1] and seen_from_b.stdout.splitlines()[-1] == "a"
+    cluster.run_on("a", ["rm", "/dev/shm/probe-a", f"{cluster.local_path}/probe-a"])
+    # the nodes reach each other; nothing outside the cluster's namespaces has their addresses
+    reach = cluster.run_on("a", [sys.executable, "-c", "import socket; socket.create_connection("
+                                 f"('{cluster.head_address}', 8265), timeout=5).close()"])
+    assert reach.returncode == 0, reach.stderr
+    routes = cluster.run_on("a", ["ip", "-4", "route"]).stdout
+    assert "default" not in routes
+
+
+def test_a_cluster_is_removed_whole_when_the_test_using_it_fails(tmp_path):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    import subprocess
+
+    import psutil
+
+    before = set(our_namespaces())
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with NamespaceCluster(tmp_path, NodeSpec("head", ray=False), [NodeSpec("w", ray=False)]) as small:
+            made = set(our_namespaces()) - before
+            # a daemon of the node, in its own session (as Ray's are): found by its namespace, not its parent
+            subprocess.run(small.on_node("w", ["setsid", "-f", "sleep", "600"]), check=True)
+            anchors = [node.anchor.pid for node in small.nodes.values()]
+            daemons = [p.pid for p in small.processes("w")]
+            assert len(made) == 3 and len(daemons) == 1  # two nodes and the bridge's namespace
+            raise RuntimeError("the test failed")
+    assert set(our_namespaces()) == before
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in anchors + daemons)
+    assert not (tmp_path / "nodes").exists()
+
+
+def _submit(cluster: NamespaceCluster, config: str, model_dir: Path, *overrides: str, wait: bool = True):
+    return cluster.submit(f"configs/{config}", f"model.path={model_dir}", *QUIET, *overrides, repo=REPO, wait=wait)
+
+
+def _succeeded(job) -> str:
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-4000:]
+    return output
+
+
+def _nodes_line(output: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith("rlsys: nodes: "))
+
+
+def _steps_done(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def _run_processes(cluster: NamespaceCluster, before: set[int]) -> list[str]:
+    """Processes a run started, on any node: its driver and reaper, trainer and engine actors,
+    SGLang servers (Ray's own node daemons are not the run's)."""
+    found = []
+    for name in cluster.nodes:
+        for process in cluster.processes(name):
+            if process.pid in before:
+                continue
+            try:
+                cmdline = " ".join(process.cmdline())
+            except Exception:  # noqa: BLE001 - exited meanwhile
+                continue
+            if "rlsys" in cmdline or "sglang" in cmdline or "ray::TrainerWorker" in cmdline \
+                    or "ray::RolloutEngine" in cmdline:
+                found.append(f"{name}: {process.pid} {cmdline[:100]}")
+    return found
+
+
+def _all_pids(cluster: NamespaceCluster) -> set[int]:
+    return {process.pid for name in cluster.nodes for process in cluster.processes(name)}
+
+
+def _shm(cluster: NamespaceCluster) -> dict[str, set[str]]:
+    return {name: set(cluster.shm_files(name)) for name in cluster.nodes}
+
+
+def test_a_run_dir_the_worker_nodes_cannot_see_is_refused_before_anything_trains(cluster, tiny_model_dir):
+    """A path on the head's own disk (node-local scratch; like an emptyDir on a KubeRay head)."""
+    run_dir = cluster.local_path / "run"
+    job = _submit(cluster, "quickstart.yaml", tiny_model_dir, f"run_dir={run_dir}", ON_TRAINER_NODES)
+    output = job.stdout + job.stderr
+    assert job.returncode != 0
+    assert f"run_dir {run_dir} is not on storage that every node of the run sees" in output, output[-3000:]
+    trainer_node = cluster.nodes["a"].address
+    assert f"node {trainer_node} (" in output and "trainer rank 0" in output
+    assert "does not see the driver's files there" in output and "Set run_dir to a directory on a filesystem" in output
+    # Nothing was trained or checkpointed: on the head the run directory holds the driver's own
+    # files only, and no node wrote anything of it.
+    head_copy = cluster.workdir / "nodes" / "head" / "local" / "run"
+    assert not (head_copy / "checkpoints").exists() and not (head_copy / "metrics.jsonl").exists()
+    assert json.loads((head_copy / "status.json").read_text())["state"] == "failed"
+    assert not (cluster.workdir / "nodes" / "a" / "local" / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def colocated_run(cluster, tiny_model_dir, tmp_path_factory):
+    """Colocated, 2 ranks and their engine on worker node a, the driver on the head: 6 steps,
+    checkpoints every 2 (the uninterrupted run the resume test compares with)."""
+    run_dir = tmp_path_factory.mktemp("shared") / "colocated"
+    job = _submit(cluster, "quickstart.yaml", tiny_model_dir, f"run_dir={run_dir}", *COLOCATED)
+    return run_dir, _succeeded(job)
+
+
+COLOCATED = ("trainer.num_ranks=2", "trainer.total_steps=6", "checkpoint.interval=2", "eval.interval=3",
+             ON_TRAINER_NODES)
+
+
+def test_colocated_ranks_on_one_worker_node_with_the_driver_on_the_head(cluster, colocated_run):
+    run_dir, output = colocated_run
+    head, worker = cluster.nodes["head"].address, cluster.nodes["a"].address
+    assert _nodes_line(output) == f"rlsys: nodes: driver {head}; {worker}: trainer rank 0, engine-0, trainer rank 1"
+    assert "rlsys: finished" in output
+    # The memory plan's budget is the worker's (its RAM on CPU; a GPU there), not the head's.
+    assert f"GiB (the RAM of node {worker} (" in output
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))
+    assert max(r["logprob_mismatch"] for r in rows) < 1e-3  # the engine holds the trainer's weights
+    # Checkpoints written by the ranks on node a and renamed by the driver on the head are whole.
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["step_00000004", "step_00000006"]  # checkpoint.keep_last: 2; no partial left behind
+    for name in kept:
+        checkpoint = run_dir / "checkpoints" / name
+        assert (checkpoint / "coordinator.json").is_file() and (checkpoint / "dcp" / ".metadata").is_file()
+        assert {p.name for p in checkpoint.glob("trainer_rank*.pt")} == {"trainer_rank0.pt", "trainer_rank1.pt"}
+    # The engine's log, written on node a, says it listens on that node's address (not loopback).
+    assert f"Uvicorn running on http://{worker}:" in (run_dir / "logs" / "engine_0.log").read_text()
+    # What the run wrote is readable from the head, in its own mount namespace.
+    listed = cluster.run_on("head", [sys.executable, "-m", "rlsys.cli", "runs", str(run_dir.parent)], cwd=REPO,
+                            env={**cluster.env, "COLUMNS": "200"})
+    assert listed.returncode == 0, listed.stderr
+    (line,) = [line for line in listed.stdout.splitlines() if "colocated" in line]
+    assert "finished" in line and "6 / 6" in line
+
+
+def test_a_killed_driver_leaves_nothing_on_any_node_and_the_run_resumes_as_if_uninterrupted(
+        cluster, tiny_model_dir, colocated_run, tmp_path):
+    reference = read_metrics(colocated_run[0] / "metrics.jsonl")
+    run_dir = tmp_path / "killed"
+    before_pids, before_shm = _all_pids(cluster), _shm(cluster)
+    job = _submit(cluster, "quickstart.yaml", tiny_model_dir, f"run_dir={run_dir}", *COLOCATED, wait=False)
+    cluster.wait_for(lambda: (run_dir / "checkpoints" / "step_00000002" / "coordinator.json").exists()
+                     or job.poll() is not None, "the run's step-2 checkpoint")
+    assert job.poll() is None, job.stdout.read()[-3000:]
+    assert _run_processes(cluster, before_pids)  # running: trainers, engine, reapers
+    (driver,) = [p for p in cluster.find("rlsys.cli train", "head") if p.cmdline()[:1] == ["python"]]
+    killed_at = time.monotonic()
+    driver.kill()
+
+    def nothing_left():
+        shm = _shm(cluster)
+        new_files = {name: sorted(shm[name] - before_shm[name]) for name in shm if shm[name] - before_shm[name]}
+        return not _run_processes(cluster, before_pids) and not new_files
+
+    cluster.wait_for(nothing_left, "no process and no /dev/shm file of the killed run on any node", timeout_s=120)
+    print(f"killed driver: every node clean after {time.monotonic() - killed_at:.1f} s")
+    job.wait(timeout=120)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "died without finishing" in status["error"]
+
+    resumed = _succeeded(_submit(cluster, "quickstart.yaml", tiny_model_dir, f"run_dir={run_dir}", *COLOCATED,
+                                 "--resume"))
+    checkpoint = next(line for line in resumed.splitlines() if "rlsys: resuming from" in line)
+    resumed_from = int(checkpoint.rsplit("step_", 1)[1])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))  # no step lost, none logged twice
+    assert [{k: r[k] for k in SAME_AFTER_RESUME} for r in rows[resumed_from:]] == \
+        [{k: r[k] for k in SAME_AFTER_RESUME} for r in reference[resumed_from:]]
+    assert rows[resumed_from]["logprob_mismatch"] < 1e-3  # the engine restarted on the checkpointed weights
+
+
+def test_disaggregated_ranks_on_one_node_broadcast_to_an_engine_on_another_and_learn(cluster, tiny_model_dir,
+                                                                                      tmp_path):
+    run_dir = tmp_path / "disaggregated"
+    output = _succeeded(_submit(
+        cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}", "rollout.num_engines=1",
+        "trainer.total_steps=100", "eval.interval=50", ON_TRAINER_NODES, ON_ENGINE_NODES))
+    trainer_node = cluster.nodes["a"].address
+    engine_nodes = {cluster.nodes["b"].address, cluster.nodes["c"].address}
+    nodes = dict(part.split(": ") for part in _nodes_line(output).removeprefix("rlsys: nodes: ").split("; ")[1:])
+    assert nodes[trainer_node] == "trainer rank 0, trainer rank 1"
+    ((engine_node, roles),) = [(node, roles) for node, roles in nodes.items() if node != trainer_node]
+    assert engine_node in engine_nodes and roles == "engine-0"
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(100))
+    # weight_sync.verify (this config's): after every sync over the cross-node gloo group, the
+    # engine's log-probs on the probe sequences matched the trainer's, or the run would have failed.
+    assert max(r["logprob_mismatch"] for r in rows) < 1e-3
+    assert rows[-1]["eval_reward_mean"] >= 0.9
+
+
+def test_an_engines_node_lost_mid_run_is_replaced_on_a_node_with_room(cluster, tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "engine-node-lost"
+    job = _submit(cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}",
+                  "trainer.num_ranks=1", "rollout.num_engines=1", "trainer.total_steps=10", "eval.interval=100",
+                  ON_TRAINER_NODES, ON_ENGINE_NODES, wait=False)
+    cluster.wait_for(lambda: _steps_done(run_dir) >= 3 or job.poll() is not None, "3 steps")
+    (server,) = cluster.find("sglang.launch_server")
+    lost = cluster.node_of(server.pid)
+    try:
+        assert cluster.kill_node(lost) > 0  # its raylet, Ray daemons, engine actor, SGLang server, reapers
+        output = job.communicate(timeout=900)[0]
+        assert job.returncode == 0, output[-4000:]
+    finally:
+        cluster.start_ray(lost)  # the node comes back for the tests after this one
+    survivor = ({"b", "c"} - {lost}).pop()
+    assert f"rlsys: engine-0 died; restarting it (1 of 3): node {cluster.nodes[lost].address}" in output
+    assert f"rlsys: engine-0 is back, on node {cluster.nodes[survivor].address}" in output
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(10))  # none lost, none trained twice
+    assert rows[-1]["engine_restarts"] == 1
+    assert [r["synced_weight_version"] for r in rows] == list(range(1, 11))
+    assert max(r["logprob_mismatch"] for r in rows) < 1e-3  # verified after every sync, the restart's too
+
+
+def test_a_trainer_node_lost_mid_run_resumes_the_trainers_on_a_spare_node(cluster, tiny_model_dir, tmp_path):
+    spare = cluster.nodes.get("spare") or cluster.add_node(NodeSpec("spare", 4, TRAINER_NODE))
+    run_dir = tmp_path / "trainer-node-lost"
+    job = _submit(cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}",
+                  "trainer.num_ranks=2", "rollout.num_engines=1", "trainer.total_steps=10", "eval.interval=100",
+                  "checkpoint.interval=3", "checkpoint.max_auto_resumes=1", ON_TRAINER_NODES, ON_ENGINE_NODES,
+                  wait=False)
+    cluster.wait_for(lambda: (run_dir / "checkpoints" / "step_00000003").exists() or job.poll() is not None,
+                     "the step-3 checkpoint")
+    lost = cluster.node_of(cluster.find("ray::TrainerWorker")[0].pid)  # node a or the spare: Ray chose
+    (other,) = {"a", spare.name} - {lost}
+    try:
+        assert cluster.kill_node(lost) > 0
+        output = job.communicate(timeout=900)[0]
+        assert job.returncode == 0, output[-4000:]
+    finally:
+        cluster.start_ray(lost)
+    said = "\n".join(line for line in output.splitlines() if line.startswith("rlsys: "))
+    assert "rlsys: a trainer rank died (" in said and f"rank 0 on node {cluster.nodes[lost].address}" in said, said
+    assert f"rlsys: trainer ranks are back, on node(s) {cluster.nodes[other].address}" in said, said
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(10))  # none lost; the replayed ones logged once
+    assert rows[-1]["trainer_restarts"] == 1
+    assert [r["synced_weight_version"] for r in rows] == list(range(1, 11))
+    assert max(r["logprob_mismatch"] for r in rows) < 1e-3

@@ -1,0 +1,100 @@
+"""Tool use through rollout.generate_function on the real engine: the calculator example learns,
+and tools that raise or hang end their trajectories (counted) without stopping the run."""
+
+import subprocess
+import textwrap
+
+import pytest
+
+from rlsys.observability.metrics import read_metrics
+from tests.helpers import REPO, train_command
+
+
+@pytest.mark.slow
+def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(train_command("examples/calculator.yaml", tiny_model_dir, run_dir), cwd=REPO,
+                            capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    evals = [r["eval_reward_mean"] for r in rows if "eval_reward_mean" in r]
+    assert evals[0] <= 0.2, evals  # untrained: hardly ever calls, answers at chance
+    assert evals[-1] >= 0.9, evals
+    assert rows[0]["tool_calls_mean"] < 0.2 and rows[-1]["tool_calls_mean"] >= 0.9
+    # after a call, the tool's value (4 tokens) sits between two policy tokens
+    assert rows[-1]["policy_tokens_fraction"] < 0.5 and rows[-1]["turns_mean"] >= 1.9
+    assert all(r["tool_errors"] == 0 for r in rows)
+
+
+FAULTY_TOOLS = '''
+import time
+
+def tool(text):
+    digit = int(text[0])
+    if digit % 3 == 0:
+        raise ArithmeticError("the tool refused " + text)
+    if digit % 3 == 1:
+        time.sleep(30)  # past rollout.tool_timeout_s
+    return 7
+
+
+async def generate(prompt, ctx):
+    await ctx.generate(max_new_tokens=1)
+    value = await ctx.call_tool(tool, prompt.text)
+    ctx.append(str(value))
+    await ctx.generate(max_new_tokens=1)
+    ctx.trajectory.info["finished"] = True
+
+
+def reward(prompt, response, label, metadata):
+    return 1.0 if metadata.get("finished") else 0.0
+'''
+
+
+@pytest.mark.slow
+def test_tools_that_raise_or_hang_end_their_trajectories_and_are_counted(tmp_path, tiny_model_dir):
+    (tmp_path / "faulty.py").write_text(textwrap.dedent(FAULTY_TOOLS))
+    run_dir = tmp_path / "run"
+    result = subprocess.run(train_command(
+        "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2", "eval.interval=100",
+        f"rollout.generate_function={tmp_path / 'faulty.py'}:generate", f"reward.function={tmp_path / 'faulty.py'}:reward",
+        "rollout.tool_timeout_s=1", "data.prompts_per_step=12"), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        # prompts start with a digit: 0, 3, 6, 9 raise; 1, 4, 7 hang; 2, 5, 8 answer (which prompts a step
+        # draws is fixed by the seed: data.synthetic.seed and the sampler's seed, the same on any machine)
+        assert 0 < row["tool_errors"] < 12 * 8
+        assert row["tool_calls_mean"] == 1.0
+        # finished trajectories (reward 1) and ended ones (0), so the groups still have a spread
+        assert 0 < row["reward_mean"] < 1
+        assert row["reward_mean"] == pytest.approx(1 - row["tool_errors"] / (12 * 8))
+
+
+OUT_OF_VOCABULARY = '''
+async def generate(prompt, ctx):
+    await ctx.generate(max_new_tokens=1)
+    ctx.append([len(ctx.tokenizer) + 1000])  # an id the model has no embedding row for
+    await ctx.generate(max_new_tokens=1)
+
+
+def reward(prompt, response, label, metadata):
+    return 0.0
+'''
+
+
+@pytest.mark.slow
+def test_a_generate_function_that_sends_an_out_of_vocabulary_id_fails_the_run_naming_it(tmp_path, tiny_model_dir):
+    (tmp_path / "oov.py").write_text(OUT_OF_VOCABULARY)
+    run_dir = tmp_path / "run"
+    result = subprocess.run(train_command(
+        "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2", "eval.interval=100",
+        f"rollout.generate_function={tmp_path / 'oov.py'}:generate", f"reward.function={tmp_path / 'oov.py'}:reward"),
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"rlsys: run failed: rollout.generate_function '{tmp_path / 'oov.py'}:generate' sent the engine input_ids " \
+           "it cannot take, on prompt " in result.stderr
+    assert f"{tmp_path / 'oov.py'}:5 (`await ctx.generate(max_new_tokens=1)`)" in result.stderr
+    assert " input_ids is outside the model's vocabulary" in result.stderr
+    assert "restarting" not in result.stdout  # no engine ever saw the id

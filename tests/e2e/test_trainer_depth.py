@@ -1,0 +1,154 @@
+"""Trainer depth: sleep/wake_up, packing, micro-batch invariance, KL, checkpoints and resume."""
+
+
+import pytest
+import torch
+
+from rlsys.actors.batching import TrainSequence
+from rlsys.actors.group import TrainerGroup
+from tests.helpers import random_sequences, trainer_spec
+
+
+def _batch(seed: int, count: int = 12) -> list[TrainSequence]:
+    return random_sequences(seed, count)
+
+
+def _identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _spec(model_dir, **overrides):
+    return trainer_spec(model_dir, lr=1e-3, **overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2], ids=["whole model", "FSDP2"])
+def test_training_after_sleep_and_wake_up_is_bit_identical(ray_cluster, tiny_model_dir, ranks):
+    plain = TrainerGroup(_spec(tiny_model_dir), ranks)
+    cycled = TrainerGroup(_spec(tiny_model_dir), ranks)
+    try:
+        for step in range(3):
+            plain.train_step(_batch(step))
+            cycled.train_step(_batch(step))
+            slept = cycled.sleep()
+            assert slept["bytes"] > 0
+            assert cycled.wake_up()["bytes"] == slept["bytes"]
+        assert _identical(plain.full_state_dict(), cycled.full_state_dict())
+    finally:
+        plain.shutdown()
+        cycled.shutdown()
+
+
+@pytest.fixture(scope="module")
+def medium_model_dir(tmp_path_factory):
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("medium"), TinyModelSpec(hidden_size=256, num_layers=4))
+
+
+@pytest.mark.slow
+def test_twenty_sleep_cycles_do_not_leak_host_memory(ray_cluster, medium_model_dir):
+    group = TrainerGroup(_spec(medium_model_dir), 2)
+    try:
+        group.train_step(_batch(0))  # optimizer state exists from here on
+        moved = group.sleep()["bytes"]
+        group.wake_up()
+        baseline = group.host_memory_bytes()
+        for _ in range(19):
+            group.sleep()
+            group.wake_up()
+        growth = max(after - before for after, before in zip(group.host_memory_bytes(), baseline, strict=True))
+        per_rank_state = moved / 2
+        assert growth < 0.5 * per_rank_state, f"RSS grew {growth} bytes over 19 cycles of {per_rank_state} bytes"
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+def test_packed_logprobs_equal_unpacked_per_sequence(ray_cluster, tiny_model_dir):
+    packed = TrainerGroup(_spec(tiny_model_dir, packing=True, max_tokens_per_microbatch=64), 2)
+    one_by_one = TrainerGroup(_spec(tiny_model_dir, packing=False, micro_batch_size=1), 1)
+    try:
+        batch = _batch(7, count=15)
+        a, b = packed.compute_log_probs(batch), one_by_one.compute_log_probs(batch)
+        assert [len(x) for x in a] == [s.response_len for s in batch]
+        worst = max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+        assert worst < 1e-5
+    finally:
+        packed.shutdown()
+        one_by_one.shutdown()
+
+
+@pytest.mark.slow
+def test_one_or_four_micro_batches_give_the_same_gradient(ray_cluster, tiny_model_dir):
+    batch = _batch(3, count=16)
+    tokens = sum(len(s.token_ids) for s in batch)
+    whole = TrainerGroup(_spec(tiny_model_dir, max_tokens_per_microbatch=tokens), 1)
+    quarters = TrainerGroup(_spec(tiny_model_dir, max_tokens_per_microbatch=tokens // 4 + 1), 1)
+    padded = TrainerGroup(_spec(tiny_model_dir, packing=False, micro_batch_size=4), 1)
+    try:
+        g1, g4, gp = whole.loss_gradients(batch), quarters.loss_gradients(batch), padded.loss_gradients(batch)
+        for name in g1:
+            assert torch.allclose(g1[name], g4[name], atol=1e-6, rtol=1e-5), name
+            assert torch.allclose(g1[name], gp[name], atol=1e-6, rtol=1e-5), name
+        assert max(g.abs().max().item() for g in g1.values()) > 1e-4  # a real gradient
+    finally:
+        for group in (whole, quarters, padded):
+            group.shutdown()
+
+
+@pytest.mark.slow
+def test_kl_is_zero_at_start_and_positive_once_the_policy_moves(ray_cluster, tiny_model_dir):
+    group = TrainerGroup(_spec(tiny_model_dir, use_kl_loss=True, kl_coef=0.1, kl_estimator="k3"), 2)
+    try:
+        first = group.train_step(_batch(0))
+        assert first["kl"] == 0.0
+        second = group.train_step(_batch(1))
+        assert second["kl"] > 0.0
+        assert all(kl > 0 for kl in group.compute_sequence_kl(_batch(2)))
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2], ids=["whole model", "FSDP2"])
+def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny_model_dir, tmp_path, ranks):
+    spec = _spec(tiny_model_dir, lr_schedule="cosine", warmup_steps=2, total_steps=4,
+                 mini_batches_per_step=2)
+    straight = TrainerGroup(spec, ranks)
+    first_half = TrainerGroup(spec, ranks)
+    try:
+        for step in range(4):
+            straight_last = straight.train_step(_batch(step))
+        for step in range(2):
+            first_half.train_step(_batch(step))
+        first_half.save_checkpoint(str(tmp_path))
+    finally:
+        first_half.shutdown()  # the ranks are killed; only the checkpoint survives
+    resumed = TrainerGroup(spec, ranks)
+    try:
+        resumed.load_checkpoint(str(tmp_path))
+        for step in range(2, 4):
+            last = resumed.train_step(_batch(step))
+        assert _identical(straight.full_state_dict(), resumed.full_state_dict())
+        assert last["lr"] == straight_last["lr"] < spec.trainer.lr  # the cosine schedule was restored too
+    finally:
+        straight.shutdown()
+        resumed.shutdown()
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_and_lr_warmup_behave(ray_cluster, tiny_model_dir):
+    batch = _batch(5)
+    plain = TrainerGroup(_spec(tiny_model_dir, warmup_steps=4), 1)
+    checkpointed = TrainerGroup(_spec(tiny_model_dir, gradient_checkpointing=True), 1)
+    try:
+        g_plain, g_ckpt = plain.loss_gradients(batch), checkpointed.loss_gradients(batch)
+        for name in g_plain:
+            assert torch.allclose(g_plain[name], g_ckpt[name], atol=1e-6, rtol=1e-5), name
+        # linear warmup over 4 optimizer steps: lr after each step is lr * min(step + 1, 4) / 4
+        lrs = [plain.train_step(_batch(s))["lr"] for s in range(5)]
+        assert lrs == pytest.approx([5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    finally:
+        plain.shutdown()
+        checkpointed.shutdown()

@@ -1,0 +1,242 @@
+"""Weight sync into real SGLang servers, both transports: afterwards each engine computes what
+the trainer computes (fp32 log-probs of fixed sequences) and reports the new weight version."""
+
+import random
+import socket
+
+import pytest
+
+from rlsys.actors.batching import TrainSequence
+from rlsys.actors.group import TrainerGroup
+from rlsys.config import EngineConfig, ModelConfig
+from rlsys.rollout.engine import SamplingParams
+from rlsys.rollout.manager import RolloutManager
+from rlsys.rollout.sglang.client import EngineAddress
+from rlsys.rollout.sglang.server import ServerSpec
+from rlsys.run.verify import WeightSyncMismatch, verify_engine_weights
+from rlsys.system.topology import Topology
+from tests.helpers import trainer_spec
+
+FIXED = [[5, 9, 14, 3, 7, 7, 20, 31], [40, 41, 42, 6, 6, 6], [12, 65, 13, 65, 14, 73, 15, 1]]
+
+
+def _batch(seed: int) -> list[TrainSequence]:
+    rng = random.Random(seed)
+    return [
+        TrainSequence([rng.randrange(3, 80) for _ in range(8)], prompt_len=4, advantage=rng.choice([-1.0, 1.0]))
+        for _ in range(16)
+    ]
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
+
+
+def _topology(mode: str, engines: list[EngineAddress], num_ranks: int = 2) -> Topology:
+    return Topology(mode, num_ranks, len(engines), 1, has_gpu=False, trainers_sleep=False).with_engines(engines)
+
+
+def _engines_match_trainer(rollout, trainer) -> list[float]:
+    expected = trainer.compute_log_probs([TrainSequence(tokens, prompt_len=1) for tokens in FIXED])
+    return [_max_diff(rollout.score(FIXED, engine_index=i), expected) for i in range(len(rollout.engines))]
+
+
+@pytest.fixture(scope="module")
+def two_engines_two_ranks(ray_cluster, tiny_model_dir, tmp_path_factory):
+    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120)
+    spec = ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine)
+    rollout = RolloutManager(spec, 2, str(tmp_path_factory.mktemp("logs")), [{"num_cpus": 1}] * 2)
+    trainer = TrainerGroup(trainer_spec(tiny_model_dir, lr=1e-2), num_ranks=2)
+    rollout.wait_ready()
+    yield rollout, trainer
+    rollout.shutdown()
+    trainer.shutdown()
+
+
+@pytest.mark.slow
+def test_colocated_sync_puts_trainer_weights_on_every_engine(two_engines_two_ranks):
+    rollout, trainer = two_engines_two_ranks
+    assert max(_engines_match_trainer(rollout, trainer)) < 1e-3  # same initial weights
+    assert rollout.weight_versions() == [0, 0]
+
+    trainer.train_step(_batch(0))
+    assert min(_engines_match_trainer(rollout, trainer)) > 1e-2  # engines still hold the old weights
+    with pytest.raises(WeightSyncMismatch, match="weight versions"):
+        verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0)
+
+    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)  # rank i -> engine i
+    trainer.sync_weights(16 * 2**20, weight_version=1)
+    assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
+    assert rollout.weight_versions() == [1, 1]
+    assert verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0) < 1e-3
+    generations = rollout.generate([FIXED[0][:3], FIXED[1][:3]], SamplingParams(max_new_tokens=6, ignore_eos=True), n=2)
+    assert [g.weight_version for g in generations] == [1, 1, 1, 1]
+    assert [len(g.response_ids) for g in generations] == [6] * 4  # ignore_eos reached the engine
+
+
+@pytest.mark.slow
+def test_bucket_smaller_than_largest_tensor_still_syncs(two_engines_two_ranks):
+    rollout, trainer = two_engines_two_ranks
+    trainer.train_step(_batch(1))
+    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)
+    stats = trainer.sync_weights(4096, weight_version=2)
+    assert stats[0]["buckets"] > 20  # every tensor (the largest is 64 KB) travelled on its own
+    assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
+    assert rollout.weight_versions() == [2, 2]
+
+
+@pytest.mark.slow
+def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ranks):
+    rollout, trainer = two_engines_two_ranks
+    trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=60)
+    for version, bucket_bytes in [(3, 16 * 2**20), (4, 4096)]:
+        trainer.train_step(_batch(version))
+        assert min(_engines_match_trainer(rollout, trainer)) > 1e-2
+        stats = trainer.sync_weights(bucket_bytes, weight_version=version)
+        assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # only rank 0 sends
+        assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
+        assert rollout.weight_versions() == [version, version]
+
+
+@pytest.mark.slow
+def test_single_engine_sync_gathers_to_rank_zero_only(two_engines_two_ranks):
+    rollout, trainer = two_engines_two_ranks
+    trainer.train_step(_batch(5))
+    before = _engines_match_trainer(rollout, trainer)
+    trainer.connect_engines(_topology("colocated", rollout.addresses[:1]), timeout_s=60)  # engine 1 unfed
+    stats = trainer.sync_weights(4096, weight_version=5)
+    assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # rank 1 only sent its shards
+    after = _engines_match_trainer(rollout, trainer)
+    assert after[0] < 1e-3  # engine 0 got every tensor, bucket by bucket
+    assert after[1] == pytest.approx(before[1]) and after[1] > 1e-2  # engine 1 was not touched
+    assert rollout.weight_versions()[0] == 5
+
+
+@pytest.mark.slow
+def test_an_engine_nobody_answers_at_is_named_when_the_trainer_connects(ray_cluster, tiny_model_dir):
+    """Not a timeout in the middle of the first sync: the rank checks it can reach every engine."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = EngineAddress("engine-7", f"http://127.0.0.1:{sock.getsockname()[1]}")  # nothing listens here
+    trainer = TrainerGroup(trainer_spec(tiny_model_dir), num_ranks=1)
+    try:
+        with pytest.raises(Exception, match=r"engine-7 .*: trainer rank 0 on node \S+ cannot reach it at "
+                                            r"http://127\.0\.0\.1:\d+ \(node 127\.0\.0\.1\)"):
+            trainer.connect_engines(_topology("disaggregated", [dead], num_ranks=1), timeout_s=5)
+    finally:
+        trainer.shutdown()
+
+
+def _server_processes(url: str) -> list:
+    """The SGLang server listening at `url` and every process it started."""
+    import psutil
+
+    port = url.rsplit(":", 1)[1]
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "sglang.launch_server" in cmdline and port in cmdline:
+            return [process] + process.children(recursive=True)
+    raise AssertionError(f"no SGLang server listens at {url}")
+
+
+@pytest.mark.slow
+def test_broadcast_to_a_stopped_engine_fails_within_the_timeout_naming_it(two_engines_two_ranks):
+    """A frozen engine must not hang the sync until a backend watchdog: the sync fails within
+    weight_sync.timeout_s (plus the engine calls' own answer time) and names the engine.
+    Last in this module: it leaves engine-1 outside any weight-update group."""
+    import time
+
+    rollout, trainer = two_engines_two_ranks
+    trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=5)
+    frozen = _server_processes(rollout.addresses[1].url)
+    for process in frozen:
+        process.suspend()
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception, match="engine-1") as failure:
+            trainer.sync_weights(16 * 2**20, weight_version=6)
+    finally:
+        for process in frozen:
+            process.resume()
+    elapsed = time.monotonic() - start
+    print(f"sync failed after {elapsed:.1f}s: {str(failure.value)[-600:]}")
+    assert elapsed < 5 * 3 + 10, "the sync outlived its timeout"
+
+
+_SILENT_PEER = """
+import sys, time
+from datetime import timedelta
+from rlsys.weight_sync.broadcast import new_custom_process_group
+group = new_custom_process_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], timedelta(seconds=5))
+time.sleep(60)  # joined, and never takes part in a collective: a frozen engine
+"""
+
+
+@pytest.fixture
+def group_with_silent_peer():
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from rlsys.weight_sync.broadcast import new_custom_process_group
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    name = f"silent-{port}"
+    peer = subprocess.Popen([sys.executable, "-c", _SILENT_PEER, str(port), name])
+    try:
+        yield new_custom_process_group("gloo", "127.0.0.1", port, 0, 2, name, timedelta(seconds=5))
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+@pytest.mark.parametrize("engine_call_fails", [False, True])
+def test_a_broadcast_nobody_receives_fails_on_the_host_within_the_timeout(group_with_silent_peer, engine_call_fails):
+    """The host-side watch of a collective (NCCL's work.wait never times out on the host): a
+    silent peer gives a timeout naming the engine still unanswered; a failed engine call ends the
+    wait at once, naming it. Both abort the group."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from rlsys.weight_sync.broadcast import WeightSyncError, WeightSyncTimeout, _Calls, wait_for_collective
+
+    calls, answered = _Calls(), threading.Event()
+
+    def engine_call():
+        if engine_call_fails:
+            raise RuntimeError("engine-3 refused the bucket")
+        answered.wait(30)  # an engine waiting in the broadcast
+
+    calls.start("engine-3", engine_call)
+    aborted = []
+    buffer = torch.zeros(64 * 2**20, dtype=torch.uint8)  # more than the sockets buffer: the send blocks
+    work = dist.broadcast(buffer, src=0, group=group_with_silent_peer, async_op=True)
+    start = time.monotonic()
+    expected = (WeightSyncError, "engine-3.*refused") if engine_call_fails else (WeightSyncTimeout, r"within 2s.*engine-3")
+    with pytest.raises(expected[0], match=expected[1]):
+        wait_for_collective(work, calls, 2.0, "broadcast of a weight bucket", lambda: aborted.append(True))
+    answered.set()
+    assert aborted == [True]
+    assert time.monotonic() - start < (1.0 if engine_call_fails else 3.0)
+
+
+@pytest.mark.slow
+def test_a_session_left_open_by_a_dead_trainer_is_closed_and_the_next_sync_goes_through(two_engines_two_ranks):
+    """A trainer rank killed between /begin_weight_update and /end_weight_update leaves the engines'
+    session open; SGLang then refuses every later sync until it is closed."""
+    from rlsys.rollout.sglang.client import SGLangClient
+
+    rollout, trainer = two_engines_two_ranks
+    for address in rollout.addresses:
+        SGLangClient(address).begin_weight_update()  # what the dead rank got as far as
+    assert rollout.end_abandoned_weight_updates() == [True, True]
+    assert rollout.end_abandoned_weight_updates() == [False, False]  # nothing open: nothing to close
+    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)
+    version = max(rollout.weight_versions()) + 1
+    trainer.sync_weights(16 * 2**20, weight_version=version)
+    assert rollout.weight_versions() == [version, version]

@@ -1,0 +1,201 @@
+"""Config loading: overrides, and bad input failing early with the field and the reason."""
+
+import subprocess
+import sys
+
+import pytest
+
+from rlsys.config import ConfigError, load_config
+from tests.helpers import refused_by_cli, write_config
+
+
+def test_dotted_overrides_replace_values(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    config = load_config(path, ["trainer.lr=1e-5", "rollout.stop=[a, b]", "eval.interval=3"])
+    assert config.trainer.lr == 1e-5
+    assert config.rollout.stop == ["a", "b"]
+    assert config.eval.interval == 3
+
+
+def test_group_size_below_two_names_the_field(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, ["rollout.n_samples_per_prompt=1"])
+    assert "rollout" in str(error.value) and "n_samples_per_prompt must be >= 2" in str(error.value)
+
+
+def test_unknown_and_mistyped_fields_are_named(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, ["trainer.learning_rate=1e-5", "trainer.lr=fast"])
+    message = str(error.value)
+    assert "trainer.learning_rate: unknown field" in message
+    assert "trainer.lr:" in message and "number" in message
+
+
+def test_colocated_engines_cannot_outnumber_trainer_ranks(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError, match="num_engines"):
+        load_config(path, ["rollout.num_engines=3", "trainer.num_ranks=2"])
+
+
+def test_both_or_neither_data_source_is_an_error(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError, match="exactly one of data.train_path or data.synthetic"):
+        load_config(path, ["data.train_path=x.jsonl"])
+
+
+def test_malformed_override_is_explained(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(path, ["trainer.lr"])
+
+
+def test_cli_reports_bad_config_without_traceback_or_actors(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlsys.cli", "train", str(path), "trainer.lr=-1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "trainer.lr: Input should be greater than 0" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "run directory" not in result.stdout  # failed before anything started
+
+
+def test_missing_model_directory_fails_before_actors(tmp_path):
+    from rlsys.run.assets import load_assets
+
+    config = load_config(write_config(tmp_path / "c.yaml", tmp_path / "no-model"))
+    with pytest.raises(ConfigError, match="model.path .* is not a local Hugging Face checkpoint"):
+        load_assets(config)
+
+
+def test_model_directory_without_weight_files_fails_before_actors(tmp_path, tiny_model_dir):
+    import shutil
+
+    from rlsys.run.assets import load_assets
+
+    no_weights = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = load_config(write_config(tmp_path / "c.yaml", no_weights))
+    with pytest.raises(ConfigError, match=r"holds no weight files \(\*\.safetensors"):
+        load_assets(config)
+
+
+@pytest.mark.parametrize("betas", ["[2.0, 0.999]", "[0.9, 1.0]", "[-0.1, 0.9]"])
+def test_adam_betas_outside_zero_one_are_rejected(tmp_path, tiny_model_dir, betas):
+    with pytest.raises(ConfigError, match=r"trainer: betas must each be in \[0, 1\)"):
+        load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), [f"trainer.betas={betas}"])
+
+
+def test_sampling_options_reach_the_engine_request_and_bad_ones_are_refused(tmp_path, tiny_model_dir):
+    from rlsys.run.assets import load_assets
+    from rlsys.run.evaluation import sampling_params
+
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    config = load_config(path, ["rollout.max_new_tokens=16", "rollout.engine.skip_tokenizer_init=false",
+                                "rollout.sampling.top_k=5", "rollout.sampling.min_p=0.1",
+                                "rollout.sampling.repetition_penalty=1.2", "rollout.sampling.min_new_tokens=4",
+                                "rollout.sampling.ignore_eos=true", "rollout.sampling.stop_token_ids=[7]"])
+    request = sampling_params(config, load_assets(config), temperature=0.7, top_p=0.9).as_sglang()
+    assert request == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 16, "top_k": 5, "min_p": 0.1,
+                       "repetition_penalty": 1.2, "min_new_tokens": 4, "ignore_eos": True,
+                       "stop_token_ids": [request["stop_token_ids"][0], 7]}  # the tokenizer's EOS, then ours
+    plain = sampling_params(load_config(path), load_assets(load_config(path)), 1.0, 1.0).as_sglang()
+    assert not {"top_k", "min_p", "repetition_penalty", "min_new_tokens", "ignore_eos"} & plain.keys()
+    for bad, reason in [("rollout.sampling.top_k=0", "top_k must be -1"),
+                        ("rollout.sampling.min_new_tokens=64", "exceeds max_new_tokens"),
+                        ("rollout.sampling.min_new_tokens=1", "needs the engine's tokenizer"),
+                        ("rollout.sampling.stop_token_ids=[-1]", "token ids >= 0")]:
+        with pytest.raises(ConfigError, match=reason):
+            load_config(path, [bad])
+
+
+def test_a_config_file_that_is_not_utf8_names_its_line(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    path.write_bytes(path.read_bytes() + b"# caf\xe9\n")
+    lines = path.read_bytes().count(b"\n")
+    with pytest.raises(ConfigError, match=rf"c\.yaml is not UTF-8 text \(byte 0xe9 on line {lines}\)"):
+        load_config(path)
+    assert "is not UTF-8 text (byte 0xe9" in refused_by_cli("train", str(path))
+
+
+def test_a_model_config_json_that_is_not_json_is_refused_by_train_and_plan(tmp_path, tiny_model_dir):
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    (model / "config.json").write_text('{"model_type": "qwen2",\n  "hidden_size": 64,,\n}')
+    path = write_config(tmp_path / "c.yaml", model)
+    for command in ("train", "plan"):
+        stderr = refused_by_cli(command, str(path))
+        assert f"{model / 'config.json'} is not valid JSON (Expecting property name enclosed in double quotes: " \
+               "line 2 column 21" in stderr, (command, stderr)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json"])
+def test_a_tokenizer_file_that_is_not_json_is_refused_by_train_naming_it(tmp_path, tiny_model_dir, name):
+    """A copy cut short: `rlsys train` names the file and model.path (or model.tokenizer_path) with
+    exit 2, before anything starts (`rlsys plan` does not read the tokenizer)."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    text = (model / name).read_text()
+    (model / name).write_text(text[: len(text) // 2])
+    try:
+        json.loads(text[: len(text) // 2])
+    except json.JSONDecodeError as error:
+        reason = str(error)
+    path = write_config(tmp_path / "c.yaml", model)
+    stderr = refused_by_cli("train", str(path))
+    assert f"invalid config: model.path {model}: {model / name} is not valid JSON ({reason}); " \
+           "point model.path at a complete tokenizer" in stderr, stderr
+    separate = write_config(tmp_path / "separate.yaml", tiny_model_dir, model={
+        "path": str(tiny_model_dir), "tokenizer_path": str(model)})
+    assert f"model.tokenizer_path {model}: {model / name} is not valid JSON" in refused_by_cli("train", str(separate))
+
+
+def test_a_run_dir_that_is_a_file_or_under_one_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
+    from rlsys.system.run_lock import RunDirLock
+
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a directory")
+    stderr = refused_by_cli("train", str(path), f"run_dir={a_file}")
+    assert f"run_dir {a_file} cannot be used: {a_file} is a file, not a directory; choose another run_dir" in stderr
+    with pytest.raises(ConfigError, match=f"run_dir {a_file / 'run'} cannot be used: {a_file} is a file, not a dir"):
+        RunDirLock(a_file / "run").acquire()
+    assert a_file.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("override, shown", [
+    ("trainer.total_steps=true", "trainer.total_steps: expects a number, not true/false (got true)"),
+    ("trainer.lr=false", "trainer.lr: expects a number, not true/false (got false)"),
+    ("eval.max_prompts=true", "eval.max_prompts: expects a number, not true/false (got true)"),
+    ("rollout.max_staleness=true", "rollout.max_staleness: expects a number, not true/false (got true)"),
+    ("trainer.betas=[true, 0.9]", "trainer.betas: expects a number, not true/false (got [true, 0.9])"),
+    ("rollout.sampling.stop_token_ids=[2, true]", "rollout.sampling.stop_token_ids: expects a number"),
+    ("placement.engine_node_resources={gpu_node: true}", "placement.engine_node_resources: expects a number"),
+])
+def test_a_boolean_where_a_number_is_expected_is_refused(tmp_path, tiny_model_dir, override, shown):
+    """Read as 1 or 0 it would run silently wrong (total_steps=true: one step)."""
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, [override])
+    assert shown in str(error.value)
+
+
+def test_numbers_and_booleans_still_load_where_they_belong(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    config = load_config(path, ["trainer.lr=1e-5", "trainer.total_steps=3", "trainer.betas=[0, 0.5]",
+                                "trainer.offload_between_steps=true", "rollout.engine.radix_cache=false",
+                                "placement.engine_node_resources={gpu_node: 1}", "eval.max_prompts=null"])
+    assert (config.trainer.lr, config.trainer.total_steps, config.trainer.betas) == (1e-5, 3, (0.0, 0.5))
+    assert config.trainer.offload_between_steps is True and config.rollout.engine.radix_cache is False
+    assert config.placement.engine_node_resources == {"gpu_node": 1.0} and config.eval.max_prompts is None
+
+
+def test_a_directory_given_as_the_config_is_called_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory; name a YAML file"):
+        load_config(tmp_path)

@@ -1,0 +1,168 @@
+"""The status API: every endpoint's schema, the Prometheus text, and the token on control calls."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from rlsys.observability.status.server import (
+    ActorsResponse,
+    ControlResponse,
+    HealthResponse,
+    MetricsResponse,
+    StatusResponse,
+    build_app,
+)
+from rlsys.observability.status.state import ActorHealth, RunStatus
+from tests.helpers import served_run_dir
+
+
+def _status(tmp_path, steps: int = 3) -> RunStatus:
+    status = RunStatus(run_id="test-run", total_steps=10, run_dir=str(tmp_path),
+                       dataset={"train_prompts": 90, "eval_prompts": 10, "skipped_rows": 2, "too_long_prompts": 1})
+    for step in range(steps):
+        status.record_step({"step": step, "reward_mean": 0.1 * step, "kl": 0.0, "time_step_s": 0.5,
+                            "synced_weight_version": step + 1, "eval_reward_mean": float("nan")})
+    status.set_actors([ActorHealth("trainer-rank-0", "trainer", True, time.time(), 123, ""),
+                       ActorHealth("engine-0", "engine", False, None, None, "gone")])
+    status.set_state("training")
+    return status
+
+
+def test_every_read_endpoint_matches_its_schema(tmp_path):
+    client = TestClient(build_app(_status(tmp_path), token="s3cret"))
+    status = StatusResponse.model_validate(client.get("/api/v1/status").json())
+    assert (status.step, status.total_steps, status.weight_version, status.state) == (3, 10, 3, "training")
+    assert status.eta_seconds == pytest.approx(7 * 0.5)
+    assert status.last_metrics["eval_reward_mean"] is None  # NaN is not valid JSON
+    assert status.dataset["skipped_rows"] == 2 and status.dataset["too_long_prompts"] == 1
+    metrics = MetricsResponse.model_validate(client.get("/api/v1/metrics", params={"since": 1}).json())
+    assert [row["step"] for row in metrics.rows] == [1, 2]
+    assert client.get("/api/v1/metrics", params={"since": -1}).status_code == 422
+    actors = ActorsResponse.model_validate(client.get("/api/v1/actors").json())
+    assert [(a.name, a.alive) for a in actors.actors] == [("trainer-rank-0", True), ("engine-0", False)]
+    assert HealthResponse.model_validate(client.get("/healthz").json()).ok
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/api/v1/status", "/api/v1/metrics", "/api/v1/actors", "/healthz", "/metrics",
+                 "/api/v1/pause", "/api/v1/resume", "/api/v1/checkpoint", "/api/v1/stop"):
+        assert path in paths
+
+
+def test_prometheus_text_parses(tmp_path):
+    text = TestClient(build_app(_status(tmp_path), token=None)).get("/metrics").text
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if not s.labels}
+    assert samples["rlsys_step"] == 3 and samples["rlsys_weight_version"] == 3
+    assert samples["rlsys_reward_mean"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("action", ["pause", "resume", "checkpoint", "stop"])
+def test_control_calls_need_the_bearer_token(tmp_path, action):
+    status = _status(tmp_path)
+    client = TestClient(build_app(status, token="s3cret"))
+    assert client.post(f"/api/v1/{action}").status_code == 401
+    assert client.post(f"/api/v1/{action}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    answer = client.post(f"/api/v1/{action}", headers={"Authorization": "Bearer s3cret"})
+    assert answer.status_code == 200
+    assert ControlResponse.model_validate(answer.json()).request == action
+
+
+def test_control_is_off_without_a_configured_token(tmp_path):
+    client = TestClient(build_app(_status(tmp_path), token=None))
+    assert client.post("/api/v1/stop", headers={"Authorization": "Bearer anything"}).status_code == 401
+
+
+def test_pause_then_stop_set_the_requests_the_loop_reads(tmp_path):
+    status = _status(tmp_path)
+    client = TestClient(build_app(status, token="t"))
+    auth = {"Authorization": "Bearer t"}
+    client.post("/api/v1/pause", headers=auth)
+    assert status.pause_requested and client.get("/api/v1/status").json()["paused"]
+    client.post("/api/v1/checkpoint", headers=auth)
+    assert status.take_checkpoint_request() and not status.take_checkpoint_request()
+    client.post("/api/v1/stop", headers=auth)
+    assert status.stop_requested and not status.pause_requested
+    status.set_state("stopped")
+    assert client.post("/api/v1/resume", headers=auth).status_code == 409
+
+
+def test_serve_shows_a_finished_run_directory(tmp_path):
+    status = _status(tmp_path, steps=4)
+    status.set_state("finished")
+    status.save_snapshot()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in status.metrics_since(0)))
+    with served_run_dir(tmp_path) as url:
+        with urllib.request.urlopen(f"{url}/api/v1/status", timeout=10) as answer:
+            served = json.loads(answer.read())
+        assert (served["state"], served["step"]) == ("finished", 4)
+        cli = subprocess.run([sys.executable, "-m", "rlsys.cli", "status", url],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert cli.returncode == 0 and "finished" in cli.stdout and "4 / 10" in cli.stdout
+        assert "2 rows skipped, 1 prompts too long" in cli.stdout
+
+
+def test_serve_rejects_a_directory_that_is_not_a_run(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rlsys.cli", "serve", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "is not a run directory" in result.stderr
+
+
+def test_binding_beyond_loopback_needs_a_token_or_an_explicit_opt_in(tmp_path):
+    from rlsys.config import ConfigError
+    from rlsys.observability.status.server import StatusServer, read_token_for
+
+    with pytest.raises(ConfigError, match="status.host 0.0.0.0 would expose .* without a token"):
+        StatusServer(_status(tmp_path), "0.0.0.0", 0, token=None)
+    assert read_token_for("127.0.0.1", None, False) is None and read_token_for("localhost", "t", False) is None
+    assert read_token_for("0.0.0.0", "t", False) == "t"  # reads need the token too
+    assert read_token_for("10.1.2.3", None, True) is None  # published on purpose
+
+
+def test_the_runs_status_server_on_a_port_in_use_or_an_address_not_of_this_machine_is_a_config_error(
+        tmp_path, tiny_model_dir):
+    """`rlsys train`'s status server (started before Ray): ConfigError, printed as `rlsys: error:`
+    with exit 2, naming the setting; no RuntimeError from the server's thread."""
+    import socket
+
+    from rlsys.config import ConfigError, load_config
+    from rlsys.run.reporting import status_server
+    from tests.helpers import write_config
+
+    path = write_config(tmp_path / "config.yaml", tiny_model_dir)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        config = load_config(path, [f"status.port={port}"])
+        message = f"status.port {port} on 127.0.0.1 is in use; pick another status.port, or status.port=0 for a free one"
+        with pytest.raises(ConfigError, match=message), status_server(config, _status(tmp_path)):
+            pass
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no machine's address
+    config = load_config(path, ["status.host=192.0.2.1", "status.port=0", "status.allow_unauthenticated_read=true"])
+    with pytest.raises(ConfigError, match="status.host 192.0.2.1 is not an address of this machine"), \
+            status_server(config, _status(tmp_path)):
+        pass
+
+
+def test_reads_need_the_token_when_the_server_is_exposed(tmp_path):
+    client = TestClient(build_app(_status(tmp_path), token="s3cret", read_token="s3cret"))
+    for path in ("/api/v1/status", "/api/v1/metrics", "/api/v1/actors", "/metrics"):
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200, path
+    assert client.get("/healthz").status_code == 200  # liveness probes stay open
+
+
+def test_the_status_document_is_built_once_per_change(tmp_path, monkeypatch):
+    status = _status(tmp_path)
+    client = TestClient(build_app(status, token=None))
+    builds = []
+    summary = status.summary
+    monkeypatch.setattr(status, "summary", lambda: builds.append(1) or summary())
+    first = [client.get("/api/v1/status").json() for _ in range(20)]
+    assert len(builds) == 1 and all(doc == first[0] for doc in first)
+    status.record_step({"step": 3, "reward_mean": 0.4, "time_step_s": 0.5, "synced_weight_version": 4})
+    assert client.get("/api/v1/status").json()["step"] == 4 and len(builds) == 2
