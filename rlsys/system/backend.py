@@ -147,13 +147,6 @@ def make_backend(has_gpu: bool, compute_dtype: str = "float32") -> Backend:
     return Backend(False, "cpu", "gloo", choose_attention(False, compute_dtype, False))
 
 
-def detect_backend(force_cpu: bool = False, compute_dtype: str = "float32") -> Backend:
-    """This process's own backend (tests, benches, single-process tools)."""
-    import torch
-
-    return make_backend(not force_cpu and torch.cuda.is_available(), compute_dtype)
-
-
 def decide_has_gpu(device: DeviceChoice, cluster_gpus: float, gpus_needed: float) -> bool:
     """Whether the run uses GPUs, from the cluster's resources (never the driver's own devices).
 
