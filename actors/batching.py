@@ -12,32 +12,12 @@ CPU: actors/packed_attention.py) attends within each sequence. Padded: one row p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-
-@dataclass
-class TrainSequence:
-    token_ids: list[int]
-    prompt_len: int
-    advantage: float = 0.0
-    engine_logprobs: list[float] = field(default_factory=list)  # one per response token
-    # Per response token: 1 = the loss counts it, 0 = it does not (e.g. a truncated response with
-    # algorithm.mask_truncated). None: every response token counts.
-    loss_mask: list[int] | None = None
-    # w of each loss token in its mini-batch's loss, sum_i w_i sum_t l_it (algorithms/grpo.py
-    # `sequence_loss_weights`); set by TrainerGroup for each global mini-batch.
-    loss_weight: float | None = None
-
-    @property
-    def response_len(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-    @property
-    def loss_tokens(self) -> int:
-        return self.response_len if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
+from rlsys.records import TrainSequence
 
 
 @dataclass

@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import ray
 
-from rlsys.actors.batching import TrainSequence, split_evenly
+from rlsys.actors.batching import split_evenly
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker
-from rlsys.algorithms.grpo import sequence_loss_weights
+from rlsys.algorithms.losses import sequence_loss_weights
+from rlsys.records import TrainSequence
 from rlsys.system.topology import Topology
 
 
@@ -41,9 +42,8 @@ class TrainerGroup:
 
     def _weighed(self, mini_batch: list[TrainSequence]) -> list[TrainSequence]:
         """Copies carrying each sequence's token weight in this global mini-batch's loss."""
-        algorithm = self.spec.algorithm
-        weights = sequence_loss_weights([s.loss_tokens for s in mini_batch], algorithm.loss_agg_mode,
-                                        algorithm.loss_norm_tokens)
+        weights = sequence_loss_weights([s.loss_tokens for s in mini_batch], self.spec.algorithm.loss_agg_mode,
+                                        self.spec.loss_norm_tokens)
         return [replace(s, loss_weight=w) for s, w in zip(mini_batch, weights, strict=True)]
 
     def train_step(self, sequences: list[TrainSequence]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import ray
@@ -14,6 +15,8 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsys.system.topology import CPUS_PER_ACTOR, Slot, Topology
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,8 +53,8 @@ class Placement:
         remover.start()
         remover.join(timeout_s)
         if remover.is_alive():
-            print(f"rlsys: the Ray cluster did not remove the placement group within {timeout_s:.0f}s "
-                  "(is Ray still running?); going on with the shutdown", flush=True)
+            logger.warning("the Ray cluster did not remove the placement group within %.0fs (is Ray still "
+                           "running?); going on with the shutdown", timeout_s)
 
 
 def create_placement(topology: Topology, timeout_s: float = 120.0) -> Placement:

@@ -19,21 +19,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlsys.actors.batching import MicroBatch, TrainSequence, build_micro_batch, split_by_token_budget, split_evenly
+from rlsys.actors.batching import MicroBatch, build_micro_batch, split_by_token_budget, split_evenly
 from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint
 from rlsys.actors.logprob_head import install_logprob_head
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize, reshard, uses_fsdp
 from rlsys.actors.schedule import build_lr_scheduler
-from rlsys.algorithms.grpo import (
-    ImportanceWeights,
-    clipped_policy_loss,
-    kl_estimate,
-    masked_sum,
-    truncated_importance_weights,
-)
+from rlsys.algorithms.grpo import kl_estimate, masked_sum
+from rlsys.algorithms.losses import micro_batch_loss
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
+from rlsys.records import TrainSequence
 from rlsys.rollout.sglang.client import SGLangClient, check_reachable
 from rlsys.system.backend import make_backend
 from rlsys.system.node import bind_gloo_to_node_address, node_address
@@ -52,6 +48,9 @@ class TrainerSpec:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     temperature: float = 1.0  # the rollout's: trainer log-probs are of the distribution it sampled
+    # The rollout's too, for the objective's defaults (`loss_norm_tokens`, `uses_tis`).
+    max_new_tokens: int = 32
+    max_staleness: int = 0
     seed: int = 0
     has_gpu: bool = False  # decided by the driver from the cluster's resources (rlsys/system/backend.py)
     # Processes of the run computing on a rank's node while it trains (Topology.cpu_sharers); the
@@ -60,8 +59,9 @@ class TrainerSpec:
 
     @classmethod
     def from_config(cls, config: RunConfig, has_gpu: bool, cpu_sharers: int | None = None) -> TrainerSpec:
-        return cls(config.model, config.trainer, config.algorithm, config.rollout.temperature, config.seed,
-                   has_gpu=has_gpu, cpu_sharers=cpu_sharers)
+        return cls(config.model, config.trainer, config.algorithm, config.rollout.temperature,
+                   max_new_tokens=config.rollout.max_new_tokens, max_staleness=config.rollout.max_staleness,
+                   seed=config.seed, has_gpu=has_gpu, cpu_sharers=cpu_sharers)
 
     def threads(self, node_cores: int) -> int:
         if self.trainer.threads_per_rank is not None:
@@ -72,40 +72,17 @@ class TrainerSpec:
     def needs_reference(self) -> bool:
         return self.algorithm.use_kl_loss or self.algorithm.kl_in_reward
 
+    @property
+    def loss_norm_tokens(self) -> int:
+        """The constant of seq-mean-token-sum-norm: algorithm.loss_norm_tokens, or rollout.max_new_tokens."""
+        return self.algorithm.loss_norm_tokens or self.max_new_tokens
 
-@dataclass
-class MicroBatchLoss:
-    objective: torch.Tensor  # scalar: sum over loss tokens of weight * token loss
-    old_logprobs: torch.Tensor
-    kl: torch.Tensor  # per token
-    clipped: torch.Tensor  # per token
-    tis: ImportanceWeights | None
-
-
-def micro_batch_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch: MicroBatch,
-                     algorithm: AlgorithmConfig) -> MicroBatchLoss:
-    """The GRPO objective of one micro-batch: clipped policy loss (times the TIS weights), plus
-    the KL loss and minus the entropy bonus when configured, each token weighed by
-    `batch.loss_weights`, which are 0 outside the loss mask (prompt, injected tool output, masked
-    responses): those tokens get exactly zero gradient."""
-    old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-    terms = clipped_policy_loss(logprobs, old_logprobs, batch.advantages, algorithm.clip_eps_low,
-                                algorithm.clip_eps_high)
-    token_loss, tis = terms.loss, None
-    if algorithm.tis.enabled:  # the samples came from the engine's distribution, not the trainer's
-        tis = truncated_importance_weights(old_logprobs, batch.engine_logprobs, batch.engine_mask,
-                                           algorithm.tis.cap, algorithm.tis.level, batch.spans)
-        token_loss = token_loss * tis.weights
-    kl = torch.zeros_like(logprobs)
-    if batch.ref_logprobs is not None:
-        kl = kl_estimate(logprobs, batch.ref_logprobs, algorithm.kl_estimator)
-        if algorithm.use_kl_loss:
-            token_loss = token_loss + algorithm.kl_coef * kl
-    if algorithm.entropy_coef:
-        token_loss = token_loss - algorithm.entropy_coef * entropy
-    # masked_sum multiplies: a token outside the mask adds 0 * (its loss), whose gradient is 0 as
-    # long as the loss is finite there (it is: log-probs of real tokens, clipped ratios).
-    return MicroBatchLoss(masked_sum(token_loss, batch.loss_weights), old_logprobs, kl, terms.clipped, tis)
+    @property
+    def uses_tis(self) -> bool:
+        """algorithm.tis.enabled, or when unset whether the run is one step off-policy (rollout.max_staleness
+        1: the samples come from the previous weights, which TIS reweighs to the trainer's)."""
+        enabled = self.algorithm.tis.enabled
+        return enabled if enabled is not None else self.max_staleness > 0
 
 
 @dataclass
@@ -322,7 +299,7 @@ class TrainerWorker:
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             logprobs, entropy = self._forward(self.model, batch, with_entropy=True)
-            loss = micro_batch_loss(logprobs, entropy, batch, algorithm)
+            loss = micro_batch_loss(logprobs, entropy, batch, algorithm, tis=self.spec.uses_tis)
             # The weights hold the global mini-batch's normaliser; FSDP averages over ranks, hence world_size.
             (loss.objective * self.world_size).backward()
             with torch.no_grad():
@@ -374,7 +351,7 @@ class TrainerWorker:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # no gradients held between steps
         return {
-            **sums.all_reduced(self.device).metrics(with_tis=self.spec.algorithm.tis.enabled),
+            **sums.all_reduced(self.device).metrics(with_tis=self.spec.uses_tis),
             "grad_norm": max(grad_norms),
             "nonfinite_grad_steps": float(sum(not math.isfinite(g) for g in grad_norms)),
             "lr": self.scheduler.get_last_lr()[0],

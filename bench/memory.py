@@ -40,7 +40,7 @@ print(peak_resident_bytes() - before)
 _TRAIN_STEP = """
 import json, random, sys, psutil, torch, os
 os.environ.update(MASTER_ADDR="127.0.0.1")
-from rlsys.actors.batching import TrainSequence
+from rlsys.records import TrainSequence
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker, peak_resident_bytes
 from rlsys.config import ModelConfig, TrainerConfig
 model_dir, chunk, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -19,10 +19,10 @@ import time
 
 import ray
 
-from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
 from rlsys.actors.trainer import TrainerSpec
 from rlsys.config import ModelConfig, TrainerConfig
+from rlsys.records import TrainSequence
 from rlsys.system.cluster import ACTOR_ENV
 from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 

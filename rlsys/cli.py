@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import logging
 import os
 import sys
 
 from rlsys.config import ConfigError
 from rlsys.data.datasets import DatasetError
 from rlsys.errors import UsageError
+from rlsys.observability.logs import configure_logging
 from rlsys.observability.metrics import MetricsFileError
 from rlsys.rewards.loading import RewardFunctionError
 
 # Errors that mean "your input is wrong": printed as one clear message, without a traceback.
 USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError, MetricsFileError, UsageError)
+
+logger = logging.getLogger("rlsys.cli")  # not __name__: that is "__main__" under `python -m rlsys.cli`
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -27,10 +31,10 @@ def _train(args: argparse.Namespace) -> int:
     try:
         run(config)
     except RunFailed as error:
-        print(f"rlsys: run failed: {error}", file=sys.stderr)
+        logger.error("run failed: %s", error)
         return 1
     except StoppedAtOnce as stop:
-        print(f"rlsys: {stop}", file=sys.stderr)
+        logger.error("%s", stop)
         return stop.code
     return 0
 
@@ -48,7 +52,7 @@ def _export(args: argparse.Namespace) -> int:
     from rlsys.tools.export import export_hf
 
     out = export_hf(args.run_dir, args.step, args.out_dir)
-    print(f"rlsys: Hugging Face checkpoint written to {out}")
+    logger.info("Hugging Face checkpoint written to %s", out)
     return 0
 
 
@@ -64,14 +68,14 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         status = RunStatus.from_run_dir(args.run_dir)
     except FileNotFoundError as error:
-        print(f"rlsys: error: {error}", file=sys.stderr)
+        logger.error("error: %s", error)
         return 2
     # A finished run takes no control calls; beyond loopback its reads need the token.
     token = os.environ.get("RLSYS_STATUS_TOKEN") or None
     server = StatusServer(status, args.host, args.port, token=token,
                           allow_unauthenticated_read=args.allow_unauthenticated_read, option_prefix="--")
     url = server.start()
-    print(f"rlsys: serving {args.run_dir} ({status.state}, {status.step} steps) at {url}/", flush=True)
+    logger.info("serving %s (%s, %s steps) at %s/", args.run_dir, status.state, status.step, url)
     try:
         while True:
             time.sleep(3600)
@@ -102,7 +106,7 @@ def _status(args: argparse.Namespace) -> int:
         with urllib.request.urlopen(f"{url}/api/v1/status", timeout=10) as response:
             status = json.loads(response.read())
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as error:
-        print(f"rlsys: error: no rlsys status server at {url}: {error}", file=sys.stderr)
+        logger.error("error: no rlsys status server at %s: %s", url, error)
         return 1
     table = Table(title=f"rlsys run {status['run_id']}", show_header=False)
     eta = status.get("eta_seconds")
@@ -141,10 +145,10 @@ def _runs(args: argparse.Namespace) -> int:
     try:
         runs = find_runs(root)
     except FileNotFoundError as error:
-        print(f"rlsys: error: {error}", file=sys.stderr)
+        logger.error("error: %s", error)
         return 2
     if not runs:
-        print(f"rlsys: no runs under {root} (a run directory holds metrics.jsonl or status.json)")
+        logger.info("no runs under %s (a run directory holds metrics.jsonl or status.json)", root)
         return 0
     Console(width=max(Console().width, 110)).print(runs_table(runs, f"runs under {root}"))
     return 0
@@ -161,15 +165,15 @@ def _compare(args: argparse.Namespace) -> int:
     runs = [Path(args.run_a), Path(args.run_b)]
     for run in runs:
         if not is_run_dir(run):
-            print(f"rlsys: error: {run} is not a run directory (no metrics.jsonl or status.json)", file=sys.stderr)
+            logger.error("error: %s is not a run directory (no metrics.jsonl or status.json)", run)
             return 2
     rows = [read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else [] for run in runs]
     metrics = tuple(m.strip() for m in args.metrics.split(",") if m.strip())
     known = {key for run_rows in rows for row in run_rows for key in row}
     unknown = [m for m in metrics if m not in known]
     if unknown:
-        print(f"rlsys: error: neither run logged {', '.join(unknown)}; some that they did: "
-              f"{', '.join(sorted(known)[:30])}", file=sys.stderr)
+        logger.error("error: neither run logged %s; some that they did: %s", ", ".join(unknown),
+                     ", ".join(sorted(known)[:30]))
         return 2
     names = [run.name if run.name != runs[1 - i].name else str(run) for i, run in enumerate(runs)]
     Console(width=max(Console().width, 40 + 24 * len(metrics))).print(
@@ -178,9 +182,9 @@ def _compare(args: argparse.Namespace) -> int:
         try:
             out = plot_compare(names[0], rows[0], names[1], rows[1], metrics, Path(args.plot))
         except RuntimeError as error:
-            print(f"rlsys: error: {error}", file=sys.stderr)
+            logger.error("error: %s", error)
             return 2
-        print(f"rlsys: plot written to {out}")
+        logger.info("plot written to %s", out)
     return 0
 
 
@@ -188,12 +192,23 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
-    print(f"rlsys: tiny model written to {make_tiny_model(args.out_dir, spec, chat=args.chat)}")
+    logger.info("tiny model written to %s", make_tiny_model(args.out_dir, spec, chat=args.chat))
     return 0
+
+
+def _add_verbosity(parser: argparse.ArgumentParser, default) -> None:
+    """-q/--quiet and -v/--verbose, before the command or after it (`rlsys -q train ...` or
+    `rlsys train ... -q`); a command's parser leaves the value alone when neither follows it."""
+    levels = parser.add_mutually_exclusive_group()
+    levels.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING,
+                        default=default, help="print only warnings and errors")
+    levels.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG,
+                        default=default, help="also print debug lines (e.g. each step's phase timings)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlsys", description="GRPO post-training on Ray + FSDP2 + SGLang")
+    _add_verbosity(parser, logging.INFO)
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="run a GRPO job from a YAML config")
@@ -246,15 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--chat", action="store_true", help="a tokenizer with a Qwen-style chat template")
     tiny.set_defaults(handler=_make_tiny_model)
+    for command in commands.choices.values():
+        _add_verbosity(command, argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     try:
         return args.handler(args)
     except USER_ERRORS as error:
-        print(f"rlsys: error: {error}", file=sys.stderr)
+        logger.error("error: %s", error)
         return 2
 
 

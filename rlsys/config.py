@@ -328,8 +328,8 @@ class TISConfig(_Section):
     """Truncated importance sampling against the engine/trainer mismatch: the policy loss of each
     token is weighted by min(exp(trainer_old_logprob - engine_logprob), cap)."""
 
-    enabled: bool = Field(
-        False, description="Apply these weights (turned on by rollout.max_staleness: 1 unless the config sets it).",
+    enabled: bool | None = Field(
+        None, description="Apply these weights. Default: on exactly when rollout.max_staleness is 1.",
     )
     cap: float = Field(2.0, gt=0.0, description="Upper bound of a weight.")
     level: Literal["token", "sequence"] = Field(
@@ -513,18 +513,12 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _algorithm_fits_rollout(self):
         algorithm, rollout = self.algorithm, self.rollout
-        if algorithm.loss_norm_tokens is None:
-            algorithm.loss_norm_tokens = rollout.max_new_tokens
         if algorithm.overlong_penalty and algorithm.overlong_penalty.buffer_tokens > rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_penalty.buffer_tokens ({algorithm.overlong_penalty.buffer_tokens}) "
                              f"exceeds rollout.max_new_tokens ({rollout.max_new_tokens})")
         if algorithm.mask_truncated and rollout.sampling.ignore_eos:
             raise ValueError("algorithm.mask_truncated with rollout.sampling.ignore_eos would mask every response "
                              "(all of them reach max_new_tokens); use one or the other")
-        if rollout.max_staleness and "enabled" not in algorithm.tis.model_fields_set:
-            # One step off-policy: the samples come from the previous weights; TIS reweighs them
-            # from those (the engine's log-probs) to the trainer's (unless the config says no).
-            algorithm.tis.enabled = True
         return self
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 
-from rlsys.rollout.engine import SamplingParams
+from rlsys.records import SamplingParams
 
 
 class LoopThread:

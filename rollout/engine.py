@@ -4,68 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlsys.records import Generation, SamplingParams
 from rlsys.rollout.sglang.client import EngineAddress, EngineDied, EngineError
 from rlsys.rollout.sglang.server import ServerSpec, SGLangServer
 from rlsys.system.backend import make_backend
 from rlsys.system.node import node_address
 from rlsys.system.reaper import start_actor_reaper, stop_reaper
 from rlsys.system.shm_sweep import sweep_shared_memory
-
-
-@dataclass
-class SamplingParams:
-    """One request's sampling parameters, named as SGLang names them."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 32
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    ignore_eos: bool = False
-
-    def as_sglang(self) -> dict:
-        params = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "max_new_tokens": self.max_new_tokens,
-        }
-        if self.stop:
-            params["stop"] = list(self.stop)
-        if self.stop_token_ids:
-            params["stop_token_ids"] = list(self.stop_token_ids)
-        # Only what differs from SGLang's defaults, so requests stay as small as they were.
-        for name, default in (("top_k", -1), ("min_p", 0.0), ("repetition_penalty", 1.0),
-                              ("min_new_tokens", 0), ("ignore_eos", False)):
-            if getattr(self, name) != default:
-                params[name] = getattr(self, name)
-        return params
-
-
-@dataclass
-class Generation:
-    """One sampled response, as the engine produced it."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]  # engine log-prob of each response token
-    finish_reason: str  # "stop" | "length" | "abort" (| "tool_error" for a trajectory)
-    weight_version: int
-    # Multi-turn trajectories (rollout.generate_function): per response token 1 = sampled by the
-    # policy, 0 = injected (tool output); None = every token is the policy's.
-    loss_mask: list[int] | None = None
-    turns: int = 1
-    tool_calls: int = 0
-    stop_reason: str | None = None  # why a trajectory ended early (a tool's error)
-    info: dict = field(default_factory=dict)  # from the generate function, for the reward
-    multi_turn: bool = False  # built by a generate function: its response spans turns
-
 
 # SGLang's answer to /end_weight_update when no session is open (scheduler weight_updater.py).
 NO_OPEN_SESSION = "no weight-update session is open"

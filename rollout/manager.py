@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -14,18 +15,20 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rlsys.errors import RunFailed
+from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rollout.dispatch import Dispatcher, LoopThread, RequestBatcher
-from rlsys.rollout.engine import Generation, RolloutEngine, SamplingParams
+from rlsys.rollout.engine import RolloutEngine
 from rlsys.rollout.sglang.client import EngineAddress, EngineDied
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.rollout.trajectory import (
     GenerateFunction,
     RolloutContext,
-    RolloutPrompt,
     TokenIdOutOfVocabulary,
     check_token_ids,
     run_generate_function,
 )
+
+logger = logging.getLogger(__name__)
 
 # Requests an engine actor serves at once (threads blocked on its SGLang server, which batches them).
 ENGINE_ACTOR_CONCURRENCY = 256
@@ -154,7 +157,7 @@ class RolloutManager:
             except (RayActorError, RayTaskError) as error:
                 return EngineCallFailed(index, error)
 
-    def trajectories(self, prompts: list[RolloutPrompt], function: GenerateFunction, sampling: SamplingParams,
+    def trajectories(self, prompts: list[EncodedPrompt], function: GenerateFunction, sampling: SamplingParams,
                      n: int, tokenizer, tool_timeout_s: float, recover: bool = True,
                      function_path: str = "") -> list[Generation]:
         """n trajectories per prompt from `function` (rollout.generate_function, imported from
@@ -190,7 +193,7 @@ class RolloutManager:
             pending = list(failed)
         return [answers[i] for i in range(len(samples))]
 
-    async def _trajectory(self, prompt: RolloutPrompt, function: GenerateFunction, sampling: SamplingParams,
+    async def _trajectory(self, prompt: EncodedPrompt, function: GenerateFunction, sampling: SamplingParams,
                           tokenizer, tool_timeout_s: float) -> Generation | EngineCallFailed:
         async def engine_call(input_ids: list[int], params: SamplingParams) -> Generation:
             check_token_ids(input_ids, self.vocab_size)
@@ -258,8 +261,8 @@ class RolloutManager:
                 f"up: {reason}"
             )
         node = f"node {self.addresses[index].host}: " if index < len(self.addresses) else ""
-        print(f"rlsys: engine-{index} died; restarting it ({self.restarts + 1} of {self.max_restarts}): "
-              f"{node}{reason.splitlines()[0] if reason else ''}", flush=True)
+        logger.warning("engine-%d died; restarting it (%d of %d): %s%s", index, self.restarts + 1, self.max_restarts,
+                       node, reason.splitlines()[0] if reason else "")
         self.restarts += 1
         self.launched_after[index] = self.restarts
         self._stop(self.engines[index])
@@ -267,7 +270,7 @@ class RolloutManager:
         # moved the bundle (a node with room for it).
         self.engines[index] = self._launch(index)
         self.addresses[index] = ray.get(self.engines[index].start.remote(self.spec.engine.startup_timeout_s))
-        print(f"rlsys: engine-{index} is back, on node {self.addresses[index].host}", flush=True)
+        logger.info("engine-%d is back, on node %s", index, self.addresses[index].host)
         if self.on_restart is not None:
             self.on_restart(index)
 

@@ -2,7 +2,7 @@
 
 `rollout.generate_function: path/to/file.py:fn` (or `package.module:fn`) names an async function
 
-    async def fn(prompt: RolloutPrompt, ctx: RolloutContext) -> Trajectory | None
+    async def fn(prompt: EncodedPrompt, ctx: RolloutContext) -> Trajectory | None
 
 called once per sample. It may call the engine several times (`await ctx.generate()`), run tools
 in between (`await ctx.call_tool(tool, *args)`) and put their output into the sequence
@@ -26,28 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from rlsys.data.datasets import PromptRecord
-from rlsys.rollout.engine import Generation, SamplingParams
-
-
-@dataclass(frozen=True)
-class RolloutPrompt:
-    """One prompt of the batch: its dataset record and its token ids (chat template applied)."""
-
-    record: PromptRecord
-    token_ids: list[int]
-
-    @property
-    def text(self) -> str:
-        return self.record.prompt
-
-    @property
-    def label(self) -> str:
-        return self.record.label
-
-    @property
-    def metadata(self) -> dict:
-        return self.record.metadata
+from rlsys.records import EncodedPrompt, Generation, SamplingParams
 
 
 @dataclass
@@ -147,7 +126,7 @@ class RolloutContext:
     """What a generate function gets besides its prompt: the engine, the tokenizer, the run's
     sampling parameters, a tool runner, and the trajectory being built."""
 
-    def __init__(self, prompt: RolloutPrompt, engine: EngineCall, tokenizer, sampling: SamplingParams,
+    def __init__(self, prompt: EncodedPrompt, engine: EngineCall, tokenizer, sampling: SamplingParams,
                  tool_timeout_s: float):
         self.prompt = prompt
         self.tokenizer = tokenizer
@@ -218,10 +197,10 @@ def _in_own_thread(function: Callable, *args, **kwargs) -> asyncio.Future:
     return future
 
 
-GenerateFunction = Callable[[RolloutPrompt, RolloutContext], Awaitable[Trajectory | None]]
+GenerateFunction = Callable[[EncodedPrompt, RolloutContext], Awaitable[Trajectory | None]]
 
 
-async def single_turn(prompt: RolloutPrompt, ctx: RolloutContext) -> Trajectory:
+async def single_turn(prompt: EncodedPrompt, ctx: RolloutContext) -> Trajectory:
     """The default: one engine call."""
     await ctx.generate()
     return ctx.trajectory

@@ -8,6 +8,15 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def rlsys_console_output():
+    """What the CLI sets up (rlsys.observability.logs), for tests calling rlsys in-process: the
+    "rlsys: ..." lines on stdout (warnings, errors on stderr), where capsys reads them."""
+    from rlsys.observability.logs import configure_logging
+
+    configure_logging()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from rlsys.tools.tiny_model import make_tiny_model

@@ -35,7 +35,7 @@ def random_sequences(seed: int, count: int, prompt_lens: tuple[int, int] = (2, 9
     ranges, advantages uniform in [-1.5, 1.5]; the same for the same seed."""
     import random
 
-    from rlsys.actors.batching import TrainSequence
+    from rlsys.records import TrainSequence
 
     rng = random.Random(seed)
     sequences = []

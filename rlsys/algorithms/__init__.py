@@ -1,0 +1,11 @@
+"""What one GRPO step optimises, in one place; the coordinator and the trainer only call it.
+
+    samples.py     generations -> scored samples (each round); `prepare`: scored samples -> the
+                   step's training sequences, once per step (KL in reward, advantages)
+    shaping.py     reward shaping and sample filtering: overlong penalty, KL in reward, dynamic
+                   sampling, truncation mask
+    advantages.py  ADVANTAGE_ESTIMATORS (algorithm.adv_norm)
+    losses.py      POLICY_LOSSES (algorithm.name), LOSS_AGGREGATIONS (algorithm.loss_agg_mode) and
+                   `micro_batch_loss`: policy loss, TIS, KL loss, entropy bonus
+    grpo.py        the pure math they are built from
+"""

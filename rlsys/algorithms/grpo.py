@@ -1,6 +1,8 @@
-"""GRPO as pure tensor functions: group advantages, the PPO-clipped token loss, KL estimators.
+"""GRPO's pure math: the PPO-clipped token loss, KL estimators, truncated importance weights and
+DAPO's overlong penalty, as functions of tensors and numbers (no config, no records).
 
-Shapes: per-token tensors are [batch, tokens] with a 0/1 `mask` marking response tokens.
+Shapes: per-token tensors are [batch, tokens] with a 0/1 `mask` marking response tokens. The
+registries that pick among them by config name are advantages.py and losses.py.
 """
 
 from __future__ import annotations
@@ -8,57 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-# group: A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (GRPO; an all-equal group gets 0)
-# batch: A_i = (r_i - mean(r_group)) / (std(r_batch) + eps)   (group baseline, batch scale)
-# none:  A_i =  r_i - mean(r_group)                            (Dr. GRPO: no std scaling)
-ADV_NORMS = ("group", "batch", "none")
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-6) -> torch.Tensor:
-    """Rewards [num_groups * group_size] laid out group by group -> one advantage per sample."""
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.float().view(-1, group_size)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
-    if norm == "group":
-        centered = centered / (grouped.std(dim=1, keepdim=True, unbiased=True) + eps)
-    elif norm == "batch":
-        batch_std = grouped.std(unbiased=True) if grouped.numel() > 1 else torch.zeros(())
-        centered = centered / (batch_std + eps)
-    elif norm != "none":
-        raise ValueError(f"unknown advantage normalisation {norm!r} (one of {', '.join(ADV_NORMS)})")
-    return centered.view(-1)
-
-
-# How a mini-batch's token losses l_it add up to its loss: sum_i w_i * sum_t l_it, over the loss
-# tokens (n_i of them in sequence i) of the N sequences that have any:
-#   token-mean               w_i = 1 / sum_j n_j            (every token counts the same)
-#   seq-mean-token-mean      w_i = 1 / (N * n_i)            (every sequence counts the same)
-#   seq-mean-token-sum-norm  w_i = 1 / (N * norm_tokens)    (Dr. GRPO: no length bias)
-# The weights depend on the whole mini-batch only, so any split over ranks and micro-batches
-# gives the same gradient.
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def sequence_loss_weights(loss_tokens: list[int], mode: str, norm_tokens: int | None = None) -> list[float]:
-    """w_i for each sequence of one mini-batch, from its number of loss tokens n_i (0: no loss)."""
-    counted = [n for n in loss_tokens if n > 0]
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss aggregation {mode!r} (one of {', '.join(LOSS_AGG_MODES)})")
-    if mode == "seq-mean-token-sum-norm" and not (norm_tokens and norm_tokens > 0):
-        raise ValueError(f"seq-mean-token-sum-norm needs norm_tokens > 0 (got {norm_tokens})")
-    weights = []
-    for n in loss_tokens:
-        if n <= 0:
-            weights.append(0.0)
-        elif mode == "token-mean":
-            weights.append(1.0 / sum(counted))
-        elif mode == "seq-mean-token-mean":
-            weights.append(1.0 / (len(counted) * n))
-        else:
-            weights.append(1.0 / (len(counted) * norm_tokens))
-    return weights
 
 
 # DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer, then falling linearly to
@@ -137,8 +88,3 @@ def clipped_policy_loss(
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum()
 
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution at every position: -sum p log p."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)

@@ -1,39 +1,16 @@
-"""From engine generations to scored, advantage-weighted training sequences."""
+"""From engine generations to scored samples (`score_groups`, each round), and from a step's
+scored samples to its training sequences (`prepare`, once per step)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from rlsys.actors.batching import TrainSequence
-from rlsys.algorithms.grpo import group_advantages, overlong_penalty
-from rlsys.config import OverlongPenaltyConfig
-from rlsys.data.datasets import PromptRecord
+from rlsys.algorithms.advantages import assign_advantages
+from rlsys.algorithms.shaping import add_kl_penalty, add_overlong_penalty, loss_mask
+from rlsys.config import AlgorithmConfig, OverlongPenaltyConfig
 from rlsys.errors import RunFailed
-from rlsys.rewards.pool import RewardCall, RewardOutcome
-from rlsys.rollout.engine import Generation
-
-
-@dataclass
-class Sample:
-    record: PromptRecord
-    generation: Generation
-    response_text: str
-    reward: float = 0.0  # the task's reward
-    shaping: float = 0.0  # what the algorithm adds to it (overlong penalty, KL in reward)
-    advantage: float = 0.0
-
-    @property
-    def score(self) -> float:
-        """The reward advantages are computed from."""
-        return self.reward + self.shaping
-
-    @property
-    def truncated(self) -> bool:
-        """Cut off by max_new_tokens (or the context window) rather than ended by a stop token."""
-        return self.generation.finish_reason == "length"
+from rlsys.records import Generation, PromptRecord, RewardCall, RewardOutcome, Sample, TrainSequence
 
 
 @dataclass
@@ -58,17 +35,6 @@ class ScoredBatch:
         self.filtered_groups += other.filtered_groups
         self.task_rewards += other.task_rewards
         self.penalties += other.penalties
-
-    def filter_uniform_groups(self, group_size: int) -> None:
-        """Dynamic sampling: drop the groups whose scores are all equal (all their advantages are 0)."""
-        kept = []
-        for start in range(0, len(self.samples), group_size):
-            group = self.samples[start:start + group_size]
-            if len({sample.score for sample in group}) > 1:
-                kept += group
-            else:
-                self.filtered_groups += 1
-        self.samples = kept
 
     def reward_metrics(self) -> dict:
         """Task rewards of every sample scored this step (before dynamic sampling drops any), and
@@ -134,10 +100,7 @@ def score_groups(
         for i in group:
             sample = Sample(record, generations[i], texts[i], reward=outcomes[i].value)
             if overlong is not None:
-                penalty = overlong_penalty(len(sample.generation.response_ids), max_new_tokens,
-                                           overlong.buffer_tokens, overlong.factor)
-                sample.shaping += penalty
-                batch.penalties.append(penalty)
+                batch.penalties.append(add_overlong_penalty(sample, overlong, max_new_tokens))
             batch.samples.append(sample)
             batch.task_rewards.append(sample.reward)
     return batch
@@ -152,32 +115,44 @@ def check_reward_errors(scored: ScoredBatch, max_error_fraction: float, step: in
         )
 
 
-def assign_advantages(samples: list[Sample], group_size: int, norm: str) -> dict:
-    """Advantages from the samples' scores (algorithms/grpo.py `group_advantages`); their metrics."""
-    if not samples:
-        return {}
-    scores = torch.tensor([s.score for s in samples])
-    advantages = group_advantages(scores, group_size, norm)
-    for sample, advantage in zip(samples, advantages.tolist(), strict=True):
-        sample.advantage = advantage
-    return {"advantage_abs_mean": advantages.abs().mean().item()}
-
-
 def to_train_sequences(samples: list[Sample], mask_truncated: bool = False) -> list[TrainSequence]:
     """Prompt + response token ids with their advantage. The loss counts the policy's tokens
     (a trajectory's injected tool output is masked) and, with `mask_truncated`, none of a
-    truncated response's."""
+    truncated response's (algorithms/shaping.py `loss_mask`)."""
     return [
         TrainSequence(
             token_ids=s.generation.prompt_ids + s.generation.response_ids,
             prompt_len=len(s.generation.prompt_ids),
             advantage=s.advantage,
             engine_logprobs=s.generation.logprobs,
-            loss_mask=[0] * len(s.generation.response_ids) if mask_truncated and s.truncated
-            else s.generation.loss_mask,
+            loss_mask=loss_mask(s, mask_truncated),
         )
         for s in samples
     ]
+
+
+SequenceKL = Callable[[list[TrainSequence]], list[float]]  # e.g. TrainerGroup.compute_sequence_kl
+
+
+def prepare(samples: list[Sample], algorithm: AlgorithmConfig, group_size: int,
+            sequence_kl: SequenceKL | None = None) -> tuple[list[TrainSequence], dict]:
+    """A step's scored samples -> its training sequences and their metrics, once per step: the
+    sequences (with their loss masks), KL in reward (from `sequence_kl`, the summed KL estimate of
+    each sequence's response tokens, when algorithm.kl_in_reward), then the advantages of the
+    shaped scores. ([], {}) when no sequence has a token to train on (every group's reward failed,
+    dynamic sampling found no informative group, or mask_truncated masked every response): the
+    caller skips the optimizer step, since Adam would still move the weights on a zero gradient."""
+    sequences = to_train_sequences(samples, algorithm.mask_truncated)
+    if not any(seq.loss_tokens for seq in sequences):
+        return [], {}
+    metrics = {}
+    if algorithm.kl_in_reward:
+        # KL is summed over every response token, whatever the loss mask (it only reads the ids).
+        metrics.update(add_kl_penalty(samples, sequence_kl(sequences), algorithm.kl_coef))
+    metrics.update(assign_advantages(samples, group_size, algorithm.adv_norm))
+    for seq, sample in zip(sequences, samples, strict=True):
+        seq.advantage = sample.advantage
+    return sequences, metrics
 
 
 def truncated_fraction(generations: list[Generation]) -> float:

@@ -20,18 +20,12 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlsys.config import DataConfig
 from rlsys.data.tasks import generate_task
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    prompt: str
-    label: str
-    metadata: dict = field(default_factory=dict)
+from rlsys.records import PromptRecord
 
 
 class DatasetError(ValueError):

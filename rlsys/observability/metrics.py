@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-import sys
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -62,8 +64,8 @@ def read_metrics(path: Path) -> list[dict]:
             row = json.loads(raw)
         except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
             if number == len(lines):
-                print(f"rlsys: warning: {path}:{number}: the last line is cut off (an append interrupted by a "
-                      f"kill or a full disk); it is dropped", file=sys.stderr, flush=True)
+                logger.warning("warning: %s:%d: the last line is cut off (an append interrupted by a kill or a "
+                               "full disk); it is dropped", path, number)
                 continue
             raise MetricsFileError(f"{path}:{number}: not a JSON object ({error}); fix or delete that line") from None
         if not isinstance(row, dict):

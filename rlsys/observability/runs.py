@@ -7,11 +7,14 @@ here needs the run to be alive: everything is read from those two files.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlsys.observability.metrics import read_metrics
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_COMPARE_METRICS = ("reward_mean", "eval_reward_mean", "response_len_mean")
 
@@ -56,6 +59,9 @@ def find_runs(root: Path) -> list[RunSummary]:
     if not root.is_dir():
         raise FileNotFoundError(f"no directory {root}")
     paths = [root] if is_run_dir(root) else [p for p in sorted(root.iterdir()) if is_run_dir(p)]
+    if paths != [root]:  # why a directory the user expected is missing from the table
+        for other in sorted(p for p in root.iterdir() if p.is_dir() and p not in paths):
+            logger.debug("%s is not a run directory (no metrics.jsonl or status.json); not listed", other)
     runs = [RunSummary.read(p) for p in paths]
     return sorted(runs, key=lambda r: (r.started_at is None, r.started_at or 0.0, r.name))
 

@@ -12,6 +12,7 @@ is restarted; the other calls are scored again by the fresh workers.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -21,25 +22,13 @@ import traceback
 from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 
 from rlsys.errors import RunFailed
+from rlsys.records import RewardCall, RewardOutcome
 from rlsys.rewards.loading import RewardFn, load_reward_function, score
 from rlsys.system.interrupts import children_shielded_from_stop_signals
 
-
-@dataclass(frozen=True)
-class RewardCall:
-    prompt: str
-    response: str
-    label: str
-    metadata: dict
-
-
-@dataclass(frozen=True)
-class RewardOutcome:
-    value: float | None = None
-    error: str | None = None  # a short traceback or reason when the call gave no value
+logger = logging.getLogger(__name__)
 
 
 class RewardTimeout(Exception):
@@ -219,9 +208,9 @@ class RewardPool:
         how = _describe_exit(exit_code)
         if not self._told_of_a_killing_call:
             self._told_of_a_killing_call = True
-            print(f"rlsys: a reward call ended its reward worker process ({how}); the call counts as a reward "
-                  f"error of its sample and the reward workers were restarted (said once; later ones are counted "
-                  f"in reward_errors)", flush=True)
+            logger.warning("a reward call ended its reward worker process (%s); the call counts as a reward error "
+                           "of its sample and the reward workers were restarted (said once; later ones are counted "
+                           "in reward_errors)", how)
         return f"the reward function ended its worker process ({how}) on this response; the workers were restarted"
 
     def _replace_pool(self) -> dict[int, int | None]:
@@ -258,6 +247,7 @@ def make_reward_scorer(config):
     """The run's scorer from its `reward` section: the reward service at reward.url, or
     reward.function in worker processes."""
     if config.url is not None:
+        # Imported here, not at the top: the spawned reward workers import this module and need no HTTP client.
         from rlsys.rewards.remote import RemoteReward
 
         return RemoteReward(config.url, config.batch_size, config.timeout_s, config.max_retries,

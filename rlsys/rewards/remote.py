@@ -19,7 +19,7 @@ import math
 import httpx
 
 from rlsys.errors import RunFailed
-from rlsys.rewards.pool import RewardCall, RewardOutcome
+from rlsys.records import RewardCall, RewardOutcome
 
 
 class RewardServiceError(RunFailed):

@@ -8,17 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlsys.config import ConfigError, RunConfig
-from rlsys.data.datasets import PromptRecord, load_splits
+from rlsys.data.datasets import load_splits
 from rlsys.data.tokenizer import load_tokenizer
+from rlsys.records import EncodedPrompt, PromptRecord
 from rlsys.rewards.loading import load_reward_function
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
-
-
-@dataclass
-class EncodedPrompt:
-    record: PromptRecord
-    token_ids: list[int]
 
 
 @dataclass

@@ -9,6 +9,7 @@ temporary directories are ignored on resume and removed by the next save.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -19,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlsys.errors import RunFailed
+
+logger = logging.getLogger(__name__)
 
 _FINAL = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "coordinator.json"
@@ -147,7 +150,7 @@ def checkpoint_to_resume(store: CheckpointStore) -> Path | None:
         raise ConfigError(f"no checkpoint in {store.root} can be resumed: {reasons}; copy the run directory "
                           "again, or start over in another run_dir")
     if passed_over:
-        print(f"rlsys: {reasons}; resuming from {checkpoint.name}, the latest complete checkpoint", flush=True)
+        logger.warning("%s; resuming from %s, the latest complete checkpoint", reasons, checkpoint.name)
     return checkpoint
 
 

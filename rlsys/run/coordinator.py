@@ -9,9 +9,9 @@ line is a call into a component; start-up, restore and shutdown live in rlsys/ru
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,14 +23,8 @@ from pathlib import Path
 
 from ray.exceptions import RayError
 
-from rlsys.algorithms.samples import (
-    ScoredBatch,
-    assign_advantages,
-    check_reward_errors,
-    score_groups,
-    to_train_sequences,
-    truncated_fraction,
-)
+from rlsys.algorithms.samples import ScoredBatch, check_reward_errors, prepare, score_groups, truncated_fraction
+from rlsys.algorithms.shaping import drop_uniform_groups
 from rlsys.config import RunConfig, dump_config
 from rlsys.data.datasets import PromptSampler, repeated_prompts_note
 from rlsys.errors import RunFailed
@@ -59,6 +53,8 @@ from rlsys.system.reaper import start_reaper
 from rlsys.system.run_lock import RunDirLock
 from rlsys.system.shm_sweep import sweep_shared_memory
 from rlsys.system.topology import Topology
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RunFailed", "run"]
 
@@ -159,6 +155,7 @@ def train_loop(run: Run) -> None:
                     parts.handoff.to_engines(row)  # the trainer sleeps, the engines take their memory back
 
             row["time_step_s"] = time.perf_counter() - step_start
+            logger.debug("step %d: %s; the whole step %.2f s", step, _phase_seconds(row), row["time_step_s"])
             row["timestamp"] = time.time()  # wall clock when the step ended (unix seconds)
             row.update(_rollout_metrics(batch.generations, row["time_step_s"]), synced_weight_version=state.weight_version,
                        engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
@@ -200,7 +197,7 @@ def collect_step_batch(run: Run, sampling, step: int, recover: bool = True) -> S
         reward_seconds += time.perf_counter() - reward_start
         check_reward_errors(scored, config.reward.max_error_fraction, step)
         if algorithm.dynamic_sampling:
-            scored.filter_uniform_groups(group_size)
+            scored.samples, scored.filtered_groups = drop_uniform_groups(scored.samples, group_size)
         batch.merge(scored)
         batch.sampling_rounds += 1
         generations += round_generations
@@ -274,6 +271,12 @@ def _staleness(generations: list, trainer_version: int) -> float:
     return sum(trainer_version - g.weight_version for g in generations) / max(len(generations), 1)
 
 
+def _phase_seconds(row: dict) -> str:
+    """The step's phases from its time_<phase>_s metrics, e.g. "generate 0.08 s, train 0.06 s, sync 0.03 s"."""
+    return ", ".join(f"{key[5:-2]} {value:.2f} s" for key, value in row.items()
+                     if key.startswith("time_") and key.endswith("_s") and key != "time_step_s")
+
+
 def _checkpoint_before_stopping(run: Run) -> None:
     """A stop that came after the last step's checkpoint decision still leaves that step saved."""
     if run.state.next_step == 0 or run.checkpointer.store.has(run.state.next_step):
@@ -300,35 +303,26 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
                 raise
             cause = getattr(error, "cause", None) or error
             where = ", ".join(f"rank {rank} on node {group.nodes[rank]}" for rank in dead)
-            print(f"rlsys: a trainer rank died ({type(cause).__name__}; {where}); restarting the trainers from "
-                  f"{checkpoint} ({resumes + 1} of {run.config.checkpoint.max_auto_resumes})", flush=True)
+            logger.warning("a trainer rank died (%s; %s); restarting the trainers from %s (%d of %d)",
+                           type(cause).__name__, where, checkpoint, resumes + 1, run.config.checkpoint.max_auto_resumes)
             # A rank killed between /begin_weight_update and /end_weight_update leaves the engines'
             # session open, and they would refuse the next sync.
             run.parts.rollout.end_abandoned_weight_updates()
             restart_trainers(run.config, run.parts)
-            print(f"rlsys: trainer ranks are back, on node(s) {', '.join(sorted(set(run.parts.trainer.nodes)))}",
-                  flush=True)
+            logger.info("trainer ranks are back, on node(s) %s", ", ".join(sorted(set(run.parts.trainer.nodes))))
             run.continue_from(checkpoint)
             run.trainer_restarts = resumes + 1
 
 
 def _train(config: RunConfig, parts: Components, scored: ScoredBatch) -> dict:
-    """Optional KL-in-reward, group advantages, then the trainer's step; its metrics. A step left
-    with no token to train on (every group's reward failed, dynamic sampling found no informative
-    group, or mask_truncated masked every response) makes no optimizer step: Adam would still move
-    the weights on a zero gradient."""
-    algorithm, metrics = config.algorithm, {}
-    if not any(s.loss_tokens for s in to_train_sequences(scored.samples, algorithm.mask_truncated)):
-        print("rlsys: no token to train on this step; its optimizer step is skipped", flush=True)
+    """The step's training sequences (rlsys/algorithms/samples.py `prepare`: KL in reward,
+    advantages), then the trainer's step; its metrics. A step left with no token to train on makes
+    no optimizer step."""
+    kl = parts.trainer.compute_sequence_kl if config.algorithm.kl_in_reward else None
+    sequences, metrics = prepare(scored.samples, config.algorithm, config.rollout.n_samples_per_prompt, kl)
+    if not sequences:
+        logger.warning("no token to train on this step; its optimizer step is skipped")
         return {"train_tokens": 0.0, "skipped_train_steps": 1}
-    if algorithm.kl_in_reward:
-        # score -= kl_coef * sum_t KL_t(policy || reference)
-        kls = parts.trainer.compute_sequence_kl(to_train_sequences(scored.samples))
-        for sample, kl in zip(scored.samples, kls, strict=True):
-            sample.shaping -= algorithm.kl_coef * kl
-        metrics["kl_reward_penalty"] = algorithm.kl_coef * sum(kls) / max(len(kls), 1)
-    metrics.update(assign_advantages(scored.samples, config.rollout.n_samples_per_prompt, algorithm.adv_norm))
-    sequences = to_train_sequences(scored.samples, algorithm.mask_truncated)
     return {**metrics, **parts.trainer.train_step(sequences)}
 
 
@@ -406,7 +400,7 @@ def _failures_reported(status: RunStatus):
         try:
             status.save_snapshot()
         except OSError as unsaved:  # reported, but the run's own error stays the one that ends it
-            print(f"rlsys: could not record the failure in status.json: {unsaved}", file=sys.stderr, flush=True)
+            logger.warning("could not record the failure in status.json: %s", unsaved)
         if failure is None:
             raise
         raise failure from error
@@ -435,8 +429,7 @@ def _stop_on_signals(status: RunStatus) -> None:
     def _stop(signum, frame):
         if status.stop_requested:
             raise StoppedAtOnce(signum)
-        print(f"rlsys: {_signal_name(signum)}: stopping after this step, with a checkpoint (again to stop at once)",
-              flush=True)
+        logger.info("%s: stopping after this step, with a checkpoint (again to stop at once)", _signal_name(signum))
         status.request("stop")
 
     if threading.current_thread() is threading.main_thread():
@@ -450,8 +443,8 @@ def _run_uses_gpus(config: RunConfig, layout: Topology) -> bool:
         has_gpu = decide_has_gpu(config.placement.device, cluster_gpus(), layout.gpus_needed())
     except BackendError as error:
         raise RunFailed(str(error)) from None
-    print(f"rlsys: {'GPUs' if has_gpu else 'CPUs only'} (placement.device={config.placement.device}, "
-          f"{cluster_gpus():g} GPUs in the Ray cluster)", flush=True)
+    logger.info("%s (placement.device=%s, %g GPUs in the Ray cluster)", "GPUs" if has_gpu else "CPUs only",
+                config.placement.device, cluster_gpus())
     return has_gpu
 
 
@@ -489,12 +482,12 @@ def run(config: RunConfig) -> Path:
     except BaseException:
         lock.release()
         raise
-    print(f"rlsys: run directory {run_dir.resolve()}", flush=True)
-    print(f"rlsys: data: {_describe_data(assets)}", flush=True)
+    logger.info("run directory %s", run_dir.resolve())
+    logger.info("data: %s", _describe_data(assets))
     if note := repeated_prompts_note(config.data.prompts_per_step, len(assets.train)):
-        print(f"rlsys: {note}", flush=True)
+        logger.info("%s", note)
     if checkpoint is not None:
-        print(f"rlsys: resuming from {checkpoint}", flush=True)
+        logger.info("resuming from %s", checkpoint)
     status = new_status(config, run_dir, assets)
     layout = Topology.from_config(config, has_gpu=False)  # CPU counts do not depend on the GPUs
     with ExitStack() as stack:
@@ -509,12 +502,12 @@ def run(config: RunConfig) -> Path:
         ray_start = time.perf_counter()
         stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or layout.local_cpus(),
                                         layout.custom_resources()))
-        print(f"rlsys: Ray cluster up in {time.perf_counter() - ray_start:.1f} s", flush=True)
+        logger.info("Ray cluster up in %.1f s", time.perf_counter() - ray_start)
         _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
         topology = Topology.from_config(config, _run_uses_gpus(config, layout))
         rewards = make_reward_scorer(config.reward)
-        print(f"rlsys: rewards from {_describe_rewards(config)}", flush=True)
+        logger.info("rewards from %s", _describe_rewards(config))
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack)
@@ -526,12 +519,12 @@ def run(config: RunConfig) -> Path:
         parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.state.weight_version)
         sync_start = time.perf_counter()
         run.continue_from(checkpoint)
-        print(f"rlsys: engines hold the trainer's weights (version {run.state.weight_version}) after "
-              f"{time.perf_counter() - sync_start:.1f} s", flush=True)
-        print(f"rlsys: training (started in {time.perf_counter() - run_start:.0f} s)"
-              + (f"; dashboard at {dashboard}/" if dashboard else ""), flush=True)
+        logger.info("engines hold the trainer's weights (version %d) after %.1f s", run.state.weight_version,
+                    time.perf_counter() - sync_start)
+        logger.info("training (started in %.0f s)%s", time.perf_counter() - run_start,
+                    f"; dashboard at {dashboard}/" if dashboard else "")
         _train_resuming_dead_trainers(run, store)
         status.set_state("stopped" if status.stop_requested else "finished")
         status.save_snapshot()
-    print(f"rlsys: {status.state}; metrics in {(run_dir / 'metrics.jsonl').resolve()}", flush=True)
+    logger.info("%s; metrics in %s", status.state, (run_dir / "metrics.jsonl").resolve())
     return run_dir

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rlsys.algorithms.samples import Scorer, generation_text, reward_call
 from rlsys.config import RunConfig
-from rlsys.rollout.engine import SamplingParams
+from rlsys.records import SamplingParams
 from rlsys.rollout.manager import RolloutManager
 from rlsys.run.assets import RunAssets
 from rlsys.run.generation import SampleMaker

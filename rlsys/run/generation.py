@@ -6,11 +6,10 @@ from __future__ import annotations
 import inspect
 
 from rlsys.config import RunConfig
+from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rewards.loading import RewardFunctionError, load_user_function
-from rlsys.rollout.engine import Generation, SamplingParams
 from rlsys.rollout.manager import RolloutManager
-from rlsys.rollout.trajectory import GenerateFunction, RolloutPrompt
-from rlsys.run.assets import EncodedPrompt
+from rlsys.rollout.trajectory import GenerateFunction
 
 
 def load_generate_function(import_path: str) -> GenerateFunction:
@@ -41,7 +40,7 @@ class SampleMaker:
                 recover: bool = True) -> list[Generation]:
         if self.function is None:
             return rollout.generate([p.token_ids for p in prompts], sampling, n, recover=recover)
-        return rollout.trajectories([RolloutPrompt(p.record, p.token_ids) for p in prompts], self.function, sampling,
+        return rollout.trajectories(prompts, self.function, sampling,
                                     n, self.tokenizer, self.tool_timeout_s, recover=recover, function_path=self.path)
 
 

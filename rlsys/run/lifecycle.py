@@ -4,6 +4,7 @@ trainers)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from rlsys.system.cluster import ACTOR_ENV
 from rlsys.system.node import node_address
 from rlsys.system.node_checks import PlacementNodes, device_memory_budget, probe_nodes, refuse_unusable_nodes
 from rlsys.system.topology import Topology
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,11 +66,11 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
         parts.rollout.wait_ready()
     parts.trainer = _trainer_group(config, parts)
     ranks = parts.trainer.describe()
-    print(f"rlsys: trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
-          f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads each) "
-          f"ready after {time.perf_counter() - start:.1f} s", flush=True)
+    logger.info(f"trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
+                f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads "
+                f"each) ready after {time.perf_counter() - start:.1f} s")
     parts.topology = topology.with_engines(parts.rollout.wait_ready())
-    print(f"rlsys: {topology.num_engines} SGLang engine(s) ready after {time.perf_counter() - start:.1f} s", flush=True)
+    logger.info("%d SGLang engine(s) ready after %.1f s", topology.num_engines, time.perf_counter() - start)
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
     parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
                                   run_dir / "logs" / "device_handoff.jsonl")
@@ -93,12 +96,11 @@ def check_placement_nodes(config: RunConfig, topology: Topology, placement: Plac
              and all(r.flash_attn_installed for r in trainer_nodes))
     plan = plan_for_devices(config, topology.has_gpu, memory, flash)
     budget = "placement.gpu_memory_gb" if config.placement.gpu_memory_gb is not None else source
-    print(f"rlsys: memory plan: peak {plan.per_gpu_bytes / 2**30:.2f} GiB per device of "
-          f"{plan.gpu_memory_bytes / 2**30:.1f} GiB ({budget}; rlsys plan CONFIG for every term)", flush=True)
+    logger.info("memory plan: peak %.2f GiB per device of %.1f GiB (%s; rlsys plan CONFIG for every term)",
+                plan.per_gpu_bytes / 2**30, plan.gpu_memory_bytes / 2**30, budget)
     driver = node_address()
     if len(reports) > 1 or reports[0].address != driver:
-        print(f"rlsys: nodes: driver {driver}; " + "; ".join(f"{r.address}: {', '.join(r.roles)}" for r in reports),
-              flush=True)
+        logger.info("nodes: driver %s; %s", driver, "; ".join(f"{r.address}: {', '.join(r.roles)}" for r in reports))
 
 
 def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -11,6 +12,8 @@ from pathlib import Path
 from rlsys.config import RunConfig
 from rlsys.observability.status.state import ActorHealth, RunStatus
 from rlsys.run.assets import RunAssets
+
+logger = logging.getLogger(__name__)
 
 
 def collect_actor_health(trainer, rollout) -> list[ActorHealth]:
@@ -65,7 +68,7 @@ def status_server(config: RunConfig, status: RunStatus):
     server = StatusServer(status, config.status.host, config.status.port, token,
                           config.status.allow_unauthenticated_read)
     url = server.start()
-    print(f"rlsys: status and dashboard at {url}/ (API: {url}/api/v1/status)", flush=True)
+    logger.info("status and dashboard at %s/ (API: %s/api/v1/status)", url, url)
     try:
         yield url
     finally:

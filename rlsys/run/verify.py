@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlsys.actors.batching import TrainSequence
+from rlsys.records import TrainSequence
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -11,6 +11,8 @@ import torch
 from rlsys.config import ConfigError, load_config
 from rlsys.errors import UsageError, why_not_a_directory
 from rlsys.run.checkpointing import CheckpointStore, trainer_state_problem
+
+logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -36,8 +38,8 @@ def checkpoint_to_export(store: CheckpointStore, step: int | None) -> Path:
     checkpoint, passed_over = store.latest_loadable()
     if checkpoint is not None:
         for skipped, why in passed_over:
-            print(f"rlsys: {skipped} is incomplete ({why}); exporting {checkpoint.name}, the latest complete "
-                  "checkpoint", file=sys.stderr)
+            logger.warning("%s is incomplete (%s); exporting %s, the latest complete checkpoint", skipped, why,
+                           checkpoint.name)
         return checkpoint
     if not complete:
         raise ConfigError(f"no checkpoint in {store.root.parent} (checkpoints are in RUN_DIR/checkpoints/step_N)")

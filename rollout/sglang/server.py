@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rlsys.config import EngineConfig, ModelConfig
 from rlsys.rollout.sglang.client import EngineAddress, EngineError, SGLangClient, read_log_tail
+from rlsys.rollout.sglang.cpu_compat.site.rlsys_fence import REFUSAL_MARK
 from rlsys.system.backend import Backend, engine_attention_backend
 from rlsys.system.interrupts import take_sigterm_again
 from rlsys.system.node import gloo_interface_env
@@ -245,6 +246,7 @@ class SGLangServer:
         self.client = SGLangClient(self.address, timeout_s=spec.engine.request_timeout_s)
         self._process: subprocess.Popen | None = None
         self._owned_shm: set[str] = set()
+        self._log_start = 0
 
     @property
     def url(self) -> str:
@@ -253,6 +255,7 @@ class SGLangServer:
     def start(self, timeout_s: float) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
+        self._log_start = log_file.tell()  # the log is appended to across restarts
         self._process = subprocess.Popen(
             build_command(self.spec, self.backend, self.host, self.port, self.api_key),
             env=build_env(self.spec, self.backend, self.host),
@@ -267,9 +270,10 @@ class SGLangServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
+                refusal = self._cpu_layer_refusal()
                 raise RuntimeError(
-                    f"SGLang server exited with code {self._process.returncode} during start-up; "
-                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    f"SGLang server exited with code {self._process.returncode} during start-up"
+                    f"{': ' + refusal if refusal else ''}; last lines of {self.log_path}:\n{self.log_tail()}"
                 )
             try:
                 self.client.model_info(timeout_s=2.0)
@@ -337,6 +341,18 @@ class SGLangServer:
 
     def log_tail(self, lines: int = 30) -> str:
         return read_log_tail(self.log_path, lines) or "(no log)"
+
+    def _cpu_layer_refusal(self) -> str | None:
+        """Why the CPU layer refused this SGLang, if it did: a refusal in the scheduler process is
+        followed by the server's own traceback, longer than the log tail."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                lines = log.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        refusals = [line[len(REFUSAL_MARK):] for line in lines if line.startswith(REFUSAL_MARK)]
+        return refusals[-1] if refusals else None
 
     def _shared_memory_files(self) -> set[str]:
         """/dev/shm files mapped by the server's process tree (SGLang's own segments)."""

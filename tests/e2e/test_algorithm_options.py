@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
+from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_spec
 
 CAP = 1.5

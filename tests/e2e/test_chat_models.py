@@ -55,7 +55,8 @@ def test_chat_options_that_cannot_work_are_refused(tmp_path, tiny_model_dir, cha
 @pytest.mark.slow
 def test_an_engine_with_its_own_tokenizer_stops_on_a_multi_token_string(tmp_path, chat_model_dir):
     from rlsys.config import EngineConfig, ModelConfig
-    from rlsys.rollout.engine import RolloutEngine, SamplingParams
+    from rlsys.records import SamplingParams
+    from rlsys.rollout.engine import RolloutEngine
     from rlsys.rollout.sglang.server import ServerSpec
 
     tokenizer = load_tokenizer(chat_model_dir)

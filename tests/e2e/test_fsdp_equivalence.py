@@ -21,9 +21,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
 from rlsys.actors.parallelize import uses_fsdp
+from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_spec
 
 GRADIENT_RTOL = 1e-4  # of the gradient's scale (max |g| over the model); see the module docstring

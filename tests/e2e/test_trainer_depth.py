@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
+from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_spec
 
 

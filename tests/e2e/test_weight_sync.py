@@ -6,10 +6,9 @@ import socket
 
 import pytest
 
-from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
 from rlsys.config import EngineConfig, ModelConfig
-from rlsys.rollout.engine import SamplingParams
+from rlsys.records import SamplingParams, TrainSequence
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.sglang.client import EngineAddress
 from rlsys.rollout.sglang.server import ServerSpec

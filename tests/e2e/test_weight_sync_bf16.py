@@ -6,9 +6,9 @@ import pytest
 import ray
 import torch
 
-from rlsys.actors.batching import TrainSequence
 from rlsys.actors.group import TrainerGroup
 from rlsys.config import EngineConfig, ModelConfig
+from rlsys.records import TrainSequence
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.run.verify import (

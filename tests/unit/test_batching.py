@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlsys.actors.batching import TrainSequence, build_micro_batch, split_by_token_budget, split_evenly
+from rlsys.actors.batching import build_micro_batch, split_by_token_budget, split_evenly
+from rlsys.records import TrainSequence
 
 CPU = torch.device("cpu")
 PAD = 99

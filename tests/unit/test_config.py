@@ -199,3 +199,22 @@ def test_numbers_and_booleans_still_load_where_they_belong(tmp_path, tiny_model_
 def test_a_directory_given_as_the_config_is_called_a_directory(tmp_path):
     with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory; name a YAML file"):
         load_config(tmp_path)
+
+
+def test_validators_never_rewrite_other_sections_and_the_trainer_derives_the_defaults(tmp_path, tiny_model_dir):
+    """algorithm.loss_norm_tokens and algorithm.tis.enabled stay as the config says (unset: None);
+    the trainer derives the values it uses: rollout.max_new_tokens, and TIS exactly when one step
+    off-policy, unless the config sets them."""
+    from rlsys.actors.trainer import TrainerSpec
+
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    off_policy = ["placement.mode=disaggregated", "rollout.max_staleness=1", "rollout.max_new_tokens=12"]
+    config = load_config(path, off_policy)
+    assert config.algorithm.loss_norm_tokens is None and config.algorithm.tis.enabled is None
+    spec = TrainerSpec.from_config(config, has_gpu=False)
+    assert spec.loss_norm_tokens == 12 and spec.uses_tis
+    spec = TrainerSpec.from_config(load_config(path, [*off_policy, "algorithm.loss_norm_tokens=5",
+                                                      "algorithm.tis.enabled=false"]), has_gpu=False)
+    assert spec.loss_norm_tokens == 5 and not spec.uses_tis
+    assert not TrainerSpec.from_config(load_config(path), has_gpu=False).uses_tis
+    assert TrainerSpec.from_config(load_config(path, ["algorithm.tis.enabled=true"]), has_gpu=False).uses_tis

@@ -7,13 +7,13 @@ import pytest
 
 from rlsys.algorithms.samples import response_text, score_groups
 from rlsys.config import ConfigError, DataConfig, SyntheticTaskConfig
-from rlsys.data.datasets import DatasetError, PromptRecord, PromptSampler, load_splits, read_jsonl, repeated_prompts_note
+from rlsys.data.datasets import DatasetError, PromptSampler, load_splits, read_jsonl, repeated_prompts_note
 from rlsys.data.tasks import generate_task
 from rlsys.data.tokenizer import load_tokenizer
+from rlsys.records import Generation, PromptRecord, RewardCall
 from rlsys.rewards.builtin import exact_match, last_number_match
 from rlsys.rewards.loading import RewardFunctionError, load_reward_function
-from rlsys.rewards.pool import RewardCall, score_calls
-from rlsys.rollout.engine import Generation
+from rlsys.rewards.pool import score_calls
 
 
 def _write(path, lines):
@@ -188,7 +188,7 @@ def test_builtin_rewards():
 
 
 def test_raising_reward_drops_its_group_and_is_counted(tiny_model_dir):
-    from rlsys.data.datasets import PromptRecord
+    from rlsys.records import PromptRecord
 
     tokenizer = load_tokenizer(tiny_model_dir)
     seven = tokenizer("7")["input_ids"]

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from rlsys.config import DataConfig
-from rlsys.data.datasets import Columns, DatasetError, PromptRecord, load_splits, read_records
+from rlsys.data.datasets import Columns, DatasetError, load_splits, read_records
+from rlsys.records import PromptRecord
 
 ROWS = [
     {"question": "2+2?", "answer": 4, "source": "gsm8k", "level": 1, "unused": "x"},

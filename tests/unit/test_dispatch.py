@@ -95,8 +95,8 @@ def test_loop_thread_runs_coroutines_submitted_from_another_thread():
 
 
 def test_calls_made_together_travel_as_one_request_and_each_gets_its_own_answer():
+    from rlsys.records import SamplingParams
     from rlsys.rollout.dispatch import RequestBatcher
-    from rlsys.rollout.engine import SamplingParams
 
     sent = []
 

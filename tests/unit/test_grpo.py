@@ -1,20 +1,21 @@
 """GRPO math on hand-computed cases."""
 
 import math
+import typing
 
 import pytest
 import torch
 
+from rlsys.algorithms.advantages import ADVANTAGE_ESTIMATORS, group_advantages
 from rlsys.algorithms.grpo import (
     clipped_policy_loss,
-    group_advantages,
     kl_estimate,
     masked_sum,
     overlong_penalty,
-    sequence_loss_weights,
-    token_entropy,
     truncated_importance_weights,
 )
+from rlsys.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, sequence_loss_weights
+from rlsys.config import AlgorithmConfig
 
 
 def test_zero_variance_groups_get_zero_advantage():
@@ -89,10 +90,6 @@ def test_kl_estimators_on_hand_values():
         kl_estimate(logp, ref, "k4")
 
 
-def test_entropy_of_uniform_distribution_is_log_vocab():
-    assert token_entropy(torch.zeros(1, 8)).item() == pytest.approx(math.log(8))
-
-
 # ---- GRPO toolkit: advantage scaling, loss aggregation, overlong penalty, TIS --------------------
 
 def test_batch_advantage_norm_uses_group_baseline_and_batch_std():
@@ -154,3 +151,12 @@ def test_sequence_level_tis_weight_is_the_capped_product_over_the_response():
     tis = truncated_importance_weights(old, engine, mask, cap=5.0, level="sequence", spans=spans)
     assert torch.allclose(tis.weights, torch.tensor([[1.0, 1.0, 5.0, 5.0, 1.0]]))  # 2*0.5 = 1; 3*3 = 9 -> 5
     assert tis.clipped.tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
+
+
+def test_every_config_name_has_a_registered_estimator_loss_and_aggregation():
+    """The config's choices and the registries name the same things: a name added to one and not
+    the other is refused here, not in the middle of a run."""
+    fields = AlgorithmConfig.model_fields
+    assert set(ADVANTAGE_ESTIMATORS) == set(typing.get_args(fields["adv_norm"].annotation))
+    assert set(LOSS_AGGREGATIONS) == set(typing.get_args(fields["loss_agg_mode"].annotation))
+    assert set(POLICY_LOSSES) == set(typing.get_args(fields["name"].annotation))

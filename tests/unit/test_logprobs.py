@@ -105,8 +105,8 @@ def test_the_trainers_chunked_log_probs_equal_its_unchunked_path(tiny_model_dir)
     import random
     import socket
 
-    from rlsys.actors.batching import TrainSequence
     from rlsys.actors.trainer import TrainerWorker
+    from rlsys.records import TrainSequence
     from tests.helpers import trainer_spec
 
     rng = random.Random(0)

@@ -2,9 +2,10 @@
 
 import pytest
 
+from rlsys.records import RewardCall
 from rlsys.rewards.builtin import math_verify
 from rlsys.rewards.loading import load_reward_function
-from rlsys.rewards.pool import RewardCall, score_calls
+from rlsys.rewards.pool import score_calls
 
 
 @pytest.mark.parametrize("label, response, expected", [

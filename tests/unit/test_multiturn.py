@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from rlsys.actors.batching import build_micro_batch
-from rlsys.actors.trainer import micro_batch_loss
-from rlsys.algorithms.samples import Sample, generation_text, reward_call, to_train_sequences
+from rlsys.algorithms.losses import micro_batch_loss
+from rlsys.algorithms.samples import generation_text, reward_call, to_train_sequences
 from rlsys.config import AlgorithmConfig
-from rlsys.data.datasets import PromptRecord
-from rlsys.rollout.engine import Generation, SamplingParams
+from rlsys.records import EncodedPrompt, Generation, PromptRecord, Sample, SamplingParams
 from rlsys.rollout.trajectory import (
     Completion,
     RolloutContext,
-    RolloutPrompt,
     Trajectory,
     run_generate_function,
     single_turn,
@@ -65,7 +63,7 @@ def test_injected_tokens_get_exactly_zero_gradient_from_every_loss_term(packed):
     batch.ref_logprobs = logprobs.detach() - torch.rand(shape, generator=generator)
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01,
                                 tis={"enabled": True, "cap": 1.5, "level": "token"})
-    loss = micro_batch_loss(logprobs, entropy, batch, algorithm)
+    loss = micro_batch_loss(logprobs, entropy, batch, algorithm, tis=True)
     loss.objective.backward()
 
     row, first, _ = batch.spans[0]  # position first + t predicts response token t
@@ -92,7 +90,7 @@ class FakeEngine:
 
 def context(engine, tool_timeout_s=5.0, prompt_ids=(1, 2)):
     tokenizer = build_tokenizer()
-    prompt = RolloutPrompt(PromptRecord("12*34+5?", "3", {"source": "test"}), list(prompt_ids))
+    prompt = EncodedPrompt(PromptRecord("12*34+5?", "3", {"source": "test"}), list(prompt_ids))
     return RolloutContext(prompt, engine, tokenizer, SamplingParams(max_new_tokens=8), tool_timeout_s)
 
 
@@ -178,7 +176,7 @@ def test_a_generate_function_that_raises_stops_the_run_with_its_traceback():
     manager = RolloutManager.__new__(RolloutManager)
     manager._loop, manager.dispatcher, manager.engines = LoopThread(), Dispatcher(1), []
     try:
-        prompt = RolloutPrompt(PromptRecord("4 7 2>", "2"), [1, 2])
+        prompt = EncodedPrompt(PromptRecord("4 7 2>", "2"), [1, 2])
         with pytest.raises(GenerateFunctionError, match="(?s)raised on prompt '4 7 2>'.*KeyError: 'missing'") as error:
             manager.trajectories([prompt], buggy, SamplingParams(), 2, build_tokenizer(), 5.0)
         assert isinstance(error.value, RunFailed)
@@ -225,7 +223,7 @@ def test_a_generate_function_that_sends_an_out_of_vocabulary_id_stops_the_run_na
     manager = RolloutManager.__new__(RolloutManager)
     manager._loop, manager.dispatcher, manager.engines, manager.vocab_size = LoopThread(), Dispatcher(1), [], 97
     try:
-        prompt = RolloutPrompt(PromptRecord("4 7 2>", "2"), [1, 2])
+        prompt = EncodedPrompt(PromptRecord("4 7 2>", "2"), [1, 2])
         with pytest.raises(GenerateFunctionError) as error:
             manager.trajectories([prompt], appends_a_bad_id, SamplingParams(), 2, build_tokenizer(), 5.0,
                                  function_path="tools.py:appends_a_bad_id")

@@ -97,7 +97,8 @@ def test_the_micro_batchs_sequence_boundaries_reach_the_attention_and_give_the_s
     from transformers import AttentionInterface
 
     from rlsys.actors import packed_attention
-    from rlsys.actors.batching import TrainSequence, build_micro_batch
+    from rlsys.actors.batching import build_micro_batch
+    from rlsys.records import TrainSequence
 
     seen = []
 

@@ -7,7 +7,8 @@ import pytest
 
 from rlsys.config import RewardConfig
 from rlsys.errors import RunFailed
-from rlsys.rewards.pool import RewardCall, RewardPool, make_reward_scorer
+from rlsys.records import RewardCall
+from rlsys.rewards.pool import RewardPool, make_reward_scorer
 from rlsys.rewards.remote import RemoteReward, RewardServiceError
 from tests.helpers import RewardService
 

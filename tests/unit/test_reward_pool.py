@@ -6,7 +6,8 @@ import time
 import pytest
 
 from rlsys.errors import RunFailed
-from rlsys.rewards.pool import RewardCall, RewardPool, score_calls
+from rlsys.records import RewardCall
+from rlsys.rewards.pool import RewardPool, score_calls
 
 REWARDS = '''
 import os, time
@@ -69,7 +70,7 @@ def test_a_call_that_ends_its_worker_fails_only_its_sample_and_is_said_once(tmp_
             assert "ended its worker process (exit code 3)" in outcomes[2].error
     finally:
         pool.close()
-    said = [line for line in capsys.readouterr().out.splitlines() if "ended its reward worker" in line]
+    said = [line for line in capsys.readouterr().err.splitlines() if "ended its reward worker" in line]  # a warning
     assert said == ["rlsys: a reward call ended its reward worker process (exit code 3); the call counts as a "
                     "reward error of its sample and the reward workers were restarted (said once; later ones are "
                     "counted in reward_errors)"]

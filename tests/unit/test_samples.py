@@ -1,15 +1,16 @@
 """From generations to training sequences: overlong penalty, dynamic-sampling filter, truncation
-mask and advantages, on hand-built generations (no engine needed)."""
+mask, KL in reward and advantages, on hand-built generations (no engine needed)."""
 
 import pytest
 
-from rlsys.algorithms.samples import ScoredBatch, assign_advantages, score_groups, to_train_sequences, truncated_fraction
-from rlsys.config import OverlongPenaltyConfig
-from rlsys.data.datasets import PromptRecord
+from rlsys.algorithms.advantages import assign_advantages
+from rlsys.algorithms.samples import ScoredBatch, prepare, score_groups, to_train_sequences, truncated_fraction
+from rlsys.algorithms.shaping import drop_uniform_groups
+from rlsys.config import AlgorithmConfig, OverlongPenaltyConfig
 from rlsys.data.tokenizer import load_tokenizer
+from rlsys.records import Generation, PromptRecord
 from rlsys.rewards.builtin import exact_match
 from rlsys.rewards.pool import score_calls
-from rlsys.rollout.engine import Generation
 
 
 def _generation(tokenizer, text: str, finish: str = "stop") -> Generation:
@@ -33,7 +34,7 @@ def test_dynamic_sampling_drops_groups_whose_scores_are_all_equal(tokenizer):
              "2", "2",   # all right: no gradient, dropped
              "0", "0"]   # all wrong: dropped
     batch = _score(tokenizer, records, [_generation(tokenizer, t) for t in texts], 2)
-    batch.filter_uniform_groups(2)
+    batch.samples, batch.filtered_groups = drop_uniform_groups(batch.samples, 2)
     assert [s.record.prompt for s in batch.samples] == ["a", "a"]
     assert batch.filtered_groups == 2
     # reward_mean still covers every scored sample (3 right of 6), not only the kept ones
@@ -49,8 +50,7 @@ def test_overlong_penalty_shapes_the_score_and_can_make_a_group_informative(toke
     assert [s.reward for s in batch.samples] == [1.0, 0.0]  # "7abc" is not an exact match
     assert [s.shaping for s in batch.samples] == [0.0, -0.5]  # 4 tokens: (4 - 2) / 2 * 0.5
     assert batch.reward_metrics()["overlong_penalty_mean"] == pytest.approx(-0.25)
-    batch.filter_uniform_groups(2)
-    assert len(batch.samples) == 2
+    assert len(drop_uniform_groups(batch.samples, 2)[0]) == 2
     metrics = assign_advantages(batch.samples, 2, "none")
     assert [s.advantage for s in batch.samples] == pytest.approx([0.75, -0.75])  # scores 1 and -0.5
     assert metrics["advantage_abs_mean"] == pytest.approx(0.75)
@@ -65,6 +65,36 @@ def test_truncated_responses_leave_the_loss_only_when_asked(tokenizer):
     assert masked[0].loss_mask is None and masked[1].loss_mask == [0, 0, 0]
     assert [s.loss_tokens for s in masked] == [1, 0]
     assert truncated_fraction(generations) == 0.5
+
+
+def test_prepare_builds_the_steps_sequences_once_with_kl_shaped_advantages(tokenizer):
+    """One list of training sequences per step: the KL-in-reward pass reads the very sequences
+    the trainer then gets, their advantages from the KL-shaped scores, truncated ones masked."""
+    records = [PromptRecord("a", "7")]
+    generations = [_generation(tokenizer, "7"), _generation(tokenizer, "123", finish="length")]
+    batch = _score(tokenizer, records, generations, 2)
+    seen = []
+
+    def sequence_kl(sequences):  # summed KL estimates the trainer would return: 1 and 3
+        seen.append(sequences)
+        return [1.0, 3.0]
+
+    algorithm = AlgorithmConfig(kl_in_reward=True, kl_coef=0.5, mask_truncated=True, adv_norm="none")
+    sequences, metrics = prepare(batch.samples, algorithm, 2, sequence_kl)
+    assert len(seen) == 1 and seen[0] is sequences
+    # scores 1 - 0.5 * 1 = 0.5 and 0 - 0.5 * 3 = -1.5: group mean -0.5
+    assert [s.advantage for s in sequences] == pytest.approx([1.0, -1.0])
+    assert [s.loss_mask for s in sequences] == [None, [0, 0, 0]]
+    assert metrics == pytest.approx({"kl_reward_penalty": 1.0, "advantage_abs_mean": 1.0})
+
+
+def test_prepare_leaves_a_step_with_no_loss_token_untrained(tokenizer):
+    """Every response truncated and masked: no sequences, and no KL pass or advantages computed."""
+    records = [PromptRecord("a", "7")]
+    generations = [_generation(tokenizer, "12", finish="length"), _generation(tokenizer, "123", finish="length")]
+    batch = _score(tokenizer, records, generations, 2)
+    algorithm = AlgorithmConfig(kl_in_reward=True, kl_coef=0.5, mask_truncated=True)
+    assert prepare(batch.samples, algorithm, 2, sequence_kl=lambda sequences: pytest.fail("KL computed")) == ([], {})
 
 
 def test_a_step_with_no_scored_sample_reports_its_reward_as_missing_not_zero(tokenizer, tmp_path):

@@ -1,27 +1,38 @@
 """rlsys CPU compatibility layer for the SGLang server, loaded only on machines without a GPU.
 
 `rlsys.rollout.sglang.server` puts this directory first on the SGLang server's PYTHONPATH when no CUDA
-device is present; Python then imports this file at start-up in the server process. It does
-six things: the first two are needed to run the real SGLang server with `--device cpu`, the
-next two make it start and decode fast enough to compare with plain transformers on a CPU, the
-fifth makes it stop promptly and the sixth start sooner:
+device is present; Python then imports this file at start-up in the server process.
+
+First it checks that the installed SGLang is the release the layer was written for
+(`rlsys_fence.SGLANG_VERSION`) and ends the process with one message if not. Then it installs two
+patches the server needs to run with `--device cpu` at all:
 
 1. `sgl_kernel` (SGLang's compiled kernel package) is CUDA-only and cannot be imported without
    libcuda. On a CPU without AMX, SGLang's CPU path uses plain torch layers and never calls those
    kernels, but modules import their names. We install an import hook that provides a top-level
-   `sgl_kernel` stand-in whose every attribute is a function raising a clear error if it is ever
-   called. Its submodules stay absent (ImportError), so SGLang's own fallbacks for them apply.
+   `sgl_kernel` stand-in that has exactly the names SGLang's CPU path imports
+   (`rlsys_fence.SGL_KERNEL_CPU_NAMES`), each a function raising a clear error if it is ever
+   called; any other name raises AttributeError, so `hasattr` checks tell the truth. Its
+   submodules stay absent (ImportError), so SGLang's own fallbacks for them apply.
 2. `torch.cuda.synchronize()` is called by `/release_memory_occupation` through the device
    module and dies on a CUDA build of torch without a driver. With no GPU there is nothing to
    synchronise, so it becomes a no-op.
-3. The torch_native attention backend's decode attends one request at a time in a Python loop;
-   when SGLang imports it, `rlsys_batched_decode` replaces that loop with one batched SDPA call.
+
+and four speed-ups, off with RLSYS_SGLANG_CPU_SPEEDUPS=0 (`rlsys_fence.SPEEDUPS_ENV`). Those that
+replace an SGLang method first check that the method still has the parameters its replacement
+was written with (`rlsys_fence.check_signature`), when SGLang imports its module during start-up,
+and end the process with one message if not:
+
+3. The torch_native attention backend's decode and prefill attend one request at a time in a
+   Python loop; when SGLang imports it, `rlsys_batched_decode` replaces that loop with one batched
+   SDPA call (the same attention up to summation order).
 4. SGLang starts its scheduler and detokenizer processes with multiprocessing's "spawn", because
    a forked child cannot use a CUDA context its parent created. Without a GPU there is no CUDA
    context, so they are forked instead: a forked child starts with the server's imports (torch,
    sglang, transformers) already done, where a spawned one imports them all again while its
    siblings do the same on the same cores. Start-up of a tiny model's server here: 19 s -> 9.5 s.
-   The children inherit this module's import hooks, so (1) and (3) hold in them too.
+   The children inherit this module's import hooks, so (1) and (3) hold in them too (spawned
+   children run this file again).
 5. SGLang's server checks for a SIGTERM every 5 s before it shuts down, and its idle scheduler
    finishes a 1 s sleep before it acts on the shutdown request; `rlsys_prompt_shutdown` makes the
    first 0.1 s and skips the second, so stopping an engine (at the end of every run, and at every
@@ -29,18 +40,26 @@ fifth makes it stop promptly and the sixth start sooner:
 6. SGLang modules call `torch.compile` at import, which sets up TorchDynamo at once (~1.2 s of
    a server's start) for kernels a CPU never runs; `rlsys_lazy_compile` defers that set-up to a
    compiled function's first call (compilation itself was already deferred to it).
+
+Last, it runs the `sitecustomize` this file shadows (the next one on sys.path, e.g. a venv's or a
+distribution's), as Python would have without it.
 """
 
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
+import os
 import sys
 import types
 
+import rlsys_fence
+
 _STANDIN_ROOT = "sgl_kernel"
-# SGLang methods replaced once their module has executed: module name -> (class, method, rlsys
-# module, wrapper), where wrapper(original method) returns the replacement.
-_PATCHES = {
+# Speed-ups (3, 5): SGLang methods replaced once their module has executed: module name -> (class,
+# method, rlsys module, wrapper), where wrapper(original method) returns the replacement, with the
+# original's parameters.
+_SPEEDUP_PATCHES = {
     "sglang.srt.layers.attention.torch_native_backend": [
         ("TorchNativeAttnBackend", "_run_sdpa_forward_decode", "rlsys_batched_decode", "batched_decode"),
         ("TorchNativeAttnBackend", "_run_sdpa_forward_extend", "rlsys_batched_decode", "batched_extend"),
@@ -62,6 +81,7 @@ def _replace_once(module, class_name: str, method: str, patcher: str, wrapper: s
     if hasattr(original, "rlsys_original"):
         return
     replacement = getattr(importlib.import_module(patcher), wrapper)(original)
+    rlsys_fence.check_signature(f"{class_name}.{method}", original, replacement)
     replacement.rlsys_original = original
     setattr(owner, method, replacement)
 
@@ -80,8 +100,9 @@ def _raise_not_available(qualified_name):
 
 class _StandInModule(types.ModuleType):
     def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
+        if name not in rlsys_fence.SGL_KERNEL_CPU_NAMES:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r} (rlsys's CPU stand-in for "
+                                 "sgl_kernel has only the names SGLang's CPU path imports)")
         return _raise_not_available(f"{self.__name__}.{name}")
 
 
@@ -103,10 +124,10 @@ class _StandInFinder(importlib.abc.MetaPathFinder):
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Finds a module of `_PATCHES` as usual, then patches it once it has executed."""
+    """Finds a module of `_SPEEDUP_PATCHES` as usual, then patches it once it has executed."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _PATCHES:
+        if fullname not in _SPEEDUP_PATCHES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -115,8 +136,11 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            for replacement in _PATCHES[fullname]:
-                _replace_once(module, *replacement)
+            try:
+                for replacement in _SPEEDUP_PATCHES[fullname]:
+                    _replace_once(module, *replacement)
+            except rlsys_fence.SGLangMismatch as error:
+                rlsys_fence.refuse(error)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -135,19 +159,58 @@ def _fork_instead_of_spawn():
     multiprocessing.set_start_method = _set_start_method
 
 
-def _install():
+def _run_shadowed_sitecustomize():
+    """Runs the next `sitecustomize` on sys.path after this directory, which this file hides from
+    Python; an error in it is reported as Python reports one in a sitecustomize, and start-up goes on."""
+    here = os.path.realpath(os.path.dirname(__file__))
+    entries = [os.path.realpath(entry or os.curdir) for entry in sys.path]
+    if here not in entries:
+        return
+    later = [entry for entry, real in zip(sys.path[entries.index(here) + 1:], entries[entries.index(here) + 1:],
+                                          strict=True) if real != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", later)
+    if spec is None or spec.loader is None:
+        return
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except Exception as error:
+        sys.stderr.write(f"Error in sitecustomize ({spec.origin}); set PYTHONVERBOSE for traceback:\n"
+                         f"{type(error).__name__}: {error}\n")
+        if sys.flags.verbose:
+            sys.excepthook(*sys.exc_info())
+
+
+def _install_required(torch):
+    """(1) and (2): what the server needs to run without a GPU at all."""
     sys.meta_path.insert(0, _StandInFinder())
+    if torch is not None and not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def _install_speedups(torch):
+    """(3) to (6): faster, same results; RLSYS_SGLANG_CPU_SPEEDUPS=0 leaves them out."""
+    if torch is None or torch.cuda.is_available():
+        return
+    from rlsys_lazy_compile import defer_dynamo_setup
+
+    torch.compile = defer_dynamo_setup(torch.compile)
+    sys.meta_path.insert(0, _PatchAfterImport())
+    _fork_instead_of_spawn()
+
+
+def _install():
+    try:
+        rlsys_fence.check_version(rlsys_fence.installed_sglang_version())
+    except rlsys_fence.SGLangMismatch as error:
+        rlsys_fence.refuse(error)
     try:
         import torch
     except ImportError:
-        return
-    if not torch.cuda.is_available():
-        torch.cuda.synchronize = lambda *args, **kwargs: None
-        from rlsys_lazy_compile import defer_dynamo_setup
-
-        torch.compile = defer_dynamo_setup(torch.compile)
-        sys.meta_path.insert(0, _PatchAfterImport())
-        _fork_instead_of_spawn()
+        torch = None
+    _install_required(torch)
+    if os.environ.get(rlsys_fence.SPEEDUPS_ENV, "1") != "0":
+        _install_speedups(torch)
+    _run_shadowed_sitecustomize()
 
 
 _install()

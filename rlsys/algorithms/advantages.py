@@ -1,0 +1,62 @@
+"""Advantage estimators, registered by name (config: algorithm.adv_norm).
+
+Each estimator maps the scores of equal-sized groups, laid out group by group as a [num_groups,
+group_size] tensor, to one advantage per sample, the same shape. Adding one: a function here and
+its entry in ADVANTAGE_ESTIMATORS (and its name in AlgorithmConfig.adv_norm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rlsys.records import Sample
+
+
+# A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (GRPO; an all-equal group gets 0)
+def group_normalised(grouped: torch.Tensor, eps: float) -> torch.Tensor:
+    """[G, n] scores -> [G, n] advantages, each group centred and scaled by its own std."""
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    return centered / (grouped.std(dim=1, keepdim=True, unbiased=True) + eps)
+
+
+# A_i = (r_i - mean(r_group)) / (std(r_batch) + eps)   (Lite PPO: group baseline, batch scale)
+def batch_normalised(grouped: torch.Tensor, eps: float) -> torch.Tensor:
+    """[G, n] scores -> [G, n] advantages, each group centred, all scaled by the batch's std."""
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    batch_std = grouped.std(unbiased=True) if grouped.numel() > 1 else torch.zeros(())
+    return centered / (batch_std + eps)
+
+
+# A_i = r_i - mean(r_group)   (Dr. GRPO: no std scaling)
+def group_centred(grouped: torch.Tensor, eps: float) -> torch.Tensor:
+    """[G, n] scores -> [G, n] advantages, each group centred only (`eps` unused)."""
+    return grouped - grouped.mean(dim=1, keepdim=True)
+
+
+AdvantageEstimator = Callable[[torch.Tensor, float], torch.Tensor]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "group": group_normalised,
+    "batch": batch_normalised,
+    "none": group_centred,
+}
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """Scores [num_groups * group_size], group by group -> one advantage per sample, the same shape."""
+    if scores.numel() % group_size:
+        raise ValueError(f"{scores.numel()} rewards do not split into groups of {group_size}")
+    if norm not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage normalisation {norm!r} (one of {', '.join(ADVANTAGE_ESTIMATORS)})")
+    return ADVANTAGE_ESTIMATORS[norm](scores.float().view(-1, group_size), eps).view(-1)
+
+
+def assign_advantages(samples: list[Sample], group_size: int, norm: str) -> dict:
+    """Each sample's advantage from the scores (reward + shaping) of its group; their metrics."""
+    if not samples:
+        return {}
+    advantages = group_advantages(torch.tensor([s.score for s in samples]), group_size, norm)
+    for sample, advantage in zip(samples, advantages.tolist(), strict=True):
+        sample.advantage = advantage
+    return {"advantage_abs_mean": advantages.abs().mean().item()}

@@ -1,0 +1,120 @@
+"""The per-micro-batch loss and its parts, registered by name: policy losses (algorithm.name) and
+loss aggregations (algorithm.loss_agg_mode). The trainer calls `micro_batch_loss` and nothing else
+of the objective; TrainerGroup calls `sequence_loss_weights` for each global mini-batch.
+
+Shapes: per-token tensors are [B, T-1], B rows of a micro-batch (one when packed), position t
+predicting token t + 1 (actors/batching.py `MicroBatch`). Adding a policy loss or an aggregation:
+a function here and its registry entry (and its name in the config's Literal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlsys.algorithms.grpo import (
+    ImportanceWeights,
+    PolicyLossTerms,
+    clipped_policy_loss,
+    kl_estimate,
+    masked_sum,
+    truncated_importance_weights,
+)
+from rlsys.config import AlgorithmConfig
+
+if TYPE_CHECKING:  # the trainer's layout of a micro-batch; only its tensors are read here
+    from rlsys.actors.batching import MicroBatch
+
+
+# L = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high)),  r = exp(log p - log p_old)
+def grpo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                     algorithm: AlgorithmConfig) -> PolicyLossTerms:
+    """logprobs, old_logprobs [B, T]; advantages [B, T] or [B, 1] -> per-token loss and clip flags [B, T]."""
+    return clipped_policy_loss(logprobs, old_logprobs, advantages, algorithm.clip_eps_low, algorithm.clip_eps_high)
+
+
+PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AlgorithmConfig], PolicyLossTerms]
+POLICY_LOSSES: dict[str, PolicyLoss] = {"grpo": grpo_policy_loss}
+
+
+# How a mini-batch's token losses l_it add up to its loss: sum_i w_i * sum_t l_it, over the loss
+# tokens (n_i of them in sequence i) of the N sequences that have any. Each aggregation gives w_i
+# of one sequence with n_i > 0 from n_i, the counts of all N (`counted`) and norm_tokens. The
+# weights depend on the whole mini-batch only, so any split over ranks and micro-batches gives
+# the same gradient.
+
+# w_i = 1 / sum_j n_j   (every token counts the same)
+def token_mean(n: int, counted: list[int], norm_tokens: int | None) -> float:
+    """n_i, [N] loss-token counts -> w_i (a float)."""
+    return 1.0 / sum(counted)
+
+
+# w_i = 1 / (N * n_i)   (every sequence counts the same)
+def seq_mean_token_mean(n: int, counted: list[int], norm_tokens: int | None) -> float:
+    """n_i, [N] loss-token counts -> w_i (a float)."""
+    return 1.0 / (len(counted) * n)
+
+
+# w_i = 1 / (N * norm_tokens)   (Dr. GRPO: no length bias)
+def seq_mean_token_sum_norm(n: int, counted: list[int], norm_tokens: int | None) -> float:
+    """n_i, [N] loss-token counts, the constant norm_tokens -> w_i (a float)."""
+    return 1.0 / (len(counted) * norm_tokens)
+
+
+LossAggregation = Callable[[int, list[int], "int | None"], float]
+LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
+    "token-mean": token_mean,
+    "seq-mean-token-mean": seq_mean_token_mean,
+    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+}
+
+
+def sequence_loss_weights(loss_tokens: list[int], mode: str, norm_tokens: int | None = None) -> list[float]:
+    """w_i for each sequence of one mini-batch, from its number of loss tokens n_i (0: no loss)."""
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r} (one of {', '.join(LOSS_AGGREGATIONS)})")
+    if mode == "seq-mean-token-sum-norm" and not (norm_tokens and norm_tokens > 0):
+        raise ValueError(f"seq-mean-token-sum-norm needs norm_tokens > 0 (got {norm_tokens})")
+    counted = [n for n in loss_tokens if n > 0]
+    weight = LOSS_AGGREGATIONS[mode]
+    return [weight(n, counted, norm_tokens) if n > 0 else 0.0 for n in loss_tokens]
+
+
+@dataclass
+class MicroBatchLoss:
+    objective: torch.Tensor  # scalar: sum over loss tokens of weight * token loss
+    old_logprobs: torch.Tensor  # [B, T]
+    kl: torch.Tensor  # [B, T] per-token KL estimate (0 without a reference)
+    clipped: torch.Tensor  # [B, T] 1.0 where the policy loss took its clipped branch
+    tis: ImportanceWeights | None
+
+
+# L = sum_t w_t * (policy_loss_t * tis_t + kl_coef * KL_t - entropy_coef * H_t)
+def micro_batch_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch: MicroBatch,
+                     algorithm: AlgorithmConfig, tis: bool) -> MicroBatchLoss:
+    """The objective of one micro-batch from the policy's log-probs and entropies [B, T]: the
+    policy loss (times the TIS weights when `tis`), plus the KL loss and minus the entropy bonus
+    when configured, each token weighed by `batch.loss_weights`, which are 0 outside the loss mask
+    (prompt, injected tool output, masked responses): those tokens get exactly zero gradient.
+    Without `batch.old_logprobs` (one mini-batch per step: the weights have not moved since the
+    rollout) the old log-probs are the current ones, detached."""
+    old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+    terms = POLICY_LOSSES[algorithm.name](logprobs, old_logprobs, batch.advantages, algorithm)
+    token_loss, weights = terms.loss, None
+    if tis:  # the samples came from the engine's distribution, not the trainer's
+        weights = truncated_importance_weights(old_logprobs, batch.engine_logprobs, batch.engine_mask,
+                                               algorithm.tis.cap, algorithm.tis.level, batch.spans)
+        token_loss = token_loss * weights.weights
+    kl = torch.zeros_like(logprobs)
+    if batch.ref_logprobs is not None:
+        kl = kl_estimate(logprobs, batch.ref_logprobs, algorithm.kl_estimator)
+        if algorithm.use_kl_loss:
+            token_loss = token_loss + algorithm.kl_coef * kl
+    if algorithm.entropy_coef:
+        token_loss = token_loss - algorithm.entropy_coef * entropy
+    # masked_sum multiplies: a token outside the mask adds 0 * (its loss), whose gradient is 0 as
+    # long as the loss is finite there (it is: log-probs of real tokens, clipped ratios).
+    return MicroBatchLoss(masked_sum(token_loss, batch.loss_weights), old_logprobs, kl, terms.clipped, weights)
