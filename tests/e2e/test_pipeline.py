@@ -16,7 +16,7 @@ from tests.helpers import REPO, served_run_dir, train_command
 @pytest.mark.slow
 def test_staleness_one_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_dir):
     overrides = ("trainer.num_ranks=1", "rollout.num_engines=1", "rollout.max_staleness=1",
-                 "trainer.total_steps=100", "checkpoint.interval=50", "weight_sync.verify=false")
+                 "trainer.total_steps=100", "checkpoint.interval=70", "weight_sync.verify=false")
     run_dir = tmp_path / "run"
     result = subprocess.run(train_command("quickstart_disaggregated.yaml", tiny_model_dir, run_dir, *overrides),
                             cwd=REPO, capture_output=True, text=True, timeout=1200)
@@ -45,8 +45,9 @@ def test_staleness_one_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_
             dom = _chromium("--dump-dom", f"{url}/")
         assert dom.count('data-phase="next-batch"') == 59, dom[:2000]
 
-    # Resume from the step-50 checkpoint (taken while step 50's batch was generating): steps 50..99
-    # run again on exactly the prompts the uninterrupted run used.
+    # Resume from the step-70 checkpoint (taken while step 70's batch was generating, mid-epoch: 25
+    # steps an epoch): steps 70..99, across the epoch boundary at 75, run again on exactly the
+    # prompts the uninterrupted run used.
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoints" / "step_00000100")
@@ -58,5 +59,5 @@ def test_staleness_one_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_
     resumed = read_metrics(resumed_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(100))
     assert [(r["data_epoch"], r["data_index"]) for r in resumed] == [(r["data_epoch"], r["data_index"]) for r in rows]
-    assert resumed[50]["staleness_mean"] == 0.0  # step 50's batch was generated again, from the resumed weights
-    assert resumed[:50] == rows[:50]  # the first half is the original's, kept
+    assert resumed[70]["staleness_mean"] == 0.0  # step 70's batch was generated again, from the resumed weights
+    assert resumed[:70] == rows[:70]  # the steps before the checkpoint are the original's, kept
