@@ -42,7 +42,7 @@ class TrainerGroup:
 
     def _weighed(self, mini_batch: list[TrainSequence]) -> list[TrainSequence]:
         """Copies carrying each sequence's token weight in this global mini-batch's loss."""
-        weights = sequence_loss_weights([s.loss_tokens for s in mini_batch], self.spec.algorithm.loss_agg_mode,
+        weights = sequence_loss_weights([s.loss_tokens for s in mini_batch], self.spec.algorithm.aggregation,
                                         self.spec.loss_norm_tokens)
         return [replace(s, loss_weight=w) for s, w in zip(mini_batch, weights, strict=True)]
 

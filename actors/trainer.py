@@ -27,7 +27,7 @@ from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize, reshard, uses_fsdp
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import kl_estimate, masked_sum
-from rlsys.algorithms.losses import micro_batch_loss
+from rlsys.algorithms.losses import SEQUENCE_RATIO_LOSSES, flagged_sequences, micro_batch_loss
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from rlsys.records import TrainSequence
 from rlsys.rollout.sglang.client import SGLangClient, check_reachable
@@ -96,6 +96,9 @@ class LossSums:
     logprob_mismatch: float = 0.0  # |old - engine| over tokens with an engine log-prob
     tis_weight: float = 0.0  # truncated importance weights, over tokens with an engine log-prob
     tis_clipped: float = 0.0
+    policy_weight: float = 0.0  # the policy loss's own weight per token (VESPO's phi), over loss tokens
+    sequences: float = 0.0  # sequences with a loss token (counted for sequence-ratio losses only)
+    clipped_sequences: float = 0.0
     tokens: float = 0.0
     engine_tokens: float = 0.0
     mini_batches: float = 0.0
@@ -110,8 +113,9 @@ class LossSums:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         return LossSums(*values.cpu().tolist())
 
-    def metrics(self, with_tis: bool) -> dict[str, float]:
-        """The loss per mini-batch; the rest per loss token (per engine-scored token for the last two)."""
+    def metrics(self, with_tis: bool, policy_loss: str = "grpo") -> dict[str, float]:
+        """The loss per mini-batch; the rest per loss token (per engine-scored token for TIS's, per
+        sequence for seq_clip_fraction)."""
         tokens, engine_tokens = max(self.tokens, 1.0), max(self.engine_tokens, 1.0)
         metrics = {
             "loss": self.objective / max(self.mini_batches, 1.0),
@@ -124,6 +128,10 @@ class LossSums:
         if with_tis:
             metrics.update(tis_weight_mean=self.tis_weight / engine_tokens,
                            tis_clipped_fraction=self.tis_clipped / engine_tokens)
+        if policy_loss in SEQUENCE_RATIO_LOSSES:
+            metrics["seq_clip_fraction"] = self.clipped_sequences / max(self.sequences, 1.0)
+        if policy_loss == "vespo":
+            metrics["vespo_phi_mean"] = self.policy_weight / tokens
         return metrics
 
 
@@ -304,6 +312,8 @@ class TrainerWorker:
             (loss.objective * self.world_size).backward()
             with torch.no_grad():
                 mask, tis = batch.response_mask, loss.tis
+                sequences, clipped_sequences = (flagged_sequences(loss.clipped, mask, batch.spans)
+                                                if algorithm.policy_loss in SEQUENCE_RATIO_LOSSES else (0, 0))
                 sums += LossSums(
                     objective=loss.objective.item(),
                     kl=masked_sum(loss.kl, mask).item(),
@@ -313,6 +323,9 @@ class TrainerWorker:
                                                 batch.engine_mask).item(),
                     tis_weight=masked_sum(tis.weights, batch.engine_mask).item() if tis is not None else 0.0,
                     tis_clipped=masked_sum(tis.clipped, batch.engine_mask).item() if tis is not None else 0.0,
+                    policy_weight=masked_sum(loss.weight, mask).item() if loss.weight is not None else 0.0,
+                    sequences=sequences,
+                    clipped_sequences=clipped_sequences,
                     tokens=mask.sum().item(),
                     engine_tokens=batch.engine_mask.sum().item(),
                 )
@@ -351,7 +364,8 @@ class TrainerWorker:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # no gradients held between steps
         return {
-            **sums.all_reduced(self.device).metrics(with_tis=self.spec.uses_tis),
+            **sums.all_reduced(self.device).metrics(with_tis=self.spec.uses_tis,
+                                                    policy_loss=self.spec.algorithm.policy_loss),
             "grad_norm": max(grad_norms),
             "nonfinite_grad_steps": float(sum(not math.isfinite(g) for g in grad_norms)),
             "lr": self.scheduler.get_last_lr()[0],

@@ -339,22 +339,46 @@ class TISConfig(_Section):
 
 class AlgorithmConfig(_Section):
     name: Literal["grpo"] = Field("grpo", description="The algorithm (GRPO only).")
+    policy_loss: Literal["grpo", "gspo", "luspo", "cispo", "sapo", "vespo"] = Field(
+        "grpo", description="Per-token policy loss (rlsys/algorithms/losses.py, as TRL 1.16 computes each): grpo "
+        "(PPO clip of each token's ratio); gspo (PPO clip of one ratio per sequence, the geometric mean of its "
+        "token ratios); luspo (gspo's loss with seq-mean-token-sum); cispo (-sg(min(r, cispo_max_ratio)) * A * "
+        "log p); sapo (a soft gate, sapo_temperature_*, instead of the clip); vespo (-sg(phi(w)) * A * log p, "
+        "phi a gamma weight of the sequence ratio w, vespo_*).",
+    )
     clip_eps_low: float = Field(0.2, ge=0.0, description="PPO clip: the ratio is kept above 1 - clip_eps_low.")
     clip_eps_high: float = Field(
         0.2, ge=0.0, description="PPO clip: the ratio is kept below 1 + clip_eps_high (above clip_eps_low: "
         "DAPO's clip-higher).",
     )
-    adv_norm: Literal["group", "batch", "none"] = Field(
-        "group", description="Advantage = reward - group mean, divided by the group's reward std (group), the "
-        "batch's reward std (batch) or nothing (none, Dr. GRPO).",
+    advantage_estimator: Literal["group", "batch", "none", "rloo", "reinforce++", "reinforce++-baseline"] = Field(
+        "group", description="Advantage of each sample from its score (reward + shaping): minus its group's mean, "
+        "divided by the group's score std (group, GRPO), the batch's score std (batch) or nothing (none, Dr. GRPO); "
+        "minus the mean of the other samples of its group (rloo); minus the batch mean, over the batch std "
+        "(reinforce++); minus its group's mean, then normalised over the batch (reinforce++-baseline). Formerly "
+        "adv_norm (still accepted).",
     )
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How token losses add up to a mini-batch's loss: mean over all tokens; mean over "
-        "sequences of each sequence's token mean; or mean over sequences of token sums / loss_norm_tokens (Dr. GRPO).",
+    loss_agg_mode: (Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+                    | None) = Field(
+        None, description="How token losses add up to a mini-batch's loss: mean over all tokens; mean over "
+        "sequences of each sequence's token mean; mean over sequences of token sums (LUSPO); or mean over sequences "
+        "of token sums / loss_norm_tokens (Dr. GRPO). Unset: the policy loss's own (token-mean for grpo, cispo and "
+        "vespo; seq-mean-token-mean for gspo and sapo; seq-mean-token-sum for luspo).",
     )
     loss_norm_tokens: int | None = Field(
         None, ge=1, description="The constant of seq-mean-token-sum-norm; default rollout.max_new_tokens.",
     )
+    cispo_max_ratio: float = Field(
+        5.0, gt=0.0, description="cispo: the cap on the detached importance weight (TRL's epsilon_high for cispo; "
+        "ScaleRL's 5.0).",
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="sapo: the gate's temperature where A > 0.")
+    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="sapo: the gate's temperature where A <= 0.")
+    vespo_k_pos: float = Field(2.0, ge=0.0, description="vespo: phi's power k where A >= 0 (down-weights w < 1).")
+    vespo_lambda_pos: float = Field(3.0, gt=0.0, description="vespo: phi's decay lambda where A >= 0 (down-weights "
+                                    "w > 1).")
+    vespo_k_neg: float = Field(3.0, ge=0.0, description="vespo: phi's power k where A < 0.")
+    vespo_lambda_neg: float = Field(2.0, gt=0.0, description="vespo: phi's decay lambda where A < 0.")
     use_kl_loss: bool = Field(False, description="KL to the frozen reference as a loss term.")
     kl_in_reward: bool = Field(False, description="Subtract kl_coef * sequence KL from the reward instead.")
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL term (needed > 0 when KL is on).")
@@ -384,8 +408,14 @@ class AlgorithmConfig(_Section):
     @classmethod
     def _renamed(cls, values):
         if isinstance(values, dict) and "normalize_adv_by_std" in values:
-            raise ValueError("normalize_adv_by_std was replaced by adv_norm: true -> adv_norm: group, "
-                             "false -> adv_norm: none")
+            raise ValueError("normalize_adv_by_std was replaced by advantage_estimator: true -> "
+                             "advantage_estimator: group, false -> advantage_estimator: none")
+        if isinstance(values, dict) and "adv_norm" in values:
+            # Renamed once RLOO and REINFORCE++ made it more than a normalisation; same values.
+            if "advantage_estimator" in values:
+                raise ValueError("adv_norm was renamed advantage_estimator; set only advantage_estimator")
+            values = {**values}
+            values["advantage_estimator"] = values.pop("adv_norm")
         return values
 
     @model_validator(mode="after")
@@ -395,6 +425,33 @@ class AlgorithmConfig(_Section):
         if (self.use_kl_loss or self.kl_in_reward) and self.kl_coef == 0.0:
             raise ValueError("KL is on (use_kl_loss or kl_in_reward) but kl_coef is 0; set kl_coef > 0")
         return self
+
+    @property
+    def aggregation(self) -> str:
+        """loss_agg_mode, or when unset the policy loss's own (TRL's pairing)."""
+        return self.loss_agg_mode or _OWN_AGGREGATION[self.policy_loss]
+
+    @model_validator(mode="after")
+    def _policy_loss_fits(self):
+        own = _OWN_AGGREGATION[self.policy_loss]
+        if self.policy_loss in ("gspo", "luspo") and self.aggregation != own:
+            # One ratio per sequence: a token-weighted aggregation counts it once per token, so a
+            # sequence weighs by its length (TRL warns the same); luspo is exactly gspo + token sums.
+            raise ValueError(
+                f"policy_loss {self.policy_loss} has one ratio per sequence and takes loss_agg_mode {own} "
+                f"(got {self.loss_agg_mode}: it would weigh each sequence by its length"
+                + ("; gspo with token sums is policy_loss luspo" if self.policy_loss == "gspo" else "")
+                + f"); set loss_agg_mode: {own} or leave it unset")
+        if self.policy_loss == "vespo" and self.tis.level == "sequence":
+            raise ValueError("policy_loss vespo folds the TIS weights into its sequence weight token by token; "
+                             "set tis.level: token")
+        return self
+
+
+# The aggregation each policy loss has in TRL 1.16 (loss_type grpo/sapo: per-sequence mean, i.e.
+# seq-mean-token-mean; dapo/cispo/vespo: tokens of the batch; luspo: per-sequence sums).
+_OWN_AGGREGATION = {"grpo": "token-mean", "gspo": "seq-mean-token-mean", "luspo": "seq-mean-token-sum",
+                    "cispo": "token-mean", "sapo": "seq-mean-token-mean", "vespo": "token-mean"}
 
 
 class CheckpointConfig(_Section):

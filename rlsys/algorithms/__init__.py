@@ -4,8 +4,8 @@
                    step's training sequences, once per step (KL in reward, advantages)
     shaping.py     reward shaping and sample filtering: overlong penalty, KL in reward, dynamic
                    sampling, truncation mask
-    advantages.py  ADVANTAGE_ESTIMATORS (algorithm.adv_norm)
-    losses.py      POLICY_LOSSES (algorithm.name), LOSS_AGGREGATIONS (algorithm.loss_agg_mode) and
+    advantages.py  ADVANTAGE_ESTIMATORS (algorithm.advantage_estimator)
+    losses.py      POLICY_LOSSES (algorithm.policy_loss), LOSS_AGGREGATIONS (algorithm.loss_agg_mode) and
                    `micro_batch_loss`: policy loss, TIS, KL loss, entropy bonus
     grpo.py        the pure math they are built from
 """

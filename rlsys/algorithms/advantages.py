@@ -1,8 +1,13 @@
-"""Advantage estimators, registered by name (config: algorithm.adv_norm).
+"""Advantage estimators, registered by name (config: algorithm.advantage_estimator).
 
 Each estimator maps the scores of equal-sized groups, laid out group by group as a [num_groups,
 group_size] tensor, to one advantage per sample, the same shape. Adding one: a function here and
-its entry in ADVANTAGE_ESTIMATORS (and its name in AlgorithmConfig.adv_norm).
+its entry in ADVANTAGE_ESTIMATORS (and its name in AlgorithmConfig.advantage_estimator).
+
+Scores are per sample (reward + shaping, KL in reward being the sequence's summed KL), so every
+estimator gives one advantage per sample, shared by its tokens; "batch" statistics are over the
+step's samples, each counted once (verl and OpenRLHF whiten REINFORCE++ over tokens, which weighs
+a sample by its length).
 """
 
 from __future__ import annotations
@@ -35,11 +40,37 @@ def group_centred(grouped: torch.Tensor, eps: float) -> torch.Tensor:
     return grouped - grouped.mean(dim=1, keepdim=True)
 
 
+# A_i = r_i - mean_{j != i}(r_j) = n / (n - 1) * (r_i - mean(r_group))   (RLOO; needs n >= 2)
+def leave_one_out(grouped: torch.Tensor, eps: float) -> torch.Tensor:
+    """[G, n] scores -> [G, n] advantages, each score minus the mean of the rest of its group (`eps` unused)."""
+    n = grouped.shape[1]
+    if n < 2:
+        raise ValueError(f"rloo needs at least 2 samples per group (got {n}); raise rollout.n_samples_per_prompt")
+    # The scaled form: a group of equal scores gets exactly 0 (r - (sum - r) / (n - 1) can round off it).
+    return n / (n - 1) * group_centred(grouped, eps)
+
+
+# A_i = (r_i - mean(r_batch)) / (std(r_batch) + eps)   (REINFORCE++: no group baseline, global normalisation)
+def batch_whitened(grouped: torch.Tensor, eps: float) -> torch.Tensor:
+    """[G, n] scores -> [G, n] advantages, centred and scaled by the whole batch's mean and std."""
+    batch_std = grouped.std(unbiased=True) if grouped.numel() > 1 else torch.zeros(())
+    return (grouped - grouped.mean()) / (batch_std + eps)
+
+
+# d_i = r_i - mean(r_group);  A_i = (d_i - mean(d_batch)) / (std(d_batch) + eps)   (REINFORCE++-baseline)
+def group_centred_batch_whitened(grouped: torch.Tensor, eps: float) -> torch.Tensor:
+    """[G, n] scores -> [G, n] advantages, each group centred, then normalised over the whole batch."""
+    return batch_whitened(group_centred(grouped, eps), eps)
+
+
 AdvantageEstimator = Callable[[torch.Tensor, float], torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "group": group_normalised,
     "batch": batch_normalised,
     "none": group_centred,
+    "rloo": leave_one_out,
+    "reinforce++": batch_whitened,
+    "reinforce++-baseline": group_centred_batch_whitened,
 }
 
 

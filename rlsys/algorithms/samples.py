@@ -149,7 +149,7 @@ def prepare(samples: list[Sample], algorithm: AlgorithmConfig, group_size: int,
     if algorithm.kl_in_reward:
         # KL is summed over every response token, whatever the loss mask (it only reads the ids).
         metrics.update(add_kl_penalty(samples, sequence_kl(sequences), algorithm.kl_coef))
-    metrics.update(assign_advantages(samples, group_size, algorithm.adv_norm))
+    metrics.update(assign_advantages(samples, group_size, algorithm.advantage_estimator))
     for seq, sample in zip(sequences, samples, strict=True):
         seq.advantage = sample.advantage
     return sequences, metrics

@@ -47,5 +47,5 @@ def test_dr_grpo_recipe_learns_with_rewards_from_a_reward_service(tmp_path, tiny
     scored = sum(len(batch) for batch in service.requests)
     assert scored >= len(rows) * 32 * 8  # every training sample (and the evals) went through the service
     assert all(r["reward_errors"] == 0 for r in rows)
-    # adv_norm none: advantages are centred rewards, |A| <= 1 for 0/1 rewards
+    # advantage_estimator none: advantages are centred rewards, |A| <= 1 for 0/1 rewards
     assert all(0.0 <= r["advantage_abs_mean"] <= 1.0 for r in rows)

@@ -218,3 +218,31 @@ def test_validators_never_rewrite_other_sections_and_the_trainer_derives_the_def
     assert spec.loss_norm_tokens == 5 and not spec.uses_tis
     assert not TrainerSpec.from_config(load_config(path), has_gpu=False).uses_tis
     assert TrainerSpec.from_config(load_config(path, ["algorithm.tis.enabled=true"]), has_gpu=False).uses_tis
+
+
+@pytest.mark.parametrize("policy_loss", ["grpo", "gspo", "luspo", "cispo", "sapo", "vespo"])
+def test_every_policy_loss_is_accepted_with_its_own_aggregation(tmp_path, tiny_model_dir, policy_loss):
+    config = load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), [f"algorithm.policy_loss={policy_loss}"])
+    assert config.algorithm.policy_loss == policy_loss and config.algorithm.loss_agg_mode is None
+
+
+@pytest.mark.parametrize(("policy_loss", "mode", "own"), [
+    ("gspo", "token-mean", "seq-mean-token-mean"),
+    ("gspo", "seq-mean-token-sum-norm", "seq-mean-token-mean"),
+    ("gspo", "seq-mean-token-sum", "seq-mean-token-mean"),
+    ("luspo", "seq-mean-token-mean", "seq-mean-token-sum"),
+])
+def test_a_sequence_level_ratio_with_a_token_weighted_aggregation_is_refused(tmp_path, tiny_model_dir,
+                                                                            policy_loss, mode, own):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, [f"algorithm.policy_loss={policy_loss}", f"algorithm.loss_agg_mode={mode}"])
+    message = str(error.value)
+    assert f"policy_loss {policy_loss} has one ratio per sequence and takes loss_agg_mode {own}" in message
+    assert f"(got {mode}: it would weigh each sequence by its length" in message
+
+
+def test_vespo_with_sequence_level_tis_is_refused(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError, match="policy_loss vespo folds the TIS weights .* set tis.level: token"):
+        load_config(path, ["algorithm.policy_loss=vespo", "algorithm.tis.level=sequence"])

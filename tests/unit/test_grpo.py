@@ -103,6 +103,49 @@ def test_batch_advantage_norm_uses_group_baseline_and_batch_std():
         group_advantages(rewards, group_size=2, norm="rank")
 
 
+# Two groups of 3: [1, 0, 0] (mean 1/3) and [1, 1, 0] (mean 2/3); batch mean 1/2.
+TWO_GROUPS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+
+
+def test_rloo_baseline_is_the_mean_of_the_other_samples_of_the_group():
+    adv = group_advantages(TWO_GROUPS, group_size=3, norm="rloo")
+    # 1 - mean(0, 0); 0 - mean(1, 0) twice | 1 - mean(1, 0) twice; 0 - mean(1, 1)
+    assert torch.allclose(adv, torch.tensor([1.0, -0.5, -0.5, 0.5, 0.5, -1.0]))
+    # n = 2: each sample's baseline is the other one's score
+    assert torch.allclose(group_advantages(torch.tensor([3.0, 1.0, 2.0, 2.0]), 2, norm="rloo"),
+                          torch.tensor([2.0, -2.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="rloo needs at least 2 samples per group"):
+        group_advantages(torch.tensor([1.0, 0.0]), group_size=1, norm="rloo")
+
+
+def test_reinforce_plus_plus_normalises_over_the_whole_batch_without_group_baseline():
+    # batch mean 1/2, deviations +-1/2: unbiased variance 6 * 1/4 / 5 = 0.3
+    adv = group_advantages(TWO_GROUPS, group_size=3, norm="reinforce++", eps=0.0)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0]) * 0.5 / math.sqrt(0.3))
+
+
+def test_reinforce_plus_plus_baseline_centres_groups_then_normalises_over_the_batch():
+    # group-centred: [2/3, -1/3, -1/3, 1/3, 1/3, -2/3] (batch mean 0); unbiased variance (12/9) / 5 = 4/15
+    adv = group_advantages(TWO_GROUPS, group_size=3, norm="reinforce++-baseline", eps=0.0)
+    centred = torch.tensor([2.0, -1.0, -1.0, 1.0, 1.0, -2.0]) / 3
+    assert torch.allclose(adv, centred / math.sqrt(4 / 15))
+    # not the batch estimator, which divides by the std of the raw scores (sqrt(0.3))
+    assert not torch.allclose(adv, group_advantages(TWO_GROUPS, group_size=3, norm="batch", eps=0.0))
+
+
+@pytest.mark.parametrize("estimator", ["group", "batch", "none", "rloo", "reinforce++", "reinforce++-baseline"])
+def test_a_batch_of_equal_scores_gets_zero_advantages(estimator):
+    adv = group_advantages(torch.full((6,), 0.7), group_size=3, norm=estimator)
+    assert torch.equal(adv, torch.zeros(6))
+
+
+def test_adv_norm_is_read_as_advantage_estimator():
+    assert AlgorithmConfig(adv_norm="none").advantage_estimator == "none"
+    assert AlgorithmConfig().advantage_estimator == "group"  # the default is unchanged
+    with pytest.raises(ValueError, match="renamed advantage_estimator"):
+        AlgorithmConfig(adv_norm="none", advantage_estimator="rloo")
+
+
 def test_loss_weights_for_each_aggregation_mode():
     tokens = [2, 4, 0, 6]  # the third sequence is masked out entirely
     assert sequence_loss_weights(tokens, "token-mean") == pytest.approx([1 / 12, 1 / 12, 0.0, 1 / 12])
@@ -157,6 +200,9 @@ def test_every_config_name_has_a_registered_estimator_loss_and_aggregation():
     """The config's choices and the registries name the same things: a name added to one and not
     the other is refused here, not in the middle of a run."""
     fields = AlgorithmConfig.model_fields
-    assert set(ADVANTAGE_ESTIMATORS) == set(typing.get_args(fields["adv_norm"].annotation))
-    assert set(LOSS_AGGREGATIONS) == set(typing.get_args(fields["loss_agg_mode"].annotation))
-    assert set(POLICY_LOSSES) == set(typing.get_args(fields["name"].annotation))
+    assert set(ADVANTAGE_ESTIMATORS) == set(typing.get_args(fields["advantage_estimator"].annotation))
+    aggregations, none = typing.get_args(fields["loss_agg_mode"].annotation)  # Literal[...] | None
+    assert set(LOSS_AGGREGATIONS) == set(typing.get_args(aggregations)) and none is type(None)
+    assert set(POLICY_LOSSES) == set(typing.get_args(fields["policy_loss"].annotation))
+    for policy_loss in POLICY_LOSSES:  # each loss's own aggregation is a registered one
+        assert AlgorithmConfig(policy_loss=policy_loss).aggregation in LOSS_AGGREGATIONS

@@ -79,13 +79,30 @@ def test_prepare_builds_the_steps_sequences_once_with_kl_shaped_advantages(token
         seen.append(sequences)
         return [1.0, 3.0]
 
-    algorithm = AlgorithmConfig(kl_in_reward=True, kl_coef=0.5, mask_truncated=True, adv_norm="none")
+    algorithm = AlgorithmConfig(kl_in_reward=True, kl_coef=0.5, mask_truncated=True, advantage_estimator="none")
     sequences, metrics = prepare(batch.samples, algorithm, 2, sequence_kl)
     assert len(seen) == 1 and seen[0] is sequences
     # scores 1 - 0.5 * 1 = 0.5 and 0 - 0.5 * 3 = -1.5: group mean -0.5
     assert [s.advantage for s in sequences] == pytest.approx([1.0, -1.0])
     assert [s.loss_mask for s in sequences] == [None, [0, 0, 0]]
     assert metrics == pytest.approx({"kl_reward_penalty": 1.0, "advantage_abs_mean": 1.0})
+
+
+@pytest.mark.parametrize(("estimator", "advantages"), [
+    ("rloo", [2.0, -2.0, 1.0, -1.0]),  # each score minus the other one of its group
+    ("reinforce++", [a / (7 / 6) ** 0.5 for a in [0.5, -1.5, 1.0, 0.0]]),  # batch mean 0, variance 3.5 / 3
+    ("reinforce++-baseline", [a / (5 / 6) ** 0.5 for a in [1.0, -1.0, 0.5, -0.5]]),  # centred; variance 2.5 / 3
+])
+def test_every_estimator_reads_the_kl_shaped_scores_of_the_whole_step(tokenizer, estimator, advantages):
+    """KL in reward is the sequence's summed KL off its score before any estimator runs, and the
+    batch statistics of REINFORCE++ cover every group of the step."""
+    records = [PromptRecord("a", "7"), PromptRecord("b", "8")]
+    generations = [_generation(tokenizer, t) for t in ["7", "0", "8", "8"]]  # rewards 1, 0, 1, 1
+    batch = _score(tokenizer, records, generations, 2)
+    algorithm = AlgorithmConfig(kl_in_reward=True, kl_coef=0.5, advantage_estimator=estimator)
+    sequences, _ = prepare(batch.samples, algorithm, 2, lambda sequences: [1.0, 3.0, 0.0, 2.0])
+    # scores 1 - 0.5, 0 - 1.5, 1 - 0, 1 - 1 = [0.5, -1.5, 1, 0]
+    assert [s.advantage for s in sequences] == pytest.approx(advantages, rel=1e-5)
 
 
 def test_prepare_leaves_a_step_with_no_loss_token_untrained(tokenizer):
