@@ -184,6 +184,9 @@ class Checkpointer:
         return self.store.save(state.next_step, self.parts.trainer.save_checkpoint, state)
 
 
+_SHORT_WRITE_MARKS = ("inline_container.cc", "PytorchStreamWriter failed writing file")
+
+
 def disk_full_failure(error: BaseException, run_dir: Path) -> RunFailed | None:
     """A RunFailed naming the full file system, its free space and the checkpoint a resume starts
     from, when `error` comes from a disk with no space left (directly, from an actor or in its
@@ -199,6 +202,10 @@ def disk_full_failure(error: BaseException, run_dir: Path) -> RunFailed | None:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             found = error
+        # torch.save's zip writer (caffe2 inline_container.cc) reports a short write to a full disk
+        # as a RuntimeError, "unexpected pos N vs M" or "PytorchStreamWriter failed writing file"
+        if isinstance(error, RuntimeError) and any(mark in str(error) for mark in _SHORT_WRITE_MARKS):
+            found = error
         # Ray's wrapper of an actor's exception keeps it in `cause`; DCP's CheckpointException keeps
         # each rank's (exception, traceback) in `failures`
         failures = getattr(error, "failures", None)
@@ -206,7 +213,8 @@ def disk_full_failure(error: BaseException, run_dir: Path) -> RunFailed | None:
         pending += [pair[0] for pair in failures.values()] if isinstance(failures, dict) else []
     if found is None:
         return None
-    writing = f" (writing {found.filename})" if found.filename else ""
+    filename = getattr(found, "filename", None)
+    writing = f" (writing {filename})" if filename else ""
     usage = shutil.disk_usage(run_dir)  # after the writers removed their partial files
     latest = CheckpointStore(run_dir).latest()
     then = f"then --resume continues from {latest}" if latest else "no checkpoint was written yet"

@@ -105,6 +105,25 @@ def test_other_failures_keep_their_message(tmp_path):
         "a trainer rank or rollout engine failed: OSError: [Errno 5] Input/output error")
 
 
+def test_a_full_disk_under_torch_save_is_named_as_a_full_disk(small_disk):
+    """torch.save's zip writer reports a short write as a RuntimeError ("unexpected pos N vs M"),
+    not an OSError; DCP's per-rank shard writes go through it. (Saved in a child process: the
+    failed writer keeps its half-written file open until its process ends.)"""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    run_dir = small_disk / "run"
+    run_dir.mkdir()
+    save = ("import torch\ntry:\n    torch.save(torch.zeros(2**20), 'shard.distcp')\n"
+            "except RuntimeError as error:\n    print(error)")
+    printed = subprocess.run([sys.executable, "-c", save], cwd=small_disk, capture_output=True, text=True, check=True)
+    (small_disk / "shard.distcp").unlink(missing_ok=True)  # what the failed writer gives back
+    assert printed.stdout.strip(), "torch.save did not fail on a full disk"
+    ranks_failed = CheckpointException("ranks: [0]", {0: (RuntimeError(printed.stdout.strip()), None)})
+    message = str(_failure_of(ranks_failed, run_dir))
+    assert message.startswith(f"no space left on the device of {run_dir}: ")
+    assert message.endswith("free some space, no checkpoint was written yet")
+
+
 @pytest.mark.slow
 def test_a_run_whose_disk_fills_up_fails_clearly_and_resumes_from_its_last_checkpoint(small_disk, tiny_model_dir):
     """Each checkpoint of the tiny model takes 2 MB: the second does not fit on the 3 MB disk."""

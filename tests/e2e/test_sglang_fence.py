@@ -13,7 +13,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import psutil
 import pytest
 
 from rlsys.config import EngineConfig, ModelConfig
@@ -249,14 +248,12 @@ def test_the_speedups_can_be_switched_off_and_the_required_patches_stay(speedups
 
 # --- a real engine -------------------------------------------------------------------------------
 
-def _greedy(model_dir: Path, log_path: Path) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """Greedy tokens and their log-probs for ragged prompts from a CPU engine, and how its children
-    were started."""
+def _greedy(model_dir: Path, log_path: Path) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and their log-probs for ragged prompts from a CPU engine."""
     spec = ServerSpec(ModelConfig(path=str(model_dir)), EngineConfig(context_length=128, max_total_tokens=4096))
     server = SGLangServer(spec, make_backend(False), "e0", log_path)
     server.start(timeout_s=600)
     try:
-        children = [" ".join(child.cmdline()) for child in psutil.Process(server._process.pid).children()]
         prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
         answers = server.client.generate({
             "input_ids": prompts,
@@ -266,23 +263,33 @@ def _greedy(model_dir: Path, log_path: Path) -> tuple[list[list[int]], list[list
     finally:
         server.stop()
     pairs = [answer["meta_info"]["output_token_logprobs"] for answer in answers]
-    return [[token for _, token, *_ in p] for p in pairs], [[lp for lp, *_ in p] for p in pairs], children
+    return [[token for _, token, *_ in p] for p in pairs], [[lp for lp, *_ in p] for p in pairs]
 
 
 @pytest.mark.slow
 def test_an_engine_without_the_speedups_generates_the_same_greedy_tokens(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(rlsys_fence.SPEEDUPS_ENV, "1")
-    fast_tokens, fast_logprobs, fast_children = _greedy(tiny_model_dir, tmp_path / "fast.log")
+    fast_tokens, fast_logprobs = _greedy(tiny_model_dir, tmp_path / "fast.log")
     monkeypatch.setenv(rlsys_fence.SPEEDUPS_ENV, "0")
-    plain_tokens, plain_logprobs, plain_children = _greedy(tiny_model_dir, tmp_path / "plain.log")
-    # Without the speed-ups SGLang spawns its scheduler and detokenizer, as it does on a GPU.
-    assert not any("multiprocessing.spawn" in child for child in fast_children), fast_children
-    assert any("multiprocessing.spawn" in child for child in plain_children), plain_children
+    plain_tokens, plain_logprobs = _greedy(tiny_model_dir, tmp_path / "plain.log")
+    # (Which start method the children got is not read from their command lines: SGLang renames
+    # its processes ("sglang::scheduler") as they start, so that would race. That speed-ups off
+    # leaves SGLang's spawn in place is test_the_speedups_can_be_switched_off_and_the_required_patches_stay.)
     # The one numerical change is the batched attention: each request's own softmax, summed in
     # another order (fp32 rounding, ~1e-7 relative per attention output; the per-call difference
     # is bounded by 1e-6 in tests/unit/test_cpu_decode.py). Through the tiny model's layers that
-    # moves a log-prob by far less than 1e-4, and no greedy choice here is that close.
-    assert plain_tokens == fast_tokens
-    worst = max(abs(a - b) for fast, plain in zip(fast_logprobs, plain_logprobs, strict=True)
-                for a, b in zip(fast, plain, strict=True))
-    assert worst < 1e-4, worst
+    # moves a log-prob by far less than 1e-4. A random model's distributions are nearly flat, so
+    # two tokens can tie closer than that and greedy decoding may then take either: compare each
+    # answer up to and including its first differing token (the contexts are equal until there).
+    # Where the tokens differ, each engine's choice is its own maximum, so the two chosen
+    # log-probs must still agree within the bound (a near tie, not a different distribution).
+    worst, compared = 0.0, 0
+    for fast_answer, fast_lps, plain_answer, plain_lps in zip(fast_tokens, fast_logprobs, plain_tokens,
+                                                              plain_logprobs, strict=True):
+        assert len(plain_answer) == len(fast_answer) == 24
+        for fast_token, fast_lp, plain_token, plain_lp in zip(fast_answer, fast_lps, plain_answer, plain_lps,
+                                                              strict=True):
+            worst, compared = max(worst, abs(fast_lp - plain_lp)), compared + 1
+            if fast_token != plain_token:
+                break
+    assert compared >= len(fast_tokens) and worst < 1e-4, (worst, fast_tokens, plain_tokens)
