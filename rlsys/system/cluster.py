@@ -6,6 +6,7 @@ import logging
 import os
 from contextlib import contextmanager
 
+import psutil
 import ray
 
 from rlsys.system.interrupts import children_in_process_groups_of_their_own
@@ -31,13 +32,54 @@ def ray_cluster(address: str | None, local_num_cpus: int, local_resources: dict[
         # A local cluster keeps Ray's default token authentication; its start-up warning that token
         # auth is on (RAY_AUTH_MODE unset) asks nothing of a user of this one-process cluster.
         logger.debug("starting a local Ray cluster: %d CPUs, resources %s", local_num_cpus, local_resources or {})
+        before = _children()
         with _quiet(_RAY_AUTH_LOGGER), children_in_process_groups_of_their_own():
             ray.init(num_cpus=local_num_cpus, resources=local_resources or None, include_dashboard=False,
                      runtime_env={"env_vars": ACTOR_ENV}, **kwargs)
+        local_cluster = [p for pid, p in _children().items() if pid not in before]
     try:
         yield
     finally:
+        # Noted before the shutdown: once the raylet is gone its workers (the actors) are init's.
+        workers = [] if address else _with_descendants(local_cluster)
         ray.shutdown()
+        _wait_for_exit(workers)
+
+
+# How long the actors' worker processes get to exit on their own after ray.shutdown: a killed actor
+# or an orphaned worker notices its raylet is gone within a second or two, slower on a loaded machine.
+WORKER_EXIT_GRACE_S = 20.0
+
+
+def _children() -> dict[int, psutil.Process]:
+    return {p.pid: p for p in psutil.Process().children()}
+
+
+def _with_descendants(processes: list[psutil.Process]) -> list[psutil.Process]:
+    found = []
+    for process in processes:
+        try:
+            found += [process, *process.children(recursive=True)]
+        except psutil.Error:
+            continue
+    return found
+
+
+def _wait_for_exit(processes: list[psutil.Process]) -> None:
+    """ray.shutdown stops the local cluster's GCS and raylet, and its ray.kill of each actor is only
+    a request: the actors' worker processes exit after it returns. Wait for them, so that nothing of
+    the run outlives the driver, and stop any that do not exit (psutil checks each pid is still the
+    process noted, not a recycled one)."""
+    _, alive = psutil.wait_procs(processes, timeout=WORKER_EXIT_GRACE_S)
+    if alive:
+        logger.warning("%d process(es) of the local Ray cluster did not exit within %.0f s of its shutdown: "
+                       "killed (%s)", len(alive), WORKER_EXIT_GRACE_S, ", ".join(str(p.pid) for p in alive))
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
 
 
 _RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"

@@ -63,3 +63,22 @@ def test_a_lock_held_from_another_host_is_respected(tmp_path):
                                                      "locked_at": 0}))
     with pytest.raises(RunDirInUse, match="in use by pid 1 on another-node"):
         RunDirLock(tmp_path).acquire()
+
+
+def test_the_local_clusters_processes_are_waited_for_after_its_shutdown_and_stragglers_killed(monkeypatch):
+    """ray.kill only asks an actor to exit: a worker that is slow to go (a loaded machine, a rank in
+    the middle of an I/O) must not outlive the driver."""
+    import time
+
+    import psutil
+
+    from rlsys.system import cluster
+
+    monkeypatch.setattr(cluster, "WORKER_EXIT_GRACE_S", 1.5)
+    slow = psutil.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    stuck = psutil.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = time.monotonic()
+    cluster._wait_for_exit([slow, stuck])
+    assert slow.returncode == 0  # exited on its own, waited for
+    assert stuck.returncode == -9  # outlived the grace period: killed
+    assert time.monotonic() - started < 10
