@@ -40,15 +40,9 @@ class TrainerGroup:
         results = ray.get([w.compute_log_probs.remote(s) for w, s in zip(self.workers, shares, strict=False)])
         return [logprobs for share in results for logprobs in share]
 
-    def _weighed(self, mini_batch: list[TrainSequence]) -> list[TrainSequence]:
-        """Copies carrying each sequence's token weight in this global mini-batch's loss."""
-        weights = sequence_loss_weights([s.loss_tokens for s in mini_batch], self.spec.algorithm.aggregation,
-                                        self.spec.loss_norm_tokens)
-        return [replace(s, loss_weight=w) for s, w in zip(mini_batch, weights, strict=True)]
-
     def train_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
         """Split into `mini_batches_per_step` global mini-batches, then each over the ranks."""
-        minis = [self._weighed(mini) for mini in split_evenly(sequences, self.spec.trainer.mini_batches_per_step)]
+        minis = global_mini_batches(sequences, self.spec)
         per_rank = [[split_evenly(mini, self.num_ranks)[rank] for mini in minis] for rank in range(self.num_ranks)]
         results = ray.get([w.train_step.remote(parts) for w, parts in zip(self.workers, per_rank, strict=True)])
         return results[0]  # metrics are all-reduced: every rank returns the same
@@ -63,7 +57,7 @@ class TrainerGroup:
 
     def loss_gradients(self, sequences: list[TrainSequence]) -> dict:
         """Gradients of the loss of `sequences` as one mini-batch (tests)."""
-        shares = self._shares(self._weighed(sequences))
+        shares = self._shares(weighed(sequences, self.spec))
         return ray.get([w.loss_gradients.remote(s) for w, s in zip(self.workers, shares, strict=True)])[0]
 
     def compute_sequence_kl(self, sequences: list[TrainSequence]) -> list[float]:
@@ -127,6 +121,19 @@ class TrainerGroup:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+def weighed(mini_batch: list[TrainSequence], spec: TrainerSpec) -> list[TrainSequence]:
+    """Copies carrying each sequence's token weight in this global mini-batch's loss."""
+    weights = sequence_loss_weights([s.loss_tokens for s in mini_batch], spec.algorithm.aggregation,
+                                    spec.loss_norm_tokens)
+    return [replace(s, loss_weight=w) for s, w in zip(mini_batch, weights, strict=True)]
+
+
+def global_mini_batches(sequences: list[TrainSequence], spec: TrainerSpec) -> list[list[TrainSequence]]:
+    """A step's batch as its `mini_batches_per_step` global mini-batches (contiguous, in order), each
+    sequence weighed for its mini-batch's loss: what every rank count splits further the same way."""
+    return [weighed(mini, spec) for mini in split_evenly(sequences, spec.trainer.mini_batches_per_step)]
 
 
 def _combine(reports: list[dict]) -> dict:

@@ -186,3 +186,24 @@ def test_gspo_logs_its_clip_fraction_per_sequence(packed):
 def test_vespo_logs_the_mean_phi_over_loss_tokens():
     sums = LossSums(policy_weight=3.0, tokens=6.0)
     assert sums.metrics(with_tis=False, policy_loss="vespo")["vespo_phi_mean"] == 0.5
+
+
+def test_the_entropy_bonus_is_aggregated_like_the_policy_loss():
+    """Where rlsys differs from TRL on purpose (tests/e2e/test_trl_equivalence.py compares the bonus
+    under token-mean only): TRL subtracts coef * the token mean of the entropy whatever the loss's
+    aggregation; rlsys weighs each token's entropy like its policy loss (verl's choice), so under
+    seq-mean-token-mean a short sequence's tokens weigh more in both terms alike."""
+    algorithm = AlgorithmConfig(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.1)
+    log_ratios = [[0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]  # on-policy: the policy term is -A per token
+    batch, logprobs = micro_batch(algorithm, packed=True, log_ratios=log_ratios, advantages=[0.0, 0.0])
+    entropy = torch.zeros_like(logprobs)
+    values = [[1.0, 3.0], [2.0, 2.0, 2.0, 6.0]]
+    for (row, first, end), h in zip(batch.spans, values, strict=True):
+        entropy[row, first:end] = torch.tensor(h)
+    entropy.requires_grad_()
+    loss = micro_batch_loss(logprobs, entropy, batch, algorithm, tis=False)
+    # w_i = 1 / (2 n_i): -0.1 * (mean(1, 3) + mean(2, 2, 2, 6)) / 2 = -0.1 * (2 + 3) / 2
+    assert loss.objective.item() == pytest.approx(-0.25)
+    loss.objective.backward()
+    grads = [g for row, first, end in batch.spans for g in entropy.grad[row, first:end].tolist()]
+    assert grads == pytest.approx([-0.1 / 4] * 2 + [-0.1 / 8] * 4)  # TRL's token mean: -0.1 / 6 on every token
