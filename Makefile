@@ -73,17 +73,9 @@ test-gpu:
 	$(BIN)/python -m pytest -q -m gpu tests
 	bash deploy/gpu_smoke.sh
 
-# TRL in its own virtualenv (its transformers/accelerate pins are not SGLang's), then rlsys
-# against TRL's GRPOTrainer on the same work: one JSON object (bench/vs_trl.py).
-BENCH_VENV := .cache/bench-venv
-$(BENCH_VENV)/.installed:
-	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/pip install -q torch==2.14.1
-	$(BENCH_VENV)/bin/pip install -q trl==1.16.0
-	touch $@
-
-bench: install $(BENCH_VENV)/.installed
+# rlsys against TRL's GRPOTrainer on the same work (TRL 1.16 is a test dependency, in the same
+# virtualenv): one JSON object (bench/vs_trl.py); `--learning` for steps to a target eval instead.
+bench: install
 	$(BIN)/python bench/vs_trl.py --out bench/results/vs_trl-$$(date +%F).json
 
 test-fast: install

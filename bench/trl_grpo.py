@@ -1,8 +1,9 @@
 """TRL's GRPOTrainer on a workload described by a JSON file: the peer side of bench/vs_trl.py.
 
-Runs in the benchmark's own virtualenv (`make bench` builds it: TRL's pins are not SGLang's), so
-it imports nothing from rlsys. It prints one JSON object: per step, its seconds, the seconds spent
-generating inside it, and the wall-clock time it ended.
+It imports nothing from rlsys (TRL 1.16 shares rlsys's virtualenv as a test dependency). It prints
+one JSON object: per step, its seconds, the seconds spent generating inside it, and the wall-clock
+time it ended. With `eval_interval` set, every that many steps it also scores greedy answers to the
+workload's eval prompts (`eval_reward_mean` of that step) and stops once they reach `target`.
 
     python bench/trl_grpo.py WORKLOAD.json
 """
@@ -51,6 +52,24 @@ def main(workload_path: str) -> None:
                 self.generate_seconds += time.perf_counter() - start
 
     steps: list[dict] = []
+    eval_rows = ([json.loads(line) for line in open(work["eval_prompts"]) if line.strip()]
+                 if work.get("eval_interval") else [])
+
+    @torch.no_grad()
+    def greedy_eval() -> float:
+        """Mean reward of greedy answers to the eval prompts, decoded as TRL decodes completions."""
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        scores = []
+        for row in eval_rows:
+            ids = tokenizer(row["prompt"], return_tensors="pt", add_special_tokens=False).input_ids
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=work["max_new_tokens"], pad_token_id=tokenizer.pad_token_id)
+            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            scores.append(float(score(row["prompt"], answer, row["label"], {})))
+        model.train(was_training)
+        return sum(scores) / len(scores)
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -59,7 +78,10 @@ def main(workload_path: str) -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             steps.append({"step_s": time.perf_counter() - self.start, "generate_s": trainer.generate_seconds,
-                          "end_time": time.time()})
+                          "end_time": time.time(), "updates": state.global_step})
+            if eval_rows and state.global_step % work["eval_interval"] == 0:
+                steps[-1]["eval_reward_mean"] = greedy_eval()
+                control.should_training_stop = steps[-1]["eval_reward_mean"] >= work["target"]
 
     batch = work["prompts_per_step"] * work["group_size"]
     generation_kwargs = {"min_new_tokens": work["max_new_tokens"]} if work["force_length"] else {}

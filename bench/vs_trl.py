@@ -1,8 +1,9 @@
 """rlsys against TRL's GRPOTrainer on the same GRPO work, one after the other on this machine.
 Prints one JSON object.
 
-    make bench            # builds TRL's own virtualenv (.cache/bench-venv), then runs this
+    make bench
     .venv/bin/python bench/vs_trl.py [--shapes compute_bound,overhead_bound] [--out FILE]
+    .venv/bin/python bench/vs_trl.py --learning [--seeds 3] [--max-steps 500] [--target 0.9]
 
 Both sides get the same model files, prompts, reward function (a file both import), group size,
 token counts, learning rate, temperature and seed. rlsys runs with its defaults (what a user gets
@@ -20,6 +21,13 @@ every round), `rlsys_over_trl` (and `rlsys_over_trl_per_round`), and each side's
 split (`*_generate_s`, `*_train_s`: the rest of the step). `startup.*_first_step_s`: from launching
 the command to the end of its first step (median over rounds). `--rounds` (default 2) pairs run
 in ABBA order, so a machine whose speed drifts weighs on both sides alike.
+
+`--learning` (shape `overhead_bound`) measures learning rather than speed: each side trains from
+`--seeds` seeds (default 3) for up to `--max-steps` steps, evaluating every 10 steps greedily on the
+same 100 held-out prompts with the same reward (rlsys: its own eval; TRL: a callback that decodes
+greedily with `model.generate` and stops the run once the target is reached). Keys under
+`learning`: each side's steps to `--target` eval reward per seed (null: not reached), their median,
+min and max, and `rlsys_over_trl_steps` (ratio of the medians).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-TRL_PYTHON = REPO / ".cache" / "bench-venv" / "bin" / "python"
+TRL_PYTHON = REPO / ".venv" / "bin" / "python"  # TRL 1.16 is among rlsys's test dependencies
 RLSYS = REPO / ".venv" / "bin" / "rlsys"
 
 REWARD_FILE = '''
@@ -82,24 +90,33 @@ def build_workload(shape: Shape, work_dir: Path) -> dict:
     make_tiny_model(model_dir, TinyModelSpec(hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                              num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                                              intermediate_size=shape.intermediate_size))
-    train, _ = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800, num_eval=1))
-    prompts = work_dir / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": e.prompt, "label": e.label}) + "\n" for e in train))
+    train, held_out = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800,
+                                                        num_eval=EVAL_PROMPTS))
+    prompts, eval_prompts = work_dir / "prompts.jsonl", work_dir / "eval.jsonl"
+    for path, examples in ((prompts, train), (eval_prompts, held_out)):
+        path.write_text("".join(json.dumps({"prompt": e.prompt, "label": e.label}) + "\n" for e in examples))
     reward = work_dir / "bench_reward.py"
     reward.write_text(REWARD_FILE)
-    return {"model": str(model_dir), "prompts": str(prompts), "reward": f"{reward}:reward", "seed": 0,
+    return {"model": str(model_dir), "prompts": str(prompts), "eval_prompts": str(eval_prompts),
+            "reward": f"{reward}:reward", "seed": 0, "eval_interval": None, "target": None,
             "prompts_per_step": shape.prompts_per_step, "group_size": shape.group_size,
             "max_new_tokens": shape.max_new_tokens, "force_length": shape.force_length, "lr": shape.lr,
             "temperature": 1.0, "steps": shape.steps}
 
 
+EVAL_PROMPTS = 100
+
+
 def rlsys_config(work: dict, run_dir: Path) -> dict:
     """The user's config for this work: everything else is rlsys's default."""
+    evaluated = work["eval_interval"] is not None
     return {
         "run_dir": str(run_dir),
         "seed": work["seed"],
         "model": {"path": work["model"]},
-        "data": {"train_path": work["prompts"], "prompts_per_step": work["prompts_per_step"]},
+        "data": {"train_path": work["prompts"], "prompts_per_step": work["prompts_per_step"],
+                 **({"eval_path": work["eval_prompts"]} if evaluated else {})},
+        **({"eval": {"interval": work["eval_interval"], "temperature": 0.0}} if evaluated else {}),
         "reward": {"function": work["reward"]},
         "rollout": {
             "n_samples_per_prompt": work["group_size"], "temperature": work["temperature"],
@@ -125,13 +142,14 @@ def run_rlsys(work: dict, work_dir: Path, round_index: int = 0) -> tuple[list[di
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [{"step_s": r["time_step_s"], "generate_s": r.get("time_generate_s", 0.0),
               "sync_s": r.get("time_sync_s", 0.0), "offload_s": r.get("time_offload_s", 0.0),
-              "end_time": r["timestamp"]} for r in rows]
+              "end_time": r["timestamp"], "eval_reward_mean": r.get("eval_reward_mean"),
+              "updates": r["step"]} for r in rows]  # step k evaluates before its own update: after k of them
     return steps, started
 
 
 def run_trl(work: dict, work_dir: Path) -> tuple[list[dict], float]:
-    if not TRL_PYTHON.exists():
-        raise SystemExit(f"TRL's virtualenv is missing ({TRL_PYTHON}); run `make bench`, which builds it")
+    if subprocess.run([str(TRL_PYTHON), "-c", "import trl"], capture_output=True).returncode != 0:
+        raise SystemExit(f"TRL is not installed in {TRL_PYTHON}; run `make install` (trl is a test dependency)")
     workload = work_dir / "trl.json"
     workload.write_text(json.dumps(work))
     started = time.time()
@@ -185,15 +203,59 @@ def bench_shape(shape: Shape, root: Path, rounds: int) -> tuple[dict, dict]:
     return result, startup
 
 
+def steps_to_target(steps: list[dict], target: float) -> int | None:
+    """Optimizer updates before the first eval that reaches the target (both sides evaluate after
+    0 (rlsys only), 10, 20, ... updates)."""
+    for step in steps:
+        if step.get("eval_reward_mean") is not None and step["eval_reward_mean"] >= target:
+            return step["updates"]
+    return None
+
+
+def bench_learning(root: Path, seeds: int, max_steps: int, target: float) -> dict:
+    """Steps to the target eval reward, per seed and side, on the overhead-bound shape."""
+    shape = SHAPES["overhead_bound"]
+    work_dir = root / "learning"
+    work_dir.mkdir(parents=True)
+    base = build_workload(shape, work_dir) | {"steps": max_steps, "eval_interval": 10, "target": target}
+    reached: dict[str, list[int | None]] = {"trl": [], "rlsys": []}
+    curves: dict[str, list[list]] = {"trl": [], "rlsys": []}
+    for seed in range(seeds):
+        work = base | {"seed": seed}
+        for side in (["trl", "rlsys"] if seed % 2 == 0 else ["rlsys", "trl"]):
+            steps, _ = run_trl(work, work_dir) if side == "trl" else run_rlsys(work, work_dir, 100 + seed)
+            reached[side].append(steps_to_target(steps, target))
+            curves[side].append([[s["updates"], round(s["eval_reward_mean"], 3)] for s in steps
+                                 if s.get("eval_reward_mean") is not None])
+    result: dict = {"target_eval_reward": target, "max_steps": max_steps, "eval_interval": 10,
+                    "eval_prompts": EVAL_PROMPTS, "seeds": seeds}
+    for side, values in reached.items():
+        # a seed that never reached the target counts as max_steps + 1 in the median (a lower bound)
+        counted = sorted(v if v is not None else max_steps + 1 for v in values)
+        result[f"{side}_steps_to_target"] = values
+        result[f"{side}_median_steps"] = statistics.median(counted)
+        result[f"{side}_min_steps"], result[f"{side}_max_steps"] = counted[0], counted[-1]
+    result["rlsys_over_trl_steps"] = round(result["rlsys_median_steps"] / result["trl_median_steps"], 3)
+    result["eval_curves"] = curves  # per side, per seed: [updates, greedy eval reward]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rounds", type=int, default=2, help="TRL/rlsys pairs per shape, in ABBA order")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--learning", action="store_true", help="steps to a target eval reward instead of speed")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=500)
+    parser.add_argument("--target", type=float, default=0.9)
     args = parser.parse_args()
     result: dict = {"machine": {"cpus": os.cpu_count()}, "rounds": args.rounds, "startup": {}}
     with tempfile.TemporaryDirectory(prefix="rlsys-vs-trl-") as root:
-        for name in args.shapes.split(","):
+        if args.learning:
+            result = {"machine": result["machine"],
+                      "learning": bench_learning(Path(root), args.seeds, args.max_steps, args.target)}
+        for name in ([] if args.learning else args.shapes.split(",")):
             result[name], startup = bench_shape(SHAPES[name], Path(root), args.rounds)
             if name == "overhead_bound" or not result["startup"]:
                 result["startup"] = {**startup, "shape": name}

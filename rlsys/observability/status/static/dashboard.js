@@ -16,6 +16,9 @@ const CHARTS = [
                                    ["sampling_rounds", "sampling rounds", "#1e88e5"]] },
   { id: "chart-truncation", series: [["truncated_fraction", "truncated fraction", "#fb8c00"],
                                      ["overlong_penalty_mean", "overlong penalty", "#8e24aa"]] },
+  { id: "chart-policy", series: [["clip_fraction", "tokens clipped", "#e53935"],
+                                 ["seq_clip_fraction", "responses clipped (gspo, luspo)", "#fb8c00"],
+                                 ["vespo_phi_mean", "VESPO phi mean", "#3949ab"]] },
   { id: "chart-tis", series: [["tis_weight_mean", "TIS weight mean", "#00897b"],
                               ["tis_clipped_fraction", "TIS clipped fraction", "#e53935"]] },
   // rollout.generate_function (multi-turn, tools) and rollout.max_staleness.
