@@ -81,6 +81,17 @@ class CheckpointFiles:
             return rows[:] if len(rows.get_shape()) == 0 else rows[start:stop]
 
 
+def parameters_without_tensor(path: str | Path) -> list[str]:
+    """Parameters of the model `path`/config.json builds (on the meta device: no memory) that the
+    checkpoint has no tensor for under any of their names; what `fill_from_checkpoint` would stop at."""
+    model = build_empty_model(str(path), "sdpa")
+    stored = CheckpointFiles(path).file_of
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    return [names[0] for names in aliases.values() if not any(name in stored for name in names)]
+
+
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(this rank's local tensor, its first row in the full tensor). FSDP2 shards dim 0 in
     `torch.chunk` pieces: rank r holds rows [r * ceil(n / W), ...)."""

@@ -94,6 +94,27 @@ def _load_tokenizer_checked(config: RunConfig, tokenizer_dir: Path):
         raise
 
 
+def _check_the_trainer_can_load(model_dir: Path) -> None:
+    """Every parameter of the model config.json describes has a tensor of its name in the weight
+    files, as the trainer ranks read them (actors/loading.py), checked before any actor starts."""
+    from rlsys.actors.loading import parameters_without_tensor
+
+    if not any(model_dir.glob("*.safetensors")):
+        return  # .bin weights: the trainer refuses them with its own message
+    missing = parameters_without_tensor(model_dir)
+    if not missing:
+        return
+    named = f"{len(missing)} parameter(s) of the model have no tensor of that name in its weight files " \
+            f"(e.g. {', '.join(missing[:3])})"
+    if any(".experts." in name for name in missing):
+        raise ConfigError(
+            f"invalid config: model.path {model_dir}: {named}: these are mixture-of-experts weights, which "
+            "transformers stacks per layer while the checkpoint keeps one tensor per expert; rlsys's trainer "
+            "does not read that layout yet: use a dense model (Qwen2, Qwen3, Llama; docs/gpus-and-clusters.md)")
+    raise ConfigError(f"invalid config: model.path {model_dir}: {named}: config.json and the weight files "
+                      "disagree; point model.path at a complete Hugging Face checkpoint")
+
+
 def load_assets(config: RunConfig) -> RunAssets:
     model_dir = Path(config.model.path)
     if not (model_dir / "config.json").is_file():
@@ -108,6 +129,7 @@ def load_assets(config: RunConfig) -> RunAssets:
             f"invalid config: model.path {model_dir} holds no weight files ({', '.join(_WEIGHT_FILES)}); "
             "point it at a complete Hugging Face checkpoint"
         )
+    _check_the_trainer_can_load(model_dir)
     tokenizer_dir = Path(config.model.tokenizer_dir)
     if not (tokenizer_dir / "tokenizer_config.json").is_file():
         raise ConfigError(f"invalid config: no tokenizer in {tokenizer_dir} (no tokenizer_config.json); "

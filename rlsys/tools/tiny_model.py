@@ -1,8 +1,9 @@
-"""Build a tiny random-init Qwen2 model and a character-level tokenizer into a local directory.
+"""Build a tiny random-init model (Qwen2, Qwen3, Llama or Qwen3-MoE) and a character-level
+tokenizer into a local directory.
 
 Nothing here touches a model hub: the tokenizer is built with the `tokenizers` library and the
-model from a `Qwen2Config`, then both are saved in the Hugging Face format that SGLang and
-transformers load from disk.
+model from its transformers config class, then both are saved in the Hugging Face format that
+SGLang and transformers load from disk.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class TinyModelSpec:
     intermediate_size: int = 256
     max_position_embeddings: int = 512
     seed: int = 0
+    arch: str = "qwen2"  # a key of ARCHITECTURES
+    num_experts: int = 4  # qwen3_moe only
+    num_experts_per_tok: int = 2
 
     def __post_init__(self):
         # Rotary embeddings rotate pairs of a head's dimensions: each head needs an even size.
@@ -38,6 +42,32 @@ class TinyModelSpec:
                              f"attention heads of an even size), got {self.hidden_size}")
         if self.num_layers < 1:
             raise UsageError(f"--num-layers must be at least 1, got {self.num_layers}")
+        if self.arch not in ARCHITECTURES:
+            raise UsageError(f"--arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
+
+    def config_fields(self) -> dict:
+        """The architecture's own config fields for these shapes (beyond the shared ones)."""
+        if self.arch == "qwen2":
+            return {}
+        if self.arch == "llama":
+            return {"attention_bias": False, "mlp_bias": False}
+        fields = {"head_dim": self.hidden_size // self.num_heads}  # Qwen3 sets it apart from hidden / heads
+        if self.arch == "qwen3_moe":
+            fields.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                          moe_intermediate_size=self.intermediate_size // 2, decoder_sparse_step=1,
+                          norm_topk_prob=True, mlp_only_layers=[])
+        return fields
+
+
+# --arch -> (transformers config class, model class); what each differs in where rlsys does its
+# own work: Qwen2 has q/k/v biases; Qwen3 has none but per-head q/k RMSNorms and its own head_dim;
+# Llama neither; Qwen3-MoE is Qwen3 with routed experts in every layer.
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 
 
 # Chat variant: Qwen's turn markers (special tokens at the end of the vocabulary, so the plain
@@ -84,10 +114,11 @@ def _make_output_dir(out_dir: str | Path) -> Path:
 
 
 def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), chat: bool = False) -> Path:
-    """Write a tokenizer and a random-init Qwen2ForCausalLM (fp32, untied head) to `out_dir`;
+    """Write a tokenizer and a random-init model of `spec.arch` (fp32, untied head) to `out_dir`;
     `chat`: the tokenizer has a chat template in its tokenizer_config, as Qwen's instruct models do."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     out_dir = _make_output_dir(out_dir)
     tokenizer = build_tokenizer(chat)
@@ -100,7 +131,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
 
     # Exactly the tokenizer's size: an unused id could be sampled and would decode to nothing.
     vocab_size = len(tokenizer)
-    config = Qwen2Config(
+    config_class, model_class = (getattr(transformers, name) for name in ARCHITECTURES[spec.arch])
+    config = config_class(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -113,9 +145,10 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
+        **spec.config_fields(),
     )
     torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id

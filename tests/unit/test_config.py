@@ -83,6 +83,36 @@ def test_model_directory_without_weight_files_fails_before_actors(tmp_path, tiny
         load_assets(config)
 
 
+def test_weights_missing_a_parameter_fail_before_actors_naming_it(tmp_path, tiny_model_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rlsys.run.assets import load_assets
+
+    damaged = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, damaged)
+    tensors = load_file(damaged / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
+    config = load_config(write_config(tmp_path / "c.yaml", damaged))
+    with pytest.raises(ConfigError, match=r"1 parameter\(s\) .* \(e.g. model.layers.1.mlp.up_proj.weight\): "
+                                          "config.json and the weight files disagree"):
+        load_assets(config)
+
+
+def test_a_mixture_of_experts_model_is_refused_before_actors_saying_why(tmp_path):
+    """transformers 5 stacks a Qwen3-MoE layer's experts into one parameter; its checkpoints keep
+    one tensor per expert, which the trainer's shard reader does not map yet."""
+    from rlsys.run.assets import load_assets
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "moe", TinyModelSpec(arch="qwen3_moe"))
+    config = load_config(write_config(tmp_path / "c.yaml", model))
+    with pytest.raises(ConfigError, match=r"mixture-of-experts weights.* use a dense model \(Qwen2, Qwen3, Llama"):
+        load_assets(config)
+
+
 @pytest.mark.parametrize("betas", ["[2.0, 0.999]", "[0.9, 1.0]", "[-0.1, 0.9]"])
 def test_adam_betas_outside_zero_one_are_rejected(tmp_path, tiny_model_dir, betas):
     with pytest.raises(ConfigError, match=r"trainer: betas must each be in \[0, 1\)"):

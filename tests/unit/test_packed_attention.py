@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+import transformers
 
 from rlsys.actors.packed_attention import PACKED_SDPA, register_packed_sdpa, sequence_starts
+from rlsys.tools.tiny_model import ARCHITECTURES, TinyModelSpec
 
 LENGTHS = [5, 9, 5, 1, 13, 9, 5]  # repeated lengths share one SDPA call; a one-token sequence
 
 
-def _model(attention: str) -> Qwen2ForCausalLM:
+def _model(attention: str, arch: str = "qwen2"):
+    """A small random model of `arch` (rlsys make-tiny-model's architectures and their fields)."""
     register_packed_sdpa()
-    config = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    config_class, model_class = (getattr(transformers, name) for name in ARCHITECTURES[arch])
+    spec = TinyModelSpec(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, arch=arch)
+    config = config_class(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                          **spec.config_fields())
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = model_class(config)
     model.config._attn_implementation = attention
     return model
 
@@ -27,8 +32,9 @@ def _sequences() -> list[torch.Tensor]:
     return [torch.randint(0, 50, (n,), generator=generator) for n in LENGTHS]
 
 
-def test_a_packed_row_gives_each_sequences_own_logits_and_gradients():
-    model = _model(PACKED_SDPA)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_a_packed_row_gives_each_sequences_own_logits_and_gradients(arch):
+    model = _model(PACKED_SDPA, arch)
     sequences = _sequences()
     packed_ids = torch.cat(sequences)[None]
     positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
