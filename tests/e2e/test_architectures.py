@@ -1,0 +1,105 @@
+"""The architecture matrix: each architecture `rlsys make-tiny-model --arch` builds goes the whole
+way through rlsys. Qwen2 has q/k/v biases; Qwen3 has none, but per-head q/k RMSNorms and a
+head_dim of its own; Llama has neither. Where rlsys does its own work they differ: meta-device
+loading with per-rank shard reads (2 FSDP2 ranks), packed attention (tests/unit/test_packed_attention.py
+covers every architecture), the parameter names the weight sync hands to SGLang's `load_weights`
+(both transports), the served-model registry, and export.
+
+Engine log-probs equal the trainer's to 1e-3, the bound tests/e2e/test_weight_sync.py uses for
+Qwen2 (fp32 on both sides; different kernels: SGLang's CPU attention against packed SDPA).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlsys.actors.group import TrainerGroup
+from rlsys.config import EngineConfig, ModelConfig
+from rlsys.records import TrainSequence
+from rlsys.rollout.manager import RolloutManager
+from rlsys.rollout.sglang.server import ServerSpec
+from rlsys.run.verify import verify_engine_weights
+from rlsys.system.topology import Topology
+from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
+from tests.helpers import REPO, random_sequences, train_command, trainer_spec
+
+# Qwen2, the default, goes through every other test: both transports in tests/e2e/test_weight_sync.py,
+# learning in tests/e2e/test_quickstart.py, export in tests/e2e/test_resume.py.
+DENSE = ["qwen3", "llama"]
+FIXED = [[5, 9, 14, 3, 7, 7, 20, 31], [40, 41, 42, 6, 6, 6], [12, 65, 13, 65, 14, 73, 15, 1]]
+BOUND = 1e-3
+
+
+@pytest.fixture(scope="module", params=DENSE)
+def arch_model(request, tmp_path_factory):
+    return request.param, make_tiny_model(tmp_path_factory.mktemp(request.param), TinyModelSpec(arch=request.param))
+
+
+def _engine_gap(rollout: RolloutManager, trainer: TrainerGroup) -> float:
+    expected = trainer.compute_log_probs([TrainSequence(tokens, prompt_len=1) for tokens in FIXED])
+    served = rollout.score(FIXED, engine_index=0)
+    return max(abs(x - y) for a, b in zip(served, expected, strict=True) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_one_engine_serves_what_two_sharded_ranks_hold_through_both_transports(arch_model, ray_cluster, tmp_path):
+    arch, model_dir = arch_model
+    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120)
+    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(model_dir)), engine), 1, str(tmp_path / "logs"),
+                             [{"num_cpus": 1}])
+    trainer = TrainerGroup(trainer_spec(model_dir, lr=1e-2), num_ranks=2)  # meta-device build, shard reads
+    try:
+        rollout.wait_ready()
+        assert trainer.describe()["layout"] == "FSDP2"
+        assert _engine_gap(rollout, trainer) < BOUND, arch  # the same checkpoint, read two ways
+        for version, mode in enumerate(("colocated", "disaggregated"), start=1):
+            trainer.train_step(random_sequences(version, count=16, vocab=80))
+            assert _engine_gap(rollout, trainer) > 10 * BOUND  # the engine still serves the old weights
+            topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
+            trainer.connect_engines(topology, timeout_s=60)
+            trainer.sync_weights(16 * 2**20, weight_version=version)
+            assert _engine_gap(rollout, trainer) < BOUND, f"{arch}, {mode} sync"
+            assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
+    finally:
+        rollout.shutdown()
+        trainer.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", DENSE)
+def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from rlsys.config import load_config
+    from rlsys.data.tasks import generate_task
+
+    model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(arch=arch))
+    run_dir = tmp_path / "run"
+    # The CISPO recipe: the quickstart's task and model size, learning in fewer steps.
+    result = subprocess.run(train_command("recipes/cispo.yaml", model_dir, run_dir, "trainer.total_steps=100",
+                                          "checkpoint.interval=100"),
+                            cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_reward_mean"] for r in rows if r.get("eval_reward_mean") is not None]
+    assert evals[0] < 0.3 and evals[-1] >= 0.9, f"{arch}: eval reward over the run: {evals}"
+
+    exported = tmp_path / "exported"
+    result = subprocess.run([sys.executable, "-m", "rlsys.cli", "export", str(run_dir), str(exported)],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    assert type(model).__name__ == json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(exported)
+    # transformers, from the exported files alone, answers the eval prompts as the run's last eval did
+    _, eval_rows = generate_task(load_config(run_dir / "config.yaml").data.synthetic)
+    right = 0
+    for row in eval_rows:
+        ids = tokenizer(row.prompt, return_tensors="pt").input_ids
+        answer = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+        right += tokenizer.decode(answer, skip_special_tokens=True).strip() == row.label
+    assert right / len(eval_rows) == pytest.approx(evals[-1], abs=0.05)  # near-ties may break either way
