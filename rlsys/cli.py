@@ -21,13 +21,19 @@ USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError, MetricsFileError,
 logger = logging.getLogger("rlsys.cli")  # not __name__: that is "__main__" under `python -m rlsys.cli`
 
 
+def train_overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides `rlsys train` applies: the command line's, then --resume's, then
+    --quiet's (no progress bar: it is terminal output like the info lines it hides)."""
+    return (list(args.overrides) + (["checkpoint.resume=auto"] if args.resume else [])
+            + (["logging.progress_bar=false"] if args.log_level >= logging.WARNING else []))
+
+
 def _train(args: argparse.Namespace) -> int:
     from rlsys.config import load_config
     from rlsys.errors import RunFailed
     from rlsys.run.coordinator import StoppedAtOnce, run
 
-    overrides = list(args.overrides) + (["checkpoint.resume=auto"] if args.resume else [])
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, train_overrides(args))
     try:
         run(config)
     except RunFailed as error:

@@ -75,3 +75,13 @@ def test_the_debug_line_of_a_step_gives_each_phase_in_order():
     row = {"step": 3, "time_generate_s": 0.081, "reward_mean": 0.5, "time_train_s": 0.06, "time_sync_s": 0.0349,
            "time_step_s": 0.19, "timestamp": 1.8e9}
     assert _phase_seconds(row) == "generate 0.08 s, train 0.06 s, sync 0.03 s"
+
+
+def test_quiet_also_hides_the_progress_bar():
+    from rlsys.cli import build_parser, train_overrides
+
+    for argv in (["-q", "train", "c.yaml", "trainer.lr=0.1"], ["train", "c.yaml", "--quiet"]):
+        assert train_overrides(build_parser().parse_args(argv))[-1] == "logging.progress_bar=false"
+    assert "logging.progress_bar=false" not in train_overrides(build_parser().parse_args(["train", "c.yaml"]))
+    assert train_overrides(build_parser().parse_args(["train", "c.yaml", "--resume", "-v"])) == [
+        "checkpoint.resume=auto"]
