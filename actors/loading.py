@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from rlsys.actors.checkpoint_layout import Piece, checkpoint_pieces
 from rlsys.actors.packed_attention import PACKED_SDPA, register_packed_sdpa
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -83,13 +84,39 @@ class CheckpointFiles:
 
 def parameters_without_tensor(path: str | Path) -> list[str]:
     """Parameters of the model `path`/config.json builds (on the meta device: no memory) that the
-    checkpoint has no tensor for under any of their names; what `fill_from_checkpoint` would stop at."""
+    checkpoint has no tensor for under any of their names (for a stacked parameter: one of its
+    pieces); what `fill_from_checkpoint` would stop at."""
     model = build_empty_model(str(path), "sdpa")
     stored = CheckpointFiles(path).file_of
+    stacked = checkpoint_pieces(model)
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
-    return [names[0] for names in aliases.values() if not any(name in stored for name in names)]
+    return [names[0] for names in aliases.values()
+            if not (all(piece.name in stored for piece in stacked[names[0]]) if names[0] in stacked
+                    else any(name in stored for name in names))]
+
+
+def _read_stacked(param: torch.Tensor, pieces: list[Piece], files: CheckpointFiles, path: str | Path) -> int:
+    """This rank's rows (whole experts: FSDP shards dim 0) of a stacked parameter, each row the
+    concatenation of its pieces as the checkpoint stores them (actors/checkpoint_layout.py)."""
+    local, first_row = _local_rows(param)
+    per_row = len(pieces) // param.shape[0]
+    read = 0
+    for row in range(local.shape[0]):
+        parts = []
+        for piece in pieces[(first_row + row) * per_row:(first_row + row + 1) * per_row]:
+            if piece.name not in files.file_of:
+                raise KeyError(f"the checkpoint in {path} has no tensor {piece.name} (part of the stacked "
+                               f"parameter of shape {tuple(param.shape)})")
+            tensor = files.read_rows(piece.name, 0, piece.shape[0])
+            if tuple(tensor.shape) != piece.shape:
+                raise ValueError(f"checkpoint tensor {piece.name}: shape {tuple(tensor.shape)}, expected {piece.shape} "
+                                 "(config.json and weights disagree?)")
+            parts.append(tensor)
+            read += tensor.numel() * tensor.element_size()
+        local[row].copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+    return read
 
 
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -130,9 +157,13 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch
             buffer.copy_(buffers[name])
     files = CheckpointFiles(path)
     aliases = {id(model.get_parameter(names[0])): names for names in aliases.values()}
+    stacked = checkpoint_pieces(model)
     read = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if name in stacked:
+                read += _read_stacked(param, stacked[name], files, path)
+                continue
             stored = next((alias for alias in aliases[id(param)] if alias in files.file_of), None)
             if stored is None:
                 raise KeyError(f"the checkpoint in {path} has no tensor for parameter {name} "

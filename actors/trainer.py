@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from rlsys.actors.batching import MicroBatch, build_micro_batch, split_by_token_budget, split_evenly
 from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
+from rlsys.actors.checkpoint_layout import checkpoint_pieces
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint
 from rlsys.actors.logprob_head import install_logprob_head
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
@@ -149,6 +150,7 @@ class TrainerWorker:
         torch.manual_seed(spec.seed)
         self.device = self.backend.device()
         self.model = None
+        self.checkpoint_pieces: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         self.ref_model = None
         self.optimizer = None
         self.scheduler = None
@@ -178,6 +180,9 @@ class TrainerWorker:
         t = self.spec.trainer
         rss_before = _resident_bytes()
         self.model = self._build_model(trainable=True)
+        # What the engine loads a stacked parameter (MoE experts) as: the sync sends those tensors.
+        self.checkpoint_pieces = {name: [(piece.name, piece.shape) for piece in pieces]
+                                  for name, pieces in checkpoint_pieces(self.model).items()}
         self.load_memory = {"rss_before_bytes": rss_before, "peak_rss_bytes": peak_resident_bytes(),
                             "model_bytes": sum(p.numel() * 4 for p in self.model.parameters())}
         # fused: one kernel over all parameters (CPU and CUDA) instead of a dozen ops per parameter,
@@ -452,7 +457,7 @@ class TrainerWorker:
         """Gather the weights bucket by bucket and hand them to this rank's transport. Collective."""
         return sync_weights(self.model.named_parameters(), bucket_bytes, self.transport, str(weight_version),
                             self.backend, self.gather_scratch, self.gather_dst,
-                            engine_dtype=getattr(torch, self.spec.model.dtype)).as_dict()
+                            engine_dtype=getattr(torch, self.spec.model.dtype), pieces=self.checkpoint_pieces).as_dict()
 
     def _close_transport(self) -> None:
         if self.transport is not None:

@@ -9,6 +9,7 @@ SGLang's `flattened_bucket` format: a uint8 buffer plus, per tensor, its name, s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -36,6 +37,27 @@ class WeightBucket:
         return [
             (m.name, self.buffer[m.start:m.end].view(m.dtype).view(m.shape)) for m in self.metas
         ]
+
+
+def as_checkpoint_tensors(bucket: WeightBucket, pieces: dict[str, list[tuple[str, tuple[int, ...]]]]) -> WeightBucket:
+    """The bucket as the engine's `load_weights` names its tensors: each parameter in `pieces` (a
+    stacked MoE parameter, rlsys/actors/checkpoint_layout.py) replaced by the checkpoint tensors
+    that tile it, consecutive byte ranges of its own (no copy), in order."""
+    if not pieces:
+        return bucket
+    metas = []
+    for meta in bucket.metas:
+        if meta.name not in pieces:
+            metas.append(meta)
+            continue
+        start = meta.start
+        for name, shape in pieces[meta.name]:
+            end = start + math.prod(shape) * meta.dtype.itemsize
+            metas.append(TensorMeta(name, torch.Size(shape), meta.dtype, start, end))
+            start = end
+        if start != meta.end:
+            raise ValueError(f"{meta.name}: its pieces cover {start - meta.start} of its {meta.end - meta.start} bytes")
+    return WeightBucket(buffer=bucket.buffer, metas=metas)
 
 
 def wire_dtype(tensor: torch.Tensor, engine_dtype: torch.dtype | None) -> torch.dtype:

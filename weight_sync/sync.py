@@ -15,7 +15,13 @@ from typing import Protocol
 import torch
 
 from rlsys.system.backend import Backend
-from rlsys.weight_sync.buckets import WeightBucket, full_nbytes, gather_bucket, group_into_buckets
+from rlsys.weight_sync.buckets import (
+    WeightBucket,
+    as_checkpoint_tensors,
+    full_nbytes,
+    gather_bucket,
+    group_into_buckets,
+)
 from rlsys.weight_sync.colocated import COLOCATED_ALIGNMENT, StagingBuffer
 
 
@@ -61,6 +67,7 @@ def sync_weights(
     scratch: StagingBuffer | None = None,
     gather_dst: int | None = None,
     engine_dtype: torch.dtype | None = None,
+    pieces: dict[str, list[tuple[str, tuple[int, ...]]]] | None = None,
 ) -> SyncStats:
     """Gather buckets of full tensors (a collective: every rank must call this) and, where a
     transport is given, send each one. Shards are gathered straight into one reusable staging
@@ -98,7 +105,7 @@ def sync_weights(
         if transport is not None and failure is None:
             tick = time.perf_counter()
             is_last = index == len(groups) - 1
-            failure = _attempt(transport.send_bucket, bucket, flush_cache=is_last,
+            failure = _attempt(transport.send_bucket, as_checkpoint_tensors(bucket, pieces or {}), flush_cache=is_last,
                                weight_version=weight_version if is_last else None)
             stats.bytes += bucket.buffer.numel()
             stats.handover_and_load_s += time.perf_counter() - tick

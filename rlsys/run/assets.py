@@ -95,24 +95,29 @@ def _load_tokenizer_checked(config: RunConfig, tokenizer_dir: Path):
 
 
 def _check_the_trainer_can_load(model_dir: Path) -> None:
-    """Every parameter of the model config.json describes has a tensor of its name in the weight
-    files, as the trainer ranks read them (actors/loading.py), checked before any actor starts."""
-    from rlsys.actors.loading import parameters_without_tensor
+    """Every parameter of the model config.json describes has its tensor(s) in the weight files, as
+    the trainer ranks read them (actors/loading.py), checked before any actor starts; and the model
+    is of a kind rlsys runs end to end."""
+    from rlsys.actors.checkpoint_layout import checkpoint_pieces, unsupported_layouts
+    from rlsys.actors.loading import build_empty_model, parameters_without_tensor
 
+    model = build_empty_model(str(model_dir), "sdpa")
+    if unsupported := unsupported_layouts(model):
+        raise ConfigError(f"invalid config: model.path {model_dir}: transformers converts parameters of this "
+                          f"architecture ({', '.join(unsupported[:3])}) from its checkpoint in a way rlsys does not "
+                          "read; supported architectures: docs/gpus-and-clusters.md")
+    if checkpoint_pieces(model):
+        raise ConfigError(
+            f"invalid config: model.path {model_dir}: a mixture-of-experts model ({model.config.architectures[0]}); "
+            "rlsys's trainer reads and syncs its stacked experts, but serving it has not been tested through the "
+            "whole run yet: use a dense model (Qwen2, Qwen3, Llama; docs/gpus-and-clusters.md)")
     if not any(model_dir.glob("*.safetensors")):
         return  # .bin weights: the trainer refuses them with its own message
     missing = parameters_without_tensor(model_dir)
-    if not missing:
-        return
-    named = f"{len(missing)} parameter(s) of the model have no tensor of that name in its weight files " \
-            f"(e.g. {', '.join(missing[:3])})"
-    if any(".experts." in name for name in missing):
-        raise ConfigError(
-            f"invalid config: model.path {model_dir}: {named}: these are mixture-of-experts weights, which "
-            "transformers stacks per layer while the checkpoint keeps one tensor per expert; rlsys's trainer "
-            "does not read that layout yet: use a dense model (Qwen2, Qwen3, Llama; docs/gpus-and-clusters.md)")
-    raise ConfigError(f"invalid config: model.path {model_dir}: {named}: config.json and the weight files "
-                      "disagree; point model.path at a complete Hugging Face checkpoint")
+    if missing:
+        raise ConfigError(f"invalid config: model.path {model_dir}: {len(missing)} parameter(s) of the model have "
+                          f"no tensor of that name in its weight files (e.g. {', '.join(missing[:3])}): config.json "
+                          "and the weight files disagree; point model.path at a complete Hugging Face checkpoint")
 
 
 def load_assets(config: RunConfig) -> RunAssets:

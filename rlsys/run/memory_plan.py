@@ -77,6 +77,9 @@ class ModelShape:
     vocab: int
     # Shapes, for what is sized per tensor: FSDP pads each one's dim 0 to a multiple of the ranks,
     # and the weight-sync staging buffer holds at least the largest (named_parameters order).
+    # The MLP width a token passes through: intermediate for a dense model; for a mixture of experts
+    # its top-k routed experts' (and a shared expert's) widths added up.
+    active_intermediate: int = 0
     param_shapes: tuple[tuple[int, ...], ...] = ()
     layer_shapes: tuple[tuple[int, ...], ...] = ()  # the largest decoder layer's
     root_shapes: tuple[tuple[int, ...], ...] = ()  # outside the decoder layers (embeddings, norm, lm_head)
@@ -109,10 +112,19 @@ class ModelShape:
             hidden=config.hidden_size, intermediate=config.intermediate_size, layers=len(layers), heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
+            active_intermediate=_active_intermediate(config),
             param_shapes=tuple(tuple(p.shape) for _, p in model.named_parameters()),
             layer_shapes=tuple(tuple(p.shape) for p in largest.parameters()),
             root_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in in_layers),
         )
+
+
+def _active_intermediate(config) -> int:
+    routed = getattr(config, "num_experts_per_tok", None)
+    expert_width = getattr(config, "moe_intermediate_size", None)
+    if not (routed and expert_width):
+        return config.intermediate_size
+    return routed * expert_width + (getattr(config, "shared_expert_intermediate_size", None) or 0)
 
 
 @dataclass
@@ -162,9 +174,10 @@ def device_memory_bytes(config: RunConfig) -> int:
 def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> int:
     """What a Qwen2/Llama decoder layer keeps for backward, per token: inputs of the two norms
     (their fp32 upcasts too), q/k/v and the attention output, o_proj's input, the residuals, and
-    the MLP's gate, up, activation and product (estimate)."""
+    the MLP's gate, up, activation and product (estimate); in a mixture-of-experts layer those of
+    each expert the token is routed to (`active_intermediate`)."""
     kv_dim = shape.kv_heads * shape.head_dim
-    elements = 8 * shape.hidden + 2 * kv_dim + 4 * shape.intermediate
+    elements = 8 * shape.hidden + 2 * kv_dim + 4 * (shape.active_intermediate or shape.intermediate)
     return elements * compute_bytes + 2 * shape.hidden * 4
 
 

@@ -52,6 +52,30 @@ def test_shapes_come_from_config_json_alone(qwen):
     assert shape.root_params == shape.params - 28 * layer
 
 
+# Qwen3-30B-A3B's published config.json (shapes): 128 experts of width 768 per layer, 8 per token.
+QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                 intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+                 mlp_only_layers=[], norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
+                 max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16")
+
+
+def test_a_mixture_of_experts_counts_every_expert_and_routes_a_token_through_its_top_k(tmp_path):
+    from rlsys.run.memory_plan import activation_bytes_per_token_layer
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
+    shape = ModelShape.from_model_dir(tmp_path)
+    h, q, kv, e, w = 2048, 32 * 128, 4 * 128, 128, 768
+    attention = h * q + 2 * h * kv + q * h + 2 * 128  # q, k, v, o (no biases), q/k norms per head
+    experts = e * 3 * h * w + h * e  # gate, up, down per expert, and the router
+    layer = attention + experts + 2 * h  # + the two layer norms
+    assert shape.layer_params == layer
+    assert shape.params == 48 * layer + 2 * 151936 * h + h  # untied embedding and output layer, final norm
+    assert 30.4e9 < shape.params < 30.6e9  # "30.5B" as published
+    assert shape.active_intermediate == 8 * w  # a token's MLP work: its 8 routed experts, not all 128
+    assert activation_bytes_per_token_layer(shape, 2) == (8 * h + 2 * kv + 4 * 8 * w) * 2 + 2 * h * 4
+
+
 def test_trainer_and_engine_terms_equal_hand_sums(qwen):
     name, model_dir = qwen
     shape = ModelShape.from_model_dir(model_dir)
