@@ -83,6 +83,10 @@ def is_engine_death(error: BaseException) -> bool:
     return isinstance(cause, EngineDied)
 
 
+# Launches of one restart whose replacement dies before it is up (placed on a node being lost).
+RELAUNCHES_PER_RESTART = 3
+
+
 class RolloutManager:
     """The engines behind one call. A dead engine is restarted in its placement slot (at most
     `max_restarts` times over the run); `on_restart(index)`, set by the coordinator, brings it to
@@ -266,13 +270,28 @@ class RolloutManager:
         self.restarts += 1
         self.launched_after[index] = self.restarts
         self._stop(self.engines[index])
-        # Its placement slot: where the dead engine was, or, when that node is gone, wherever Ray
-        # moved the bundle (a node with room for it).
-        self.engines[index] = self._launch(index)
-        self.addresses[index] = ray.get(self.engines[index].start.remote(self.spec.engine.startup_timeout_s))
+        self.addresses[index] = self._relaunch(index)
         logger.info("engine-%d is back, on node %s", index, self.addresses[index].host)
         if self.on_restart is not None:
             self.on_restart(index)
+
+    def _relaunch(self, index: int) -> EngineAddress:
+        """A fresh engine in slot `index`'s placement: where the dead engine was, or, when that node
+        is gone, wherever Ray moved the bundle (a node with room for it). A lost node is declared
+        dead only after its missed heartbeats, well after its engine's actor died, so the first
+        replacement may be placed on it and be cancelled before it runs (ActorDiedError: "the actor's
+        node was terminated"); it is launched again, as part of the same restart, once Ray has moved
+        the bundle."""
+        for attempt in range(1, RELAUNCHES_PER_RESTART + 1):
+            self.engines[index] = self._launch(index)
+            try:
+                return ray.get(self.engines[index].start.remote(self.spec.engine.startup_timeout_s))
+            except RayActorError as error:
+                if attempt == RELAUNCHES_PER_RESTART:
+                    raise
+                logger.info("engine-%d's replacement was lost before it was up (%s); launching it again", index,
+                            str(error).splitlines()[0])
+        raise AssertionError("unreachable")
 
     def dead_engines(self) -> list[int]:
         """Engines whose actor or server is gone (one quick round of health checks)."""

@@ -210,3 +210,41 @@ def test_a_request_that_kills_its_freshly_restarted_engine_is_not_sent_again(ray
         assert "IndexError" in (tmp_path / "engine_0.log").read_text()  # what killed it, both times
     finally:
         rollout.shutdown()
+
+
+@pytest.mark.slow
+def test_a_replacement_engine_lost_before_it_is_up_is_launched_again_in_the_same_restart(ray_cluster, tiny_model_dir,
+                                                                                         tmp_path, monkeypatch):
+    """A node that is lost takes its engine at once, but Ray declares the node dead only after its
+    missed heartbeats: the first replacement may land on it and be cancelled before it runs (CI saw
+    "The actor never ran - it was cancelled before it started running"). Here the first replacement
+    is killed before it is up; the restart launches another and the engine is back, one restart."""
+    import ray
+
+    from rlsys.config import EngineConfig, ModelConfig
+    from rlsys.records import SamplingParams
+    from rlsys.rollout.manager import RolloutManager
+    from rlsys.rollout.sglang.server import ServerSpec
+
+    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120,
+                          max_restarts=3)
+    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine), 1, str(tmp_path), [{"num_cpus": 1}])
+    try:
+        rollout.wait_ready()
+        launch, launched = rollout._launch, []
+
+        def first_one_lost(index):
+            actor = launch(index)
+            launched.append(actor)
+            if len(launched) == 1:
+                ray.kill(actor)  # gone before its start() answers, as on a node being declared dead
+            return actor
+
+        monkeypatch.setattr(rollout, "_launch", first_one_lost)
+        ray.kill(rollout.engines[0])
+        rollout.restart(0, "its node was lost")
+        assert len(launched) == 2 and rollout.restarts == 1
+        generations = rollout.generate([[5, 9, 14]], SamplingParams(max_new_tokens=2, ignore_eos=True), n=2)
+        assert [len(g.response_ids) for g in generations] == [2, 2]
+    finally:
+        rollout.shutdown()
