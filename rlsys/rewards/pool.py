@@ -101,6 +101,9 @@ class RewardPool:
         self._progress = None
         self._lock = threading.Lock()  # one `score` at a time: each owns the progress slots while it runs
         self._told_of_a_killing_call = False
+        # The pool's worker processes as started, by pid: the executor forgets a worker once its
+        # manager thread has seen it die, and its exit code says whether a call ended it.
+        self._workers: dict = {}
 
     MAX_RESTARTS_PER_SCORE = 16
 
@@ -165,6 +168,7 @@ class RewardPool:
                 self._progress[:] = [0] * len(self._progress)
                 futures = [self._executor.submit(_score_in_worker, [calls[i] for i in chunk], self.timeout_s, slot)
                            for slot, chunk in enumerate(chunks)]
+                self._workers.update(getattr(self._executor, "_processes", None) or {})
         except BrokenProcessPool:  # its workers died while idle (e.g. the OOM killer)
             self._replace_pool()
             return todo, [], 1
@@ -217,7 +221,8 @@ class RewardPool:
         """Stop the workers (a stuck call ignores anything gentler than SIGKILL); their exit codes by pid."""
         if self._executor is None:
             return {}
-        processes = list((getattr(self._executor, "_processes", None) or {}).values())
+        processes = list({**self._workers, **(getattr(self._executor, "_processes", None) or {})}.values())
+        self._workers = {}
         for process in processes:
             process.kill()
         for process in processes:
