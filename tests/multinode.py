@@ -39,6 +39,8 @@ from pathlib import Path
 
 import psutil
 
+from rlsys.system.reaper import kill_and_wait
+
 PREFIX = "rlmn"
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
@@ -102,12 +104,7 @@ def _kill(processes: list[psutil.Process], grace_s: float) -> None:
             except psutil.Error:
                 pass
         _, processes = psutil.wait_procs(processes, timeout=grace_s)
-    for process in processes:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(processes, timeout=10)
+    kill_and_wait(processes, 10.0)
 
 
 def _remove_netns(name: str) -> None:

@@ -10,6 +10,7 @@ import psutil
 import ray
 
 from rlsys.system.interrupts import children_in_process_groups_of_their_own
+from rlsys.system.reaper import kill_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,7 @@ def _wait_for_exit(processes: list[psutil.Process]) -> None:
     if alive:
         logger.warning("%d process(es) of the local Ray cluster did not exit within %.0f s of its shutdown: "
                        "killed (%s)", len(alive), WORKER_EXIT_GRACE_S, ", ".join(str(p.pid) for p in alive))
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
+    kill_and_wait(alive, 5.0)
 
 
 _RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"

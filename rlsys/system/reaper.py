@@ -87,13 +87,18 @@ def stop_processes(noted: dict[int, float]) -> int:
         except psutil.Error:
             pass
     _, still = psutil.wait_procs(remaining, timeout=GRACE_S)
-    for process in still:
+    kill_and_wait(still, GRACE_S)
+    return len(remaining)
+
+
+def kill_and_wait(processes: list[psutil.Process], timeout_s: float) -> None:
+    """SIGKILL each (one already gone is skipped), then wait up to `timeout_s` for them to be gone."""
+    for process in processes:
         try:
             process.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(still, timeout=GRACE_S)
-    return len(remaining)
+    psutil.wait_procs(processes, timeout=timeout_s)
 
 
 def mark_status_failed(run_dir: Path, driver_pid: int) -> None:
