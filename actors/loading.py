@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -143,9 +144,13 @@ def _retie(model: torch.nn.Module, tied_names: list[list[str]]) -> None:
             setattr(model.get_submodule(owner), attribute, shared)
 
 
-def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch.device | str) -> int:
+def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch.device | str,
+                         stored_as: Callable[[str], str] = str,
+                         initial: Callable[[str, torch.Size], torch.Tensor | None] | None = None) -> int:
     """Give the meta-device (possibly sharded) `model` storage on `device` and read each local
-    shard from the checkpoint at `path`; buffers keep their computed values. Returns the bytes read."""
+    shard from the checkpoint at `path`; buffers keep their computed values. Returns the bytes read.
+    `stored_as`: a parameter's name in the checkpoint (LoRA's `base_layer` dropped, actors/lora.py);
+    `initial`: the full value of a parameter the checkpoint does not hold (None for the others)."""
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     aliases: dict[int, list[str]] = {}  # tied weights: one parameter, several names
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -164,7 +169,12 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch
             if name in stacked:
                 read += _read_stacked(param, stacked[name], files, path)
                 continue
-            stored = next((alias for alias in aliases[id(param)] if alias in files.file_of), None)
+            value = initial(name, param.shape) if initial is not None else None
+            if value is not None:
+                local, first_row = _local_rows(param)
+                local.copy_(value[first_row:first_row + local.shape[0]])
+                continue
+            stored = next((stored_as(alias) for alias in aliases[id(param)] if stored_as(alias) in files.file_of), None)
             if stored is None:
                 raise KeyError(f"the checkpoint in {path} has no tensor for parameter {name} "
                                f"(looked for {aliases[id(param)]})")

@@ -3,6 +3,7 @@ FSDP2 `fully_shard` per decoder layer and then the root. The one place that deci
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the memory plan reads `uses_fsdp` in processes that never import torch
@@ -29,13 +30,17 @@ def uses_fsdp(world_size: int, dtype: str, trainable: bool) -> bool:
 
 
 def parallelize(model: torch.nn.Module, mesh, dtype: str, trainable: bool, gradient_checkpointing: bool,
-                pin_memory: bool) -> torch.nn.Module:
+                pin_memory: bool, trains: Callable[[str], bool] | None = None) -> torch.nn.Module:
     """Shard `model` over `mesh` in place (or leave it whole when `mesh` is None).
 
     bfloat16: parameters are cast to bf16 for compute and gradients reduced in fp32, while the
     sharded master weights stay fp32. A frozen model (the reference) lives on the host and
     streams to the device layer by layer (`CPUOffloadPolicy`); pinned buffers need an accelerator.
+    `trains(name)`: which parameters of a trainable model learn (LoRA: the adapters only); set
+    before sharding, since FSDP2 gives each sharded parameter its original's requires_grad.
     """
+    for name, param in model.named_parameters():
+        param.requires_grad_(trainable and (trains is None or trains(name)))
     if trainable and gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mesh is not None:
@@ -55,7 +60,6 @@ def parallelize(model: torch.nn.Module, mesh, dtype: str, trainable: bool, gradi
         # reference never runs one, so its root (embeddings, output layer) asks for it explicitly
         # and goes back to the host after every forward like its layers.
         fully_shard(model, **kwargs, **({} if trainable else {"reshard_after_forward": True}))
-    model.requires_grad_(trainable)
     model.train(trainable)
     return model
 

@@ -24,6 +24,14 @@ from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkp
 from rlsys.actors.checkpoint_layout import checkpoint_pieces
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint
 from rlsys.actors.logprob_head import install_logprob_head
+from rlsys.actors.lora import (
+    adapters_disabled,
+    add_adapters,
+    checkpoint_name,
+    initial_adapter,
+    is_adapter_parameter,
+    merged_parameters,
+)
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize, reshard, uses_fsdp
 from rlsys.actors.schedule import build_lr_scheduler
@@ -179,7 +187,7 @@ class TrainerWorker:
         )
         t = self.spec.trainer
         rss_before = _resident_bytes()
-        self.model = self._build_model(trainable=True)
+        self.model = self._build_model(trainable=True, lora=self.spec.model.lora is not None)
         # What the engine loads a stacked parameter (MoE experts) as: the sync sends those tensors.
         self.checkpoint_pieces = {name: [(piece.name, piece.shape) for piece in pieces]
                                   for name, pieces in checkpoint_pieces(self.model).items()}
@@ -187,21 +195,26 @@ class TrainerWorker:
                             "model_bytes": sum(p.numel() * 4 for p in self.model.parameters())}
         # fused: one kernel over all parameters (CPU and CUDA) instead of a dozen ops per parameter,
         # each of which goes through DTensor's Python dispatch: 27 -> 24 ms of a 0.3M model's step.
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, eps=1e-8,
+        self.optimizer = torch.optim.AdamW(  # the adapters only, under LoRA
+            [p for p in self.model.parameters() if p.requires_grad], lr=t.lr, betas=tuple(t.betas),
+            weight_decay=t.weight_decay, eps=1e-8,
             fused=True,
         )
         self.scheduler = build_lr_scheduler(
             self.optimizer, t.lr_schedule, t.warmup_steps, t.total_steps * t.mini_batches_per_step, t.min_lr_ratio,
         )
-        if self.spec.needs_reference:
+        if self.spec.needs_reference and self.spec.model.lora is None:  # LoRA's reference: adapters off
             self.ref_model = self._build_model(trainable=False)
 
-    def _build_model(self, trainable: bool) -> torch.nn.Module:
+    def _build_model(self, trainable: bool, lora: bool = False) -> torch.nn.Module:
         """Built on the meta device, sharded, then each rank reads only its shards from the
         checkpoint (actors/loading.py): no rank ever holds the whole model, unless it trains alone
-        in fp32 (`uses_fsdp`: then its shard is the whole model and FSDP has nothing to do)."""
+        in fp32 (`uses_fsdp`: then its shard is the whole model and FSDP has nothing to do).
+        `lora`: with model.lora's adapters (actors/lora.py), the only parameters that train."""
         model = build_empty_model(self.spec.model.path, self.backend.attn_implementation)
+        if lora:
+            settings = self.spec.model.lora
+            add_adapters(model, settings.rank, settings.alpha, settings.dropout, settings.target_modules)
         install_logprob_head(model)  # before sharding: it keeps lm_head's parameter and FSDP group
         mesh = None
         if uses_fsdp(self.world_size, self.spec.model.dtype, trainable):
@@ -209,10 +222,25 @@ class TrainerWorker:
 
             mesh = init_device_mesh(self.backend.device_type, (self.world_size,))
         model = parallelize(model, mesh, self.spec.model.dtype, trainable, self.spec.trainer.gradient_checkpointing,
-                            pin_memory=self.backend.has_gpu)
+                            pin_memory=self.backend.has_gpu, trains=is_adapter_parameter if lora else None)
         # The frozen reference stays on the host: FSDP streams it to the device layer by layer.
-        fill_from_checkpoint(model, self.spec.model.path, self.device if trainable else "cpu")
+        seed = self.spec.seed
+        fill_from_checkpoint(model, self.spec.model.path, self.device if trainable else "cpu", stored_as=checkpoint_name,
+                             initial=(lambda name, shape: initial_adapter(name, shape, seed)
+                                      if is_adapter_parameter(name) else None) if lora else None)
         return model
+
+    @contextmanager
+    def _reference(self):
+        """The reference policy of the KL terms: its own frozen model, or under LoRA the policy
+        with its adapters off (the base model, no second copy)."""
+        if self.ref_model is None and self.spec.model.lora is None:
+            raise RuntimeError("no reference model: the run has no KL term (algorithm.use_kl_loss, kl_in_reward)")
+        if self.ref_model is not None:
+            yield self.ref_model
+        else:
+            with adapters_disabled(self.model) as base:
+                yield base
 
     # ---- micro-batches and log-probs ----------------------------------------------------
     @property
@@ -267,25 +295,31 @@ class TrainerWorker:
             into[index] = values[row, first:end].tolist()
 
     @torch.no_grad()
-    def compute_log_probs(self, sequences: list[TrainSequence]) -> list[list[float]]:
-        """Trainer log-probs of each sequence's response tokens (collective: all ranks call)."""
+    def compute_log_probs(self, sequences: list[TrainSequence], reference: bool = False) -> list[list[float]]:
+        """Trainer log-probs of each sequence's response tokens (collective: all ranks call);
+        `reference`: the KL terms' reference policy's instead of the policy's."""
         result: list[list[float]] = [[] for _ in sequences]
-        with self._forward_only(self.model):
+        with self._forward_only(self.model, self.ref_model):
             for batch in self._micro_batches(sequences, list(range(len(sequences)))):
-                logprobs, _ = self._forward(self.model, batch, with_entropy=False)
+                if reference:
+                    with self._reference() as model:
+                        logprobs, _ = self._forward(model, batch, with_entropy=False)
+                else:
+                    logprobs, _ = self._forward(self.model, batch, with_entropy=False)
                 self._per_sequence(batch, logprobs, result)
         return result
 
     @torch.no_grad()
     def compute_sequence_kl(self, sequences: list[TrainSequence]) -> list[float]:
         """Sum over response tokens of the KL estimate to the reference (for KL in reward)."""
-        if self.ref_model is None:
+        if not self.spec.needs_reference:
             raise RuntimeError("compute_sequence_kl needs a reference model (algorithm.kl_in_reward)")
         per_token: list[list[float]] = [[] for _ in sequences]
         with self._forward_only(self.model, self.ref_model):
             for batch in self._micro_batches(sequences, list(range(len(sequences)))):
                 logprobs, _ = self._forward(self.model, batch, with_entropy=False)
-                ref_logprobs, _ = self._forward(self.ref_model, batch, with_entropy=False)
+                with self._reference() as reference:
+                    ref_logprobs, _ = self._forward(reference, batch, with_entropy=False)
                 kl = kl_estimate(logprobs, ref_logprobs, self.spec.algorithm.kl_estimator)
                 self._per_sequence(batch, kl, per_token)
         return [sum(values) for values in per_token]
@@ -297,13 +331,15 @@ class TrainerWorker:
         mini-batch the weights have not moved when its loss is taken, so the old log-probs are
         the current ones (ratio exactly 1): `_backward_mini_batch` takes them from its own forward
         and this pass is skipped."""
-        with self._forward_only(self.model if len(plan) > 1 else None, self.ref_model):
+        policy_forwards = len(plan) > 1 or (self.spec.needs_reference and self.ref_model is None)
+        with self._forward_only(self.model if policy_forwards else None, self.ref_model):
             for batches in plan:
                 for batch in batches:
                     if len(plan) > 1:
                         batch.old_logprobs, _ = self._forward(self.model, batch, with_entropy=False)
-                    if self.ref_model is not None:
-                        batch.ref_logprobs, _ = self._forward(self.ref_model, batch, with_entropy=False)
+                    if self.spec.needs_reference:
+                        with self._reference() as reference:
+                            batch.ref_logprobs, _ = self._forward(reference, batch, with_entropy=False)
 
     def _backward_mini_batch(self, batches: list[MicroBatch]) -> LossSums:
         """Accumulate the mini-batch's gradient; returns this rank's token sums."""
@@ -384,7 +420,8 @@ class TrainerWorker:
         plan = self._plan([sequences])
         self._attach_old_and_ref_logprobs(plan)
         self._backward_mini_batch(plan[0])
-        grads = {name: gather_full_tensor(p.grad).cpu().clone() for name, p in self.model.named_parameters()}
+        grads = {name: gather_full_tensor(p.grad).cpu().clone() for name, p in self.model.named_parameters()
+                 if p.grad is not None}
         self.optimizer.zero_grad(set_to_none=True)
         return grads
 
@@ -425,10 +462,12 @@ class TrainerWorker:
 
     # ---- checkpoints --------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
-        save_trainer_checkpoint(Path(directory), self.model, self.optimizer, self.scheduler, self.rank)
+        save_trainer_checkpoint(Path(directory), self.model, self.optimizer, self.scheduler, self.rank,
+                                trained_only=self.spec.model.lora is not None)
 
     def load_checkpoint(self, directory: str) -> None:
-        load_trainer_checkpoint(Path(directory), self.model, self.optimizer, self.scheduler, self.rank)
+        load_trainer_checkpoint(Path(directory), self.model, self.optimizer, self.scheduler, self.rank,
+                                trained_only=self.spec.model.lora is not None)
 
     # ---- weights ------------------------------------------------------------------------
     def connect_engines(self, topology: Topology, timeout_s: float) -> None:
@@ -455,9 +494,12 @@ class TrainerWorker:
 
     def sync_weights(self, bucket_bytes: int, weight_version: int) -> dict:
         """Gather the weights bucket by bucket and hand them to this rank's transport. Collective."""
-        return sync_weights(self.model.named_parameters(), bucket_bytes, self.transport, str(weight_version),
+        named, merge = (merged_parameters(self.model) if self.spec.model.lora is not None
+                        else (self.model.named_parameters(), None))
+        return sync_weights(named, bucket_bytes, self.transport, str(weight_version),
                             self.backend, self.gather_scratch, self.gather_dst,
-                            engine_dtype=getattr(torch, self.spec.model.dtype), pieces=self.checkpoint_pieces).as_dict()
+                            engine_dtype=getattr(torch, self.spec.model.dtype), pieces=self.checkpoint_pieces,
+                            materialize=merge).as_dict()
 
     def _close_transport(self) -> None:
         if self.transport is not None:

@@ -57,7 +57,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from rlsys.tools.export import export_hf
 
-    out = export_hf(args.run_dir, args.step, args.out_dir)
+    out = export_hf(args.run_dir, args.step, args.out_dir, merged=args.merged)
     logger.info("Hugging Face checkpoint written to %s", out)
     return 0
 
@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir")
     export.add_argument("out_dir")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    export.add_argument("--merged", action="store_true",
+                        help="a LoRA run: the base model with the adapters merged in (default: the PEFT adapter)")
     export.set_defaults(handler=_export)
 
     serve = commands.add_parser("serve", help="serve the dashboard and API over a finished run directory")

@@ -14,9 +14,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def trainer_spec(model_dir: Path, *, dtype: str = "float32", **fields):
-    """A TrainerSpec for `model_dir` (compute `dtype`); each keyword goes to the config section
-    that has the field (trainer: lr, packing, ...; algorithm: use_kl_loss, clip_eps_low, ...)."""
+def trainer_spec(model_dir: Path, *, dtype: str = "float32", lora=None, **fields):
+    """A TrainerSpec for `model_dir` (compute `dtype`, LoRA settings `lora` as a dict); each keyword
+    goes to the config section that has the field (trainer: lr, packing, ...; algorithm:
+    use_kl_loss, clip_eps_low, ...)."""
     from rlsys.actors.trainer import TrainerSpec
     from rlsys.config import AlgorithmConfig, ModelConfig, TrainerConfig
 
@@ -25,7 +26,7 @@ def trainer_spec(model_dir: Path, *, dtype: str = "float32", **fields):
     unknown = fields.keys() - trainer.keys() - algorithm.keys()
     if unknown:
         raise TypeError(f"no trainer or algorithm field named {sorted(unknown)}")
-    return TrainerSpec(ModelConfig(path=str(model_dir), dtype=dtype), TrainerConfig(**trainer),
+    return TrainerSpec(ModelConfig(path=str(model_dir), dtype=dtype, lora=lora), TrainerConfig(**trainer),
                        AlgorithmConfig(**algorithm))
 
 
@@ -227,3 +228,25 @@ def fill_disk(directory: Path) -> Path:
         except OSError as error:
             assert error.errno == errno.ENOSPC, error
     return filler
+
+
+def fill_hub_cache(cache: Path, repo_id: str, model_dir: Path, commit: str = "1a2b3c4d" * 5,
+                   branch: str = "main") -> Path:
+    """Put the checkpoint in `model_dir` into a Hugging Face hub cache directory in the cache's own
+    layout (what `hf download` leaves: content-addressed blobs, the commit's snapshot as symlinks
+    to them, refs/<branch> naming the commit); returns the snapshot directory."""
+    import hashlib
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    for source in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        data = source.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / source.relative_to(model_dir)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / branch).write_text(commit)
+    return snapshot

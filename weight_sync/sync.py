@@ -8,7 +8,7 @@ a transport still take part in every bucket's gather.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -68,6 +68,7 @@ def sync_weights(
     gather_dst: int | None = None,
     engine_dtype: torch.dtype | None = None,
     pieces: dict[str, list[tuple[str, tuple[int, ...]]]] | None = None,
+    materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> SyncStats:
     """Gather buckets of full tensors (a collective: every rank must call this) and, where a
     transport is given, send each one. Shards are gathered straight into one reusable staging
@@ -76,6 +77,8 @@ def sync_weights(
     colocated engine): shards then go only there and the other ranks need no buffer.
     `engine_dtype`: the dtype the engine serves; floating-point weights are cast to it shard by
     shard before they travel (fp32 master weights into a bf16 engine: half the bytes).
+    `materialize(name, tensor)`: the tensor to send for each listed one, computed when its bucket is
+    gathered (LoRA's merged weights, actors/lora.py; a collective where the listed tensors are).
     The engines flush their cache and take the new weight version once, with the last bucket.
     An engine that fails mid-sync does not stop this rank's gathers: the other ranks are in them,
     and leaving would hang them; the first failure is raised once every bucket has been gathered."""
@@ -100,6 +103,8 @@ def sync_weights(
     for index, group in enumerate(groups):
         tick = time.perf_counter()
         buffer = staging(largest, device) if staging is not None else None
+        if materialize is not None:
+            group = [(name, materialize(name, tensor)) for name, tensor in group]
         bucket = gather_bucket(group, buffer, alignment, gather_dst, engine_dtype)
         stats.gather_s += time.perf_counter() - tick
         if transport is not None and failure is None:

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlsys.config import ConfigError, RunConfig
+from rlsys.config import ConfigError, LoraConfig, RunConfig
 from rlsys.data.datasets import load_splits
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.records import EncodedPrompt, PromptRecord
@@ -94,7 +94,59 @@ def _load_tokenizer_checked(config: RunConfig, tokenizer_dir: Path):
         raise
 
 
-def _check_the_trainer_can_load(model_dir: Path) -> None:
+def trained_model(model_dir: Path, lora: LoraConfig | None):
+    """The policy the trainer ranks build (meta device: shapes only), with model.lora's adapters;
+    ConfigError when target_modules match no module."""
+    import torch
+
+    from rlsys.actors.loading import build_empty_model
+    from rlsys.actors.lora import AdapterTargetError, add_adapters
+
+    model = build_empty_model(str(model_dir), "sdpa")
+    if lora is None:
+        return model
+    try:
+        add_adapters(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    except AdapterTargetError as error:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)} - {"lm_head"})
+        raise ConfigError(f"invalid config: model.lora.target_modules {lora.target_modules} match no module of "
+                          f"{model_dir} ({error}); its linear layers are {', '.join(linear)}, or use all-linear") from None
+    return model
+
+
+def refuse_incompatible_checkpoint(checkpoint: Path, config: RunConfig) -> None:
+    """Before anything starts: the trainer state in `checkpoint` fits the model this config builds
+    (the same parameters, shapes, and LoRA or not), else a ConfigError naming what differs."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = {key.removeprefix("model."): tuple(meta.size)
+             for key, meta in FileSystemReader(str(checkpoint / "dcp")).read_metadata().state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(meta, "size")}
+    wanted = {name: tuple(param.shape) for name, param in trained_model(Path(config.model.path), config.model.lora)
+              .named_parameters() if config.model.lora is None or ".lora_" in name}
+    if saved == wanted:
+        return
+    saved_lora = any(".lora_" in name for name in saved)
+    if saved_lora != (config.model.lora is not None):
+        what = ("LoRA adapters only; set model.lora as the run that wrote it did" if saved_lora else
+                "every weight (a full fine-tuning run); remove model.lora")
+        raise ConfigError(f"invalid config: checkpoint {checkpoint} holds {what} (its settings: "
+                          f"{checkpoint.parent.parent / 'config.yaml'})")
+    differ = [f"{name}: {saved[name]} in the checkpoint, {wanted[name]} here" for name in wanted
+              if name in saved and saved[name] != wanted[name]]
+    missing = sorted(wanted.keys() - saved.keys())
+    extra = sorted(saved.keys() - wanted.keys())
+    lines = differ[:3] + ([f"not in the checkpoint: {', '.join(missing[:3])}"] if missing else []) \
+        + ([f"not in this model: {', '.join(extra[:3])}"] if extra else [])
+    change = ("model.lora (rank, target_modules) as the run that wrote it had" if saved_lora
+              else "model.path to the model the run trained")
+    raise ConfigError(f"invalid config: checkpoint {checkpoint} was written by a different model than this config "
+                      f"builds ({'; '.join(lines)}); set {change} (its settings: "
+                      f"{checkpoint.parent.parent / 'config.yaml'}), or start a new run_dir")
+
+
+def _check_the_trainer_can_load(model_dir: Path, lora: LoraConfig | None = None) -> None:
     """Every parameter of the model config.json describes has its tensor(s) in the weight files, as
     the trainer ranks read them (actors/loading.py), checked before any actor starts; and the model
     is of a kind rlsys runs end to end."""
@@ -102,6 +154,7 @@ def _check_the_trainer_can_load(model_dir: Path) -> None:
     from rlsys.actors.loading import build_empty_model, parameters_without_tensor
 
     model = build_empty_model(str(model_dir), "sdpa")
+    trained_model(model_dir, lora)  # target_modules that match nothing
     if unsupported := unsupported_layouts(model):
         raise ConfigError(f"invalid config: model.path {model_dir}: transformers converts parameters of this "
                           f"architecture ({', '.join(unsupported[:3])}) from its checkpoint in a way rlsys does not "
@@ -134,7 +187,7 @@ def load_assets(config: RunConfig) -> RunAssets:
             f"invalid config: model.path {model_dir} holds no weight files ({', '.join(_WEIGHT_FILES)}); "
             "point it at a complete Hugging Face checkpoint"
         )
-    _check_the_trainer_can_load(model_dir)
+    _check_the_trainer_can_load(model_dir, config.model.lora)
     tokenizer_dir = Path(config.model.tokenizer_dir)
     if not (tokenizer_dir / "tokenizer_config.json").is_file():
         raise ConfigError(f"invalid config: no tokenizer in {tokenizer_dir} (no tokenizer_config.json); "

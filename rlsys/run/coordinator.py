@@ -34,7 +34,7 @@ from rlsys.observability.tracking import Trackers, check_backends_installed
 from rlsys.rewards.pool import RewardPool, make_reward_scorer
 from rlsys.rewards.remote import RemoteReward
 from rlsys.rollout.manager import EngineCallFailed, EngineRestartLimit, is_engine_death
-from rlsys.run.assets import RunAssets, load_assets
+from rlsys.run.assets import RunAssets, load_assets, refuse_incompatible_checkpoint
 from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume, disk_full_failure
 from rlsys.run.evaluation import Evaluator, sampling_params
 from rlsys.run.generation import SampleMaker, trajectory_metrics
@@ -49,6 +49,7 @@ from rlsys.run.lifecycle import (
 from rlsys.run.reporting import HealthMonitor, new_status, status_server
 from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
 from rlsys.system.cluster import ray_cluster
+from rlsys.system.model_source import resolve_model_paths
 from rlsys.system.reaper import start_reaper
 from rlsys.system.run_lock import RunDirLock
 from rlsys.system.shm_sweep import sweep_shared_memory
@@ -467,6 +468,9 @@ def run(config: RunConfig) -> Path:
     """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
     check_backends_installed(config.logging.backends)
     run_start = time.perf_counter()
+    config = resolve_model_paths(config)  # a hub id becomes its snapshot directory, at one commit
+    if config.model.hub_id:
+        logger.info("model %s at commit %s: %s", config.model.hub_id, config.model.revision, config.model.path)
     assets = load_assets(config)  # every input check happens before any actor starts
     maker = SampleMaker(config, assets.tokenizer)  # loads rollout.generate_function, if any
     random.seed(config.seed)
@@ -474,6 +478,8 @@ def run(config: RunConfig) -> Path:
     run_dir = Path(config.run_dir)
     store = CheckpointStore(run_dir, config.checkpoint.keep_last)
     checkpoint = checkpoint_to_resume(store) if config.checkpoint.resume == "auto" else None
+    if checkpoint is not None:
+        refuse_incompatible_checkpoint(checkpoint, config)
     lock = RunDirLock(run_dir)
     lock.acquire()  # before anything is written there
     try:

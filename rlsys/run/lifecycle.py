@@ -24,7 +24,13 @@ from rlsys.run.memory_plan import plan_for_devices
 from rlsys.run.verify import model_depth, verify_engine_weights
 from rlsys.system.cluster import ACTOR_ENV
 from rlsys.system.node import node_address
-from rlsys.system.node_checks import PlacementNodes, device_memory_budget, probe_nodes, refuse_unusable_nodes
+from rlsys.system.node_checks import (
+    HubSnapshot,
+    PlacementNodes,
+    device_memory_budget,
+    probe_nodes,
+    refuse_unusable_nodes,
+)
 from rlsys.system.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -88,7 +94,9 @@ def check_placement_nodes(config: RunConfig, topology: Topology, placement: Plac
     engine = config.rollout.engine
     models = (config.model.path,) + ((config.model.tokenizer_path,)
                                      if config.model.tokenizer_path and not engine.skip_tokenizer_init else ())
-    reports = probe_nodes(placed, run_dir, models)
+    hub = ((HubSnapshot(config.model.hub_id, config.model.revision, config.model.path),)
+           if config.model.hub_id and config.model.revision else ())
+    reports = probe_nodes(placed, run_dir, models, hub)
     refuse_unusable_nodes(reports, run_dir, models)
     memory, source = device_memory_budget(reports, topology.has_gpu)
     trainer_nodes = [r for r in reports if any(role.startswith("trainer") for role in r.roles)]

@@ -80,12 +80,16 @@ class ModelShape:
     # The MLP width a token passes through: intermediate for a dense model; for a mixture of experts
     # its top-k routed experts' (and a shared expert's) widths added up.
     active_intermediate: int = 0
+    # model.lora: the adapters' parameters (all layers; the largest layer's): the only ones that
+    # train, so the only ones with gradients and AdamW moments.
+    adapter_params: int = 0
+    layer_adapter_params: int = 0
     param_shapes: tuple[tuple[int, ...], ...] = ()
     layer_shapes: tuple[tuple[int, ...], ...] = ()  # the largest decoder layer's
     root_shapes: tuple[tuple[int, ...], ...] = ()  # outside the decoder layers (embeddings, norm, lm_head)
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> ModelShape:
+    def from_model_dir(cls, path: str | Path, lora=None) -> ModelShape:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -101,6 +105,13 @@ class ModelShape:
             raise ConfigError(f"model.path {path}: transformers cannot read its config.json: {error}") from None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
+        adapters: dict[int, int] = {}  # id(decoder layer) -> its adapters' parameters
+        if lora is not None:
+            from rlsys.run.assets import trained_model
+
+            adapted = trained_model(Path(path), lora)
+            for layer in decoder_layers(adapted):
+                adapters[id(layer)] = sum(p.numel() for n, p in layer.named_parameters() if ".lora_" in n)
         params = sum(p.numel() for p in model.parameters())
         layers = decoder_layers(model)
         layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
@@ -113,6 +124,7 @@ class ModelShape:
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
             active_intermediate=_active_intermediate(config),
+            adapter_params=sum(adapters.values()), layer_adapter_params=max(adapters.values(), default=0),
             param_shapes=tuple(tuple(p.shape) for _, p in model.named_parameters()),
             layer_shapes=tuple(tuple(p.shape) for p in largest.parameters()),
             root_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in in_layers),
@@ -261,23 +273,30 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
         attention_scores = sequences * shape.heads * sequence**2 * 4 * scores_layers
     needs_reference = config.algorithm.use_kl_loss or config.algorithm.kl_in_reward
     gathers = uses_fsdp(ranks, config.model.dtype, trainable=True)
+    lora = config.model.lora is not None
+    # LoRA: the fp32 base stays sharded beside the adapters; only the adapters have gradients and
+    # AdamW moments; the reference is the same model with the adapters off (no second model); the
+    # frozen output layer computes no weight gradient; FSDP reduce-scatters the adapters' gradients.
+    trained = shape.adapter_params if lora else shape.params
     # Processes per GPU: colocated, a trainer rank and an engine (TP) worker; else one.
     processes = 2 if colocated else 1
     terms = {
-        "trainer_params": 4 * shape.params // ranks,
-        "trainer_grads": 4 * shape.params // ranks,
-        "optimizer_states": 8 * shape.params // ranks,
-        "unsharded_layers": 2 * shape.layer_params * compute if gathers else 0,
+        "trainer_params": 4 * (shape.params + (shape.adapter_params if lora else 0)) // ranks,
+        "trainer_grads": 4 * trained // ranks,
+        "optimizer_states": 8 * trained // ranks,
+        "unsharded_layers": 2 * (shape.layer_params + shape.layer_adapter_params) * compute if gathers else 0,
         "unsharded_root": shape.root_params * compute if gathers else 0,
         "activations": activations,
         "attention_scores": attention_scores,
         "logits_chunk": 3 * max(t.logprob_chunk_tokens or tokens, 1) * shape.vocab * 4,
         # Its fp32 shards live on the host (CPUOffloadPolicy); on the device, what is gathered.
-        "reference_model": (2 * shape.layer_params + shape.root_params) * compute if needs_reference else 0,
+        "reference_model": (2 * shape.layer_params + shape.root_params) * compute if needs_reference and not lora
+        else 0,
         # The two transients of backward, never at once (the phases take the larger): the output
         # layer's gradient first, FSDP's reduce-scatter of each group after.
-        "logprob_head_backward": logprob_head_backward_bytes(shape, compute),
-        "gradient_reduce": gradient_reduce_bytes(shape, ranks, compute) if gathers else 0,
+        "logprob_head_backward": 0 if lora else logprob_head_backward_bytes(shape, compute),
+        "gradient_reduce": (shape.layer_adapter_params * (compute + 4) + shape.layer_adapter_params * 4 // ranks
+                            if lora else gradient_reduce_bytes(shape, ranks, compute)) if gathers else 0,
         "weight_sync_staging": staging_bytes(shape, int(config.weight_sync.bucket_size_mb * 2**20),
                                              config.model.dtype),
         "engine_weights": shape.params * engine_dtype // engine.tp_size,
@@ -326,10 +345,13 @@ def memory_plan(config: RunConfig) -> MemoryPlan:
     import torch
 
     from rlsys.system.backend import choose_attention, flash_attn_available
+    from rlsys.system.model_source import resolve_model_paths
 
+    config = resolve_model_paths(config)
     on_gpu = config.placement.device == "cuda" or (config.placement.device == "auto" and torch.cuda.is_available())
     flash = choose_attention(on_gpu, config.model.dtype, on_gpu and flash_attn_available()) == "flash_attention_2"
-    return plan_memory(config, ModelShape.from_model_dir(config.model.path), device_memory_bytes(config), on_gpu, flash)
+    shape = ModelShape.from_model_dir(config.model.path, config.model.lora)
+    return plan_memory(config, shape, device_memory_bytes(config), on_gpu, flash)
 
 
 def plan_for_devices(config: RunConfig, on_gpu: bool, device_memory: int, flash_attention: bool) -> MemoryPlan:
@@ -338,7 +360,8 @@ def plan_for_devices(config: RunConfig, on_gpu: bool, device_memory: int, flash_
     fit (ConfigError naming the term to change)."""
     if config.placement.gpu_memory_gb is not None:
         device_memory = int(config.placement.gpu_memory_gb * GiB)
-    plan = plan_memory(config, ModelShape.from_model_dir(config.model.path), device_memory, on_gpu, flash_attention)
+    plan = plan_memory(config, ModelShape.from_model_dir(config.model.path, config.model.lora), device_memory, on_gpu,
+                       flash_attention)
     if not plan.fits:
         raise ConfigError(f"memory plan: {plan.advice} (rlsys plan CONFIG shows every term)")
     return plan

@@ -6,7 +6,10 @@
   with a fresh token into `run_dir`; each node must read that token back and be able to create
   (and remove) a file there. A node-local path (or a relative one, which resolves inside each
   node's own copy of the job's working directory) fails this on every other node.
-- **The model** at `model.path` (and the tokenizer, if separate) on every node that loads it.
+- **The model** at `model.path` (and the tokenizer, if separate) on every node that loads it. A
+  model given as a hub id (rlsys/system/model_source.py) is resolved on the node at the driver's
+  commit first, downloaded into the node's hub cache when the node is online and lacks it, and
+  must land at the driver's path.
 - **Device memory**, the memory plan's budget: the smallest GPU (NVML: every GPU of the node,
   whatever CUDA_VISIBLE_DEVICES says) of the nodes holding the run's bundles, or their RAM on a
   CPU run; and whether flash-attn is installed there. Never the driver's own devices: under
@@ -49,8 +52,17 @@ class NodeCheckFailed(ConfigError):
     """A node cannot run its part of the run as configured; the message names it and what to set."""
 
 
+@dataclass(frozen=True)
+class HubSnapshot:
+    """A model the driver resolved from a hub id: where its snapshot of `commit` lies on the driver."""
+
+    repo_id: str
+    commit: str
+    path: str
+
+
 def probe_this_node(run_dir: str, marker: str, token: str, model_paths: tuple[str, ...], node_id: str,
-                    roles: tuple[str, ...]) -> NodeReport:
+                    roles: tuple[str, ...], hub: tuple[HubSnapshot, ...] = ()) -> NodeReport:
     """This node's part of the checks (runs on the node)."""
     import psutil
 
@@ -59,7 +71,7 @@ def probe_this_node(run_dir: str, marker: str, token: str, model_paths: tuple[st
     return NodeReport(
         node_id=node_id, address=node_address(), hostname=socket.gethostname(), roles=roles,
         run_dir_problem=_run_dir_problem(Path(run_dir), marker, token),
-        model_problem=_model_problem(model_paths),
+        model_problem=_model_problem(model_paths, hub),
         host_memory_bytes=int(psutil.virtual_memory().total),
         gpu_memory_bytes=_smallest_gpu_bytes(),
         flash_attn_installed=_installed("flash_attn"),
@@ -84,10 +96,29 @@ def _run_dir_problem(run_dir: Path, marker: str, token: str) -> str | None:
     return None
 
 
-def _model_problem(paths: tuple[str, ...]) -> str | None:
+def _model_problem(paths: tuple[str, ...], hub: tuple[HubSnapshot, ...] = ()) -> str | None:
+    for snapshot in hub:
+        if not (Path(snapshot.path) / "config.json").is_file():
+            problem = _fetch_snapshot(snapshot)
+            if problem:
+                return problem
     for path in paths:
         if not (Path(path) / "config.json").is_file():
             return f"{path} has no config.json on this node"
+    return None
+
+
+def _fetch_snapshot(snapshot: HubSnapshot) -> str | None:
+    """Resolve the hub id on this node the driver's way, at the driver's commit (downloading when online)."""
+    from rlsys.system.model_source import snapshot_of
+
+    try:
+        here = snapshot_of(snapshot.repo_id, snapshot.commit)
+    except ConfigError as error:
+        return f"{snapshot.repo_id} at {snapshot.commit[:12]} is not in this node's hub cache: {error}"
+    if here != Path(snapshot.path):
+        return (f"{snapshot.repo_id} resolves to {here} on this node, to {snapshot.path} on the driver; give every "
+                "node the same hub cache path (HF_HOME or HF_HUB_CACHE, ideally on shared storage)")
     return None
 
 
@@ -126,7 +157,8 @@ class PlacementNodes:
         self.roles.setdefault(node_id, []).append(role)
 
 
-def probe_nodes(nodes: PlacementNodes, run_dir: Path, model_paths: tuple[str, ...]) -> list[NodeReport]:
+def probe_nodes(nodes: PlacementNodes, run_dir: Path, model_paths: tuple[str, ...],
+                hub: tuple[HubSnapshot, ...] = ()) -> list[NodeReport]:
     """Every node's report (module docstring); the driver's run-dir marker is removed after."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -140,10 +172,10 @@ def probe_nodes(nodes: PlacementNodes, run_dir: Path, model_paths: tuple[str, ..
         pending = {
             node_id: remote_probe.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
-                str(run_dir), marker, token, model_paths, node_id, tuple(roles))
+                str(run_dir), marker, token, model_paths, node_id, tuple(roles), hub)
             for node_id, roles in nodes.roles.items() if node_id != here
         }
-        reports = [probe_this_node(str(run_dir), marker, token, model_paths, here, tuple(nodes.roles[here]))] \
+        reports = [probe_this_node(str(run_dir), marker, token, model_paths, here, tuple(nodes.roles[here]), hub)] \
             if here in nodes.roles else []
         reports += [ray.get(call) for call in pending.values()]
     finally:

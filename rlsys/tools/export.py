@@ -1,4 +1,7 @@
-"""`rlsys export RUN_DIR OUT [--step N]`: a run checkpoint as a Hugging Face safetensors model."""
+"""`rlsys export RUN_DIR OUT [--step N] [--merged]`: a run checkpoint as a Hugging Face safetensors
+model; a LoRA run's as a PEFT adapter (adapter_config.json, adapter_model.safetensors: what
+`PeftModel.from_pretrained` and SGLang's --lora-paths load), or with --merged as the base model
+with the adapters merged in."""
 
 from __future__ import annotations
 
@@ -47,8 +50,35 @@ def checkpoint_to_export(store: CheckpointStore, step: int | None) -> Path:
                       + "; ".join(f"{p.name}: {why}" for p, why in passed_over))
 
 
-def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path) -> Path:
+def _read_checkpoint(state: dict, checkpoint: Path) -> None:
     import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
+    except Exception as error:  # noqa: BLE001 - a damaged shard the size check could not see
+        raise ConfigError(f"checkpoint {checkpoint} cannot be read ({type(error).__name__}: {error}); "
+                          "export another one with --step N") from None
+
+
+def _with_adapters(model, lora, checkpoint: Path, base_id: str):
+    """`model` as a PeftModel holding the checkpoint's adapters (the trainer's DCP keys are the
+    injected model's own names, `...q_proj.lora_A.default.weight`)."""
+    from peft import LoraConfig, get_peft_model
+
+    settings = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=lora.target_modules, bias="none", base_model_name_or_path=base_id)
+    peft_model = get_peft_model(model, settings)
+    inner = peft_model.base_model.model  # the transformers model, adapters injected: the trainer's names
+    adapters = {name: param.detach() for name, param in inner.named_parameters() if ".lora_" in name}
+    state = {"model": {name: torch.empty_like(tensor) for name, tensor in adapters.items()}}
+    _read_checkpoint(state, checkpoint)
+    with torch.no_grad():
+        for name, tensor in adapters.items():
+            tensor.copy_(state["model"][name])
+    return peft_model
+
+
+def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path, merged: bool = False) -> Path:
     from transformers import AutoModelForCausalLM
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -59,17 +89,23 @@ def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path) -> Pat
     except OSError as error:
         raise UsageError(f"cannot export to {out_dir}: {why_not_a_directory(out_dir, error)}; "
                          "choose another output directory") from None
+    if merged and config.model.lora is None:
+        raise ConfigError(f"--merged: the run in {run_dir} trained every weight (no model.lora): its export is "
+                          "the whole model already; leave --merged out")
     base = Path(config.model.path)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    # The trainer's DCP keys are the model's own parameter names; load only the model part.
-    state = {"model": model.state_dict()}
-    try:
-        dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
-    except Exception as error:  # noqa: BLE001 - a damaged shard the size check could not see
-        raise ConfigError(f"checkpoint {checkpoint} cannot be read ({type(error).__name__}: {error}); "
-                          "export another one with --step N") from None
-    model.load_state_dict(state["model"])
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    if config.model.lora is not None:
+        peft_model = _with_adapters(model, config.model.lora, checkpoint, config.model.hub_id or str(base))
+        if merged:
+            peft_model.merge_and_unload().save_pretrained(str(out_dir), safe_serialization=True)
+        else:
+            peft_model.save_pretrained(str(out_dir), safe_serialization=True)
+    else:
+        # The trainer's DCP keys are the model's own parameter names; load only the model part.
+        state = {"model": model.state_dict()}
+        _read_checkpoint(state, checkpoint)
+        model.load_state_dict(state["model"])
+        model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer_dir = Path(config.model.tokenizer_dir)
     for name in _TOKENIZER_FILES:
         source = tokenizer_dir / name if (tokenizer_dir / name).is_file() else base / name

@@ -332,3 +332,40 @@ def test_train_refuses_what_the_output_layer_and_reduce_scatter_push_past_the_gp
     assert 16 * p // 4 < plan.phases["trainer_gpu"]  # the sharded state alone is 16 bytes a parameter / 4
     with pytest.raises(ConfigError, match="memory plan: trainer_gpu needs 88.0 GiB of 80.0 GiB"):
         plan_for_devices(config, on_gpu=True, device_memory=80 * GiB, flash_attention=True)
+
+
+def test_lora_plans_gradients_and_moments_for_the_adapters_only_and_no_reference_model(tmp_path):
+    """configs/gpu_colocated.yaml with Qwen2.5-7B and model.lora (rank 16, all-linear) on 80 GiB
+    GPUs: the terms that change, as hand sums (docs/operations.md quotes the saving)."""
+    model_dir = _qwen_dir(tmp_path, "7b")
+    q = QWEN["7b"]
+    h, i, n_layers = q["hidden_size"], q["intermediate_size"], q["num_hidden_layers"]
+    kv = q["num_key_value_heads"] * h // q["num_attention_heads"]
+    layer = 2 * h * h + 2 * h * kv + (h + 2 * kv) + 3 * h * i + 2 * h
+    r = 16
+    layer_adapters = r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))  # q, k and v, o, gate and up, down
+    a = n_layers * layer_adapters
+    p = PARAMS["7b"]
+    config = _recipe("gpu_colocated", model_dir)
+    lora = _recipe("gpu_colocated", model_dir, f"model.lora={{rank: {r}, alpha: 32}}")
+    full = plan_memory(config, ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
+    plan = plan_memory(lora, ModelShape.from_model_dir(model_dir, lora.model.lora), 80 * GiB, on_gpu=True,
+                       flash_attention=True)
+    assert a == 40_370_176  # 0.53% of the 7.6B
+    changed = {
+        "trainer_params": 4 * (p + a) // 8,  # the fp32 base stays sharded beside the adapters
+        "trainer_grads": 4 * a // 8,
+        "optimizer_states": 8 * a // 8,
+        "unsharded_layers": 2 * (layer + layer_adapters) * 2,
+        "reference_model": 0,  # the base with the adapters off
+        "logprob_head_backward": 0,  # the output layer is frozen
+        "gradient_reduce": layer_adapters * 2 + layer_adapters * 4 + layer_adapters * 4 // 8,
+    }
+    assert {name: plan.terms[name] for name in changed} == changed
+    assert {name: value for name, value in plan.terms.items() if name not in changed} == \
+        {name: value for name, value in full.terms.items() if name not in changed}
+    saved = full.phases["train"] - plan.phases["train"]
+    print(f"LoRA r16 on Qwen2.5-7B: train phase {full.phases['train'] / GiB:.1f} -> {plan.phases['train'] / GiB:.1f} "
+          f"GiB per GPU (saves {saved / GiB:.1f}); sync phase {full.phases['sync'] / GiB:.1f} -> "
+          f"{plan.phases['sync'] / GiB:.1f}")
+    assert saved > 10 * GiB

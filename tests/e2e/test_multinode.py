@@ -4,8 +4,10 @@ num-gpus 0), trainer ranks and engines on worker nodes, run_dir on the storage e
 Every run is submitted with deploy/submit.sh against the head, as a user would.
 
 Nodes: head (0 CPUs); a (4 CPUs, `trainer_node`); b and c (2 CPUs each, `engine_node`). Runs keep
-trainers and engines apart with placement.trainer_node_resources / engine_node_resources. What this
-cannot show: NCCL and CUDA IPC (no GPU here)."""
+trainers and engines apart with placement.trainer_node_resources / engine_node_resources. Every node
+has a hub cache of its own (HF_HUB_CACHE on node-local storage, HF_HUB_OFFLINE=1): the colocated runs
+name their model by hub id, which the head and node a hold. What this cannot show: NCCL and CUDA
+IPC (no GPU here)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rlsys.observability.metrics import read_metrics
-from tests.helpers import REPO
+from tests.helpers import REPO, fill_hub_cache
 from tests.multinode import NamespaceCluster, NodeSpec, our_namespaces, unavailable_reason
 
 pytestmark = pytest.mark.slow
@@ -30,6 +32,8 @@ ON_ENGINE_NODES = "placement.engine_node_resources={engine_node: 1}"
 QUIET = ("logging.progress_bar=false", "status.port=0")
 # Columns a resumed run must reproduce exactly: which step, which prompts, which weights sampled them.
 SAME_AFTER_RESUME = ("step", "data_epoch", "data_index", "weight_version", "synced_weight_version")
+HUB_ID = "tiny-org/tiny-qwen"  # in the hub caches of the head and node a
+HEAD_ONLY = "tiny-org/head-only"  # in the head's only
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +44,9 @@ def cluster(tmp_path_factory):
             pytest.fail(f"the multi-node tests must run in CI: {reason}")
         pytest.skip(f"no multi-node test cluster here: {reason}")
     workdir = tmp_path_factory.mktemp("cluster")
+    hub_env = {"HF_HUB_CACHE": str(workdir / "local" / "hub"), "HF_HUB_OFFLINE": "1"}  # node-local (docstring)
     with NamespaceCluster(workdir, NodeSpec("head"), [NodeSpec("a", 4, TRAINER_NODE), NodeSpec("b", 2, ENGINE_NODE),
-                                                      NodeSpec("c", 2, ENGINE_NODE)]) as made:
+                                                      NodeSpec("c", 2, ENGINE_NODE)], env=hub_env) as made:
         yield made
     assert our_namespaces() == []  # namespaces, links and the nodes' processes are gone with them
 
@@ -155,11 +160,30 @@ def test_a_run_dir_the_worker_nodes_cannot_see_is_refused_before_anything_trains
 
 
 @pytest.fixture(scope="module")
-def colocated_run(cluster, tiny_model_dir, tmp_path_factory):
-    """Colocated, 2 ranks and their engine on worker node a, the driver on the head: 6 steps,
-    checkpoints every 2 (the uninterrupted run the resume test compares with)."""
+def hub_caches(cluster, tiny_model_dir):
+    """The tiny model in the node-local hub caches: HUB_ID on the head and node a, HEAD_ONLY on the head."""
+    for node in ("head", "a"):
+        fill_hub_cache(cluster.workdir / "nodes" / node / "local" / "hub", HUB_ID, tiny_model_dir)
+    fill_hub_cache(cluster.workdir / "nodes" / "head" / "local" / "hub", HEAD_ONLY, tiny_model_dir)
+
+
+def test_a_hub_id_a_worker_node_cannot_resolve_is_refused_naming_the_node(cluster, hub_caches, tmp_path):
+    job = _submit(cluster, "quickstart.yaml", HEAD_ONLY, f"run_dir={tmp_path / 'run'}", ON_TRAINER_NODES)
+    output = job.stdout + job.stderr
+    assert job.returncode != 0
+    assert f"model {HEAD_ONLY} at commit" in output, output[-3000:]  # the driver resolved it in the head's cache
+    assert "is not on every node that loads it" in output, output[-3000:]
+    assert f"node {cluster.nodes['a'].address} (" in output
+    assert f"{HEAD_ONLY} at 1a2b3c4d1a2b is not in this node's hub cache" in output and "HF_HUB_OFFLINE" in output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def colocated_run(cluster, hub_caches, tmp_path_factory):
+    """Colocated, 2 ranks and their engine on worker node a, the driver on the head, the model by hub
+    id: 6 steps, checkpoints every 2 (the uninterrupted run the resume test compares with)."""
     run_dir = tmp_path_factory.mktemp("shared") / "colocated"
-    job = _submit(cluster, "quickstart.yaml", tiny_model_dir, f"run_dir={run_dir}", *COLOCATED)
+    job = _submit(cluster, "quickstart.yaml", HUB_ID, f"run_dir={run_dir}", *COLOCATED)
     return run_dir, _succeeded(job)
 
 
@@ -172,6 +196,8 @@ def test_colocated_ranks_on_one_worker_node_with_the_driver_on_the_head(cluster,
     head, worker = cluster.nodes["head"].address, cluster.nodes["a"].address
     assert _nodes_line(output) == f"rlsys: nodes: driver {head}; {worker}: trainer rank 0, engine-0, trainer rank 1"
     assert "rlsys: finished" in output
+    # The hub id resolved in the head's cache, and node a found the same commit at the same path in its own.
+    assert f"model {HUB_ID} at commit {'1a2b3c4d' * 5}: {cluster.local_path}/hub/models--tiny-org--tiny-qwen" in output
     # The memory plan's budget is the worker's (its RAM on CPU; a GPU there), not the head's.
     assert f"GiB (the RAM of node {worker} (" in output
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -199,7 +225,7 @@ def test_a_killed_driver_leaves_nothing_on_any_node_and_the_run_resumes_as_if_un
     reference = read_metrics(colocated_run[0] / "metrics.jsonl")
     run_dir = tmp_path / "killed"
     before_pids, before_shm = _all_pids(cluster), _shm(cluster)
-    job = _submit(cluster, "quickstart.yaml", tiny_model_dir, f"run_dir={run_dir}", *COLOCATED, wait=False)
+    job = _submit(cluster, "quickstart.yaml", HUB_ID, f"run_dir={run_dir}", *COLOCATED, wait=False)
     cluster.wait_for(lambda: (run_dir / "checkpoints" / "step_00000002" / "coordinator.json").exists()
                      or job.poll() is not None, "the run's step-2 checkpoint")
     assert job.poll() is None, job.stdout.read()[-3000:]
@@ -219,7 +245,7 @@ def test_a_killed_driver_leaves_nothing_on_any_node_and_the_run_resumes_as_if_un
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "failed" and "died without finishing" in status["error"]
 
-    resumed = _succeeded(_submit(cluster, "quickstart.yaml", tiny_model_dir, f"run_dir={run_dir}", *COLOCATED,
+    resumed = _succeeded(_submit(cluster, "quickstart.yaml", HUB_ID, f"run_dir={run_dir}", *COLOCATED,
                                  "--resume"))
     checkpoint = next(line for line in resumed.splitlines() if "rlsys: resuming from" in line)
     resumed_from = int(checkpoint.rsplit("step_", 1)[1])
