@@ -58,8 +58,8 @@ class LoraConfig(_Section):
 
     rank: int = Field(16, ge=1, description="Rank r of each adapter (A: r x in, B: out x r).")
     alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training "
-                           "(log-prob passes run without it).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input in training "
+                           "mode, the trainer's log-prob passes included: keep 0 for exact old log-probs and TIS.")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="Module names (suffixes, as PEFT matches them) that get adapters, or all-linear: "
         "every linear layer of the decoder (never the output layer).",
