@@ -197,7 +197,8 @@ def _compare(args: argparse.Namespace) -> int:
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
-    spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed, arch=args.arch)
+    spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed, arch=args.arch,
+                         init_std=args.init_std)
     logger.info("tiny model written to %s", make_tiny_model(args.out_dir, spec, chat=args.chat))
     return 0
 
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--num-layers", type=int, default=2)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--init-std", type=float, default=0.02,
+                      help="std of the random weights (0.1: a base a LoRA run can learn on, docs/operations.md)")
     tiny.add_argument("--arch", default="qwen2", help="qwen2 (default), qwen3, llama or qwen3_moe")
     tiny.add_argument("--chat", action="store_true", help="a tokenizer with a Qwen-style chat template")
     tiny.set_defaults(handler=_make_tiny_model)

@@ -34,6 +34,11 @@ class TinyModelSpec:
     arch: str = "qwen2"  # a key of ARCHITECTURES
     num_experts: int = 4  # qwen3_moe only
     num_experts_per_tok: int = 2
+    # Std of the random weights (transformers' initializer_range). At 0.02 a 64-wide model's output
+    # layer can only spread its logits over ~+-1.3 (its input is RMS-normalised): full fine-tuning
+    # grows it, but LoRA leaves it frozen, so a LoRA run needs a base with a wider range (~0.1), as
+    # a pretrained model has.
+    init_std: float = 0.02
 
     def __post_init__(self):
         # Rotary embeddings rotate pairs of a head's dimensions: each head needs an even size.
@@ -145,6 +150,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
+        initializer_range=spec.init_std,
         **spec.config_fields(),
     )
     torch.manual_seed(spec.seed)
