@@ -123,9 +123,16 @@ def refuse_incompatible_checkpoint(checkpoint: Path, config: RunConfig) -> None:
     saved = {key.removeprefix("model."): tuple(meta.size)
              for key, meta in FileSystemReader(str(checkpoint / "dcp")).read_metadata().state_dict_metadata.items()
              if key.startswith("model.") and hasattr(meta, "size")}
-    wanted = {name: tuple(param.shape) for name, param in trained_model(Path(config.model.path), config.model.lora)
-              .named_parameters() if config.model.lora is None or ".lora_" in name}
-    if saved == wanted:
+    # A tied weight passes under any of its names; what the checkpoint holds beyond the parameters
+    # (a buffer) is not this check's business.
+    aliases: dict[int, list[str]] = {}
+    model = trained_model(Path(config.model.path), config.model.lora)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if config.model.lora is None or ".lora_" in name:
+            aliases.setdefault(id(param), []).append(name)
+    shapes = {id(param): tuple(param.shape) for param in model.parameters()}
+    wanted = {next((n for n in names if n in saved), names[0]): shapes[key] for key, names in aliases.items()}
+    if all(saved.get(name) == shape for name, shape in wanted.items()):
         return
     saved_lora = any(".lora_" in name for name in saved)
     if saved_lora != (config.model.lora is not None):
@@ -136,9 +143,7 @@ def refuse_incompatible_checkpoint(checkpoint: Path, config: RunConfig) -> None:
     differ = [f"{name}: {saved[name]} in the checkpoint, {wanted[name]} here" for name in wanted
               if name in saved and saved[name] != wanted[name]]
     missing = sorted(wanted.keys() - saved.keys())
-    extra = sorted(saved.keys() - wanted.keys())
-    lines = differ[:3] + ([f"not in the checkpoint: {', '.join(missing[:3])}"] if missing else []) \
-        + ([f"not in this model: {', '.join(extra[:3])}"] if extra else [])
+    lines = differ[:3] + ([f"not in the checkpoint: {', '.join(missing[:3])}"] if missing else [])
     change = ("model.lora (rank, target_modules) as the run that wrote it had" if saved_lora
               else "model.path to the model the run trained")
     raise ConfigError(f"invalid config: checkpoint {checkpoint} was written by a different model than this config "
