@@ -33,6 +33,16 @@ class AdapterTargetError(ValueError):
     """model.lora.target_modules names no module of the model."""
 
 
+class UnsupportedAdapterTargetError(ValueError):
+    """model.lora.target_modules reaches modules other than linear layers (a mixture-of-experts
+    model's stacked experts or its router, which PEFT wraps as parameters): rlsys merges adapters
+    into linear weights only. `modules`: their names, one per kind."""
+
+    def __init__(self, modules: list[str]):
+        super().__init__(", ".join(modules))
+        self.modules = modules
+
+
 def add_adapters(model: torch.nn.Module, rank: int, alpha: float, dropout: float,
                  target_modules: list[str] | str) -> torch.nn.Module:
     """Inject LoRA adapters into `model` in place (its parameters may be on the meta device)."""
@@ -40,11 +50,20 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: float, dropout: float
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, bias="none")
     try:
-        return inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     except ValueError as error:
         if "not found in the base model" in str(error) or "No modules were targeted" in str(error):
             raise AdapterTargetError(str(error).split(". ")[0]) from None
         raise
+    # PEFT's "all-linear" also wraps a transformers-5 MoE's stacked experts and router (ParamWrapper)
+    from peft.tuners.lora import LoraLayer
+
+    not_linear = {type(layer.get_base_layer()).__name__: name.replace(".base_layer", "")
+                  for name, layer in model.named_modules()
+                  if isinstance(layer, LoraLayer) and not isinstance(layer.get_base_layer(), torch.nn.Linear)}
+    if not_linear:
+        raise UnsupportedAdapterTargetError(sorted(not_linear.values()))
+    return model
 
 
 def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

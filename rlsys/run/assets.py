@@ -100,18 +100,23 @@ def trained_model(model_dir: Path, lora: LoraConfig | None):
     import torch
 
     from rlsys.actors.loading import build_empty_model
-    from rlsys.actors.lora import AdapterTargetError, add_adapters
+    from rlsys.actors.lora import AdapterTargetError, UnsupportedAdapterTargetError, add_adapters
 
     model = build_empty_model(str(model_dir), "sdpa")
     if lora is None:
         return model
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear)} - {"lm_head"})
     try:
         add_adapters(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     except AdapterTargetError as error:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if isinstance(module, torch.nn.Linear)} - {"lm_head"})
         raise ConfigError(f"invalid config: model.lora.target_modules {lora.target_modules} match no module of "
                           f"{model_dir} ({error}); its linear layers are {', '.join(linear)}, or use all-linear") from None
+    except UnsupportedAdapterTargetError as error:
+        raise ConfigError(f"invalid config: model.lora.target_modules {lora.target_modules} put adapters on modules "
+                          f"of {model_dir} that are not linear layers ({error}: a mixture-of-experts model's stacked "
+                          "experts or router); rlsys merges adapters into linear layers only: list target_modules "
+                          f"from its linear layers, {', '.join(linear)}") from None
     return model
 
 
@@ -154,8 +159,8 @@ def refuse_incompatible_checkpoint(checkpoint: Path, config: RunConfig) -> None:
 def _check_the_trainer_can_load(model_dir: Path, lora: LoraConfig | None = None) -> None:
     """Every parameter of the model config.json describes has its tensor(s) in the weight files, as
     the trainer ranks read them (actors/loading.py), checked before any actor starts; and the model
-    is of a kind rlsys runs end to end."""
-    from rlsys.actors.checkpoint_layout import checkpoint_pieces, unsupported_layouts
+    stores no parameter in a layout rlsys does not read."""
+    from rlsys.actors.checkpoint_layout import unsupported_layouts
     from rlsys.actors.loading import build_empty_model, parameters_without_tensor
 
     model = build_empty_model(str(model_dir), "sdpa")
@@ -164,11 +169,6 @@ def _check_the_trainer_can_load(model_dir: Path, lora: LoraConfig | None = None)
         raise ConfigError(f"invalid config: model.path {model_dir}: transformers converts parameters of this "
                           f"architecture ({', '.join(unsupported[:3])}) from its checkpoint in a way rlsys does not "
                           "read; supported architectures: docs/gpus-and-clusters.md")
-    if checkpoint_pieces(model):
-        raise ConfigError(
-            f"invalid config: model.path {model_dir}: a mixture-of-experts model ({model.config.architectures[0]}); "
-            "rlsys's trainer reads and syncs its stacked experts, but serving it has not been tested through the "
-            "whole run yet: use a dense model (Qwen2, Qwen3, Llama; docs/gpus-and-clusters.md)")
     if not any(model_dir.glob("*.safetensors")):
         return  # .bin weights: the trainer refuses them with its own message
     missing = parameters_without_tensor(model_dir)

@@ -3,7 +3,8 @@ way through rlsys. Qwen2 has q/k/v biases; Qwen3 has none, but per-head q/k RMSN
 head_dim of its own; Llama has neither. Where rlsys does its own work they differ: meta-device
 loading with per-rank shard reads (2 FSDP2 ranks), packed attention (tests/unit/test_packed_attention.py
 covers every architecture), the parameter names the weight sync hands to SGLang's `load_weights`
-(both transports), the served-model registry, and export.
+(both transports), the served-model registry, and export; Qwen3-MoE stores its experts stacked in
+the trainer and one tensor per expert in the checkpoint and the engine.
 
 Engine log-probs equal the trainer's to 1e-3, the bound tests/e2e/test_weight_sync.py uses for
 Qwen2 (fp32 on both sides; different kernels: SGLang's CPU attention against packed SDPA).
@@ -28,11 +29,15 @@ from tests.helpers import REPO, random_sequences, train_command, trainer_spec
 # Qwen2, the default, goes through every other test: both transports in tests/e2e/test_weight_sync.py,
 # learning in tests/e2e/test_quickstart.py, export in tests/e2e/test_resume.py.
 DENSE = ["qwen3", "llama"]
+# Qwen3-MoE: transformers stacks each layer's experts into one parameter, the checkpoint and
+# SGLang's load_weights keep one tensor per expert (actors/checkpoint_layout.py); SGLang's CPU path
+# runs its experts in plain torch (the same numbers as transformers', to fp32 rounding).
+SERVED = DENSE + ["qwen3_moe"]
 FIXED = [[5, 9, 14, 3, 7, 7, 20, 31], [40, 41, 42, 6, 6, 6], [12, 65, 13, 65, 14, 73, 15, 1]]
 BOUND = 1e-3
 
 
-@pytest.fixture(scope="module", params=DENSE)
+@pytest.fixture(scope="module", params=SERVED)
 def arch_model(request, tmp_path_factory):
     return request.param, make_tiny_model(tmp_path_factory.mktemp(request.param), TinyModelSpec(arch=request.param))
 

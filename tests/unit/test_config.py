@@ -101,16 +101,21 @@ def test_weights_missing_a_parameter_fail_before_actors_naming_it(tmp_path, tiny
         load_assets(config)
 
 
-def test_a_mixture_of_experts_model_is_refused_before_actors_saying_why(tmp_path):
-    """The trainer reads and syncs a Qwen3-MoE's stacked experts (tests/unit/test_checkpoint_layout.py),
-    but the whole run is not tested with one yet: refused, saying so."""
+def test_a_mixture_of_experts_checkpoint_is_checked_per_expert_before_actors(tmp_path):
+    """A Qwen3-MoE checkpoint stores one tensor per expert, which the trainer stacks: a whole one
+    passes, and one missing a single expert's tensor is named before any actor starts."""
+    from safetensors.torch import load_file, save_file
+
     from rlsys.run.assets import load_assets
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     model = make_tiny_model(tmp_path / "moe", TinyModelSpec(arch="qwen3_moe"))
-    config = load_config(write_config(tmp_path / "c.yaml", model))
-    with pytest.raises(ConfigError, match=r"a mixture-of-experts model \(Qwen3MoeForCausalLM\).* use a dense model"):
-        load_assets(config)
+    load_assets(load_config(write_config(tmp_path / "c.yaml", model)))
+    tensors = load_file(model / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"1 parameter\(s\) .*model.layers.1.mlp.experts.gate_up_proj"):
+        load_assets(load_config(write_config(tmp_path / "c.yaml", model)))
 
 
 @pytest.mark.parametrize("betas", ["[2.0, 0.999]", "[0.9, 1.0]", "[-0.1, 0.9]"])
@@ -276,3 +281,25 @@ def test_vespo_with_sequence_level_tis_is_refused(tmp_path, tiny_model_dir):
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
     with pytest.raises(ConfigError, match="policy_loss vespo folds the TIS weights .* set tis.level: token"):
         load_config(path, ["algorithm.policy_loss=vespo", "algorithm.tis.level=sequence"])
+
+
+def test_lora_targets_that_match_nothing_or_reach_past_linear_layers_are_refused_naming_the_linear_ones(
+        tmp_path, tiny_model_dir):
+    """target_modules matching no module, and (PEFT's all-linear on a mixture-of-experts model) ones
+    that put adapters on the stacked experts and the router, are refused before any actor starts;
+    the message lists the layers that can carry adapters. Attention-only LoRA on the MoE passes."""
+    from rlsys.run.assets import load_assets
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    config = load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), ["model.lora.target_modules=[qkv]"])
+    with pytest.raises(ConfigError, match=r"target_modules \['qkv'\] match no module of .*its linear layers are "
+                                          "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"):
+        load_assets(config)
+    moe = make_tiny_model(tmp_path / "moe", TinyModelSpec(arch="qwen3_moe"))
+    config = load_config(write_config(tmp_path / "c.yaml", moe), ["model.lora.rank=4"])
+    with pytest.raises(ConfigError, match=r"target_modules all-linear put adapters on modules .* that are not linear "
+                                          r"layers \(model.layers.1.mlp.experts, model.layers.1.mlp.gate: .* "
+                                          "k_proj, o_proj, q_proj, v_proj"):
+        load_assets(config)
+    load_assets(load_config(write_config(tmp_path / "c.yaml", moe),
+                            ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]))

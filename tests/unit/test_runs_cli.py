@@ -200,6 +200,28 @@ def test_export_passes_over_a_truncated_checkpoint_and_refuses_a_file_as_output(
     assert not all(torch.equal(weights[1][name], weights[2][name]) for name in exported)  # step 1 it is
 
 
+def test_a_mixture_of_experts_run_exports_one_tensor_per_expert_that_transformers_reads_back_equal(tmp_path):
+    """The trainer holds each layer's experts stacked ([E, 2I, H]); the export writes the
+    checkpoint's own per-expert tensors, the layout the base model came in and engines load."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "moe", TinyModelSpec(arch="qwen3_moe", num_experts=4))
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    weights = _checkpointed_run(run_dir, model_dir, steps=[1])[1]
+    assert main(["export", str(run_dir), str(out)]) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as exported, \
+            safe_open(str(model_dir / "model.safetensors"), "pt") as base:
+        assert set(exported.keys()) == set(base.keys())
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in exported.keys()
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    assert loaded.keys() == weights.keys()
+    assert all(torch.equal(loaded[name], weights[name]) for name in loaded)
+
+
 def test_resume_passes_over_a_truncated_checkpoint_naming_it_and_the_one_it_resumes_from(tmp_path, tiny_model_dir,
                                                                                          capsys):
     import shutil
