@@ -52,9 +52,10 @@ class TrainerGroup:
         """Give each rank its weight transport to the engines in `topology` (see TrainerWorker)."""
         ray.get([w.connect_engines.remote(topology, timeout_s) for w in self.workers])
 
-    def sync_weights(self, bucket_bytes: int, weight_version: int) -> list[dict]:
-        """Trainer weights into the engines of the last `connect_engines`; per-rank statistics."""
-        return ray.get([w.sync_weights.remote(bucket_bytes, weight_version) for w in self.workers])
+    def sync_weights(self, bucket_bytes: int, weight_version: int, pipelined: bool = True) -> list[dict]:
+        """Trainer weights into the engines of the last `connect_engines`; per-rank statistics
+        (weight_sync.sync.SyncStats)."""
+        return ray.get([w.sync_weights.remote(bucket_bytes, weight_version, pipelined) for w in self.workers])
 
     def loss_gradients(self, sequences: list[TrainSequence]) -> dict:
         """Gradients of the loss of `sequences` as one mini-batch (tests)."""

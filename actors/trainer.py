@@ -492,14 +492,14 @@ class TrainerWorker:
             check_reachable(client, me)
             self.transport = ColocatedWeightSender(client, engine.tp_size)
 
-    def sync_weights(self, bucket_bytes: int, weight_version: int) -> dict:
+    def sync_weights(self, bucket_bytes: int, weight_version: int, pipelined: bool = True) -> dict:
         """Gather the weights bucket by bucket and hand them to this rank's transport. Collective."""
         named, merge = (merged_parameters(self.model) if self.spec.model.lora is not None
                         else (self.model.named_parameters(), None))
         return sync_weights(named, bucket_bytes, self.transport, str(weight_version),
                             self.backend, self.gather_scratch, self.gather_dst,
                             engine_dtype=getattr(torch, self.spec.model.dtype), pieces=self.checkpoint_pieces,
-                            materialize=merge).as_dict()
+                            materialize=merge, pipelined=pipelined).as_dict()
 
     def _close_transport(self) -> None:
         if self.transport is not None:

@@ -1,20 +1,24 @@
-"""Weight-sync benchmark: both transports end to end into a real SGLang engine, against a naive
-baseline and against this machine's own memcpy and all-gather bandwidth, measured in one run.
-Prints one JSON object.
+"""Weight-sync benchmark: both transports end to end into a real SGLang engine, pipelined and
+serial side by side, against a naive baseline and against this machine's own memcpy and gather
+bandwidth, measured in one run. Prints one JSON object.
 
     .venv/bin/python bench/weight_sync.py [--hidden-size 1024 --layers 32 --bucket-mb 64 512 1024]
 
 The synthetic model is a Qwen2 of ~0.5 B parameters (fp32, ~2 GB) built locally; 2 FSDP2 ranks
-hold it sharded; one SGLang engine (CPU) serves it. Stages, for one sync, timed on trainer rank 0:
-- gather_s: gathering each bucket's shards straight into rank 0's reusable staging buffer, which
-  then is the bucket (one engine: only rank 0 needs the full tensors, so the other ranks send
-  their shards point-to-point instead of all-gathering; no separate flattening copy);
-- handover_s: per-bucket fixed cost of the hand-over (colocated: pickling the IPC handle + the
-  HTTP round trip; broadcast: HTTP request + group round trip), measured with a one-tensor bucket;
-- load_s: the rest of the per-bucket call: the engine maps (colocated) or receives (broadcast)
-  the bucket and copies it into its parameters (colocated: `weight_sync.engine_loader`, with
-  `engine_weight_load_threads` threads, the machine's cores: the trainer ranks wait meanwhile);
-- after_gather_s = handover_s + load_s; total_s = the whole sync, gather included.
+hold it sharded; one SGLang engine (CPU) serves it. For one sync, timed on trainer rank 0:
+- gather_s: gathering each bucket's shards straight into one of rank 0's reusable staging
+  buffers, which then is the bucket (one engine: only rank 0 needs the full tensors, so the other
+  ranks send their shards point-to-point instead of all-gathering; no separate flattening copy);
+- engine_wait_s: rank 0 waiting on the engine: begin, each bucket's hand-over and load (colocated:
+  pickling the IPC handle + the HTTP round trip, then `weight_sync.engine_loader` copying with
+  `engine_weight_load_threads` threads (each mode against an engine launched as `rlsys train`
+  launches it for that mode: every core serial, half of them pipelined); broadcast: the request +
+  the broadcast + SGLang's load), end. Serial, all of it; pipelined, only what the next bucket's gather did not hide;
+- serial only: handover_s, the per-bucket fixed cost (one-tensor buckets) times the buckets, and
+  load_s, the rest of the wait;
+- total_s: the whole sync; total_over_memcpy: its bytes/s over this machine's memcpy.
+`fixed_cost_per_sync`: the median whole sync of the quickstart's 0.1 M-parameter model (one
+bucket), serial and pipelined: what a sync costs beyond its bytes.
 The naive baseline gathers the full state dict on rank 0, torch.save()s it to bytes, writes them
 to a file the engine reads and has the engine load them (/update_weights_from_disk).
 """
@@ -71,9 +75,9 @@ class PeakRSS:
 class BenchTrainerWorker(TrainerWorker):
     """A trainer rank with measuring wrappers around the library's own sync paths."""
 
-    def measured_sync(self, bucket_bytes: int, version: int) -> dict:
+    def measured_sync(self, bucket_bytes: int, version: int, pipelined: bool) -> dict:
         with PeakRSS() as memory:
-            stats = self.sync_weights(bucket_bytes, version)
+            stats = self.sync_weights(bucket_bytes, version, pipelined)
         return {**stats, "extra_peak_rss_bytes": memory.extra}
 
     def handover_overhead(self, repeats: int = 5) -> float:
@@ -86,15 +90,16 @@ class BenchTrainerWorker(TrainerWorker):
         if self.rank != 0:
             return 0.0
         transport = self.transport
+        self.backend.prepare_ipc()  # as sync_weights does: handles another process can open
         times = []
-        transport.begin()
+        transport.begin().result()
         for _ in range(repeats):
-            buffer = transport.staging_buffer(1 << 20, tiny[0][1].device)
+            buffer = transport.staging_buffer(0, 1 << 20, tiny[0][1].device)
             bucket = gather_bucket(tiny, buffer, transport.alignment)  # a plain tensor: copied in
             start = time.perf_counter()
-            transport.send_bucket(bucket, flush_cache=False, weight_version=None)
+            transport.send_bucket(bucket, flush_cache=False, weight_version=None).result()
             times.append(time.perf_counter() - start)
-        transport.end()
+        transport.end().result()
         return statistics.median(times)
 
     def naive_sync(self, engine: EngineAddress, model_dir: str, stage_dir: str) -> dict:
@@ -138,7 +143,8 @@ class BenchTrainerWorker(TrainerWorker):
         out = torch.empty(shard.numel() * self.world_size, dtype=torch.float32)
         primitives = {
             "all_gather": lambda: dist.all_gather_into_tensor(out, shard),
-            "gather_to_rank0": lambda: gather_shards_to(shard, out if self.rank == 0 else None, 0, dist.group.WORLD),
+            "gather_to_rank0": lambda: [work.wait() for work in gather_shards_to(
+                shard, out if self.rank == 0 else None, 0, dist.group.WORLD)],
         }
         result = {}
         for name, run in primitives.items():
@@ -185,19 +191,52 @@ def _memcpy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def summarize(stats: list[dict], handover_per_bucket: float) -> dict:
+def summarize(stats: list[dict], handover_per_bucket: float, memcpy: float) -> dict:
     rank0 = stats[0]
-    handover = handover_per_bucket * rank0["buckets"]
-    load = max(rank0["handover_and_load_s"] - handover, 0.0)
-    after_gather = rank0["handover_and_load_s"]
     gb = rank0["bytes"] / 1e9
-    return {
+    summary = {
         "buckets": rank0["buckets"], "bytes": rank0["bytes"],
-        "gather_s": rank0["gather_s"], "handover_s": handover, "load_s": load,
-        "after_gather_s": after_gather, "total_s": rank0["total_s"],
-        "gather_gbps": gb / rank0["gather_s"], "after_gather_gbps": gb / after_gather, "total_gbps": gb / rank0["total_s"],
+        "gather_s": rank0["gather_s"], "engine_wait_s": rank0["engine_wait_s"], "total_s": rank0["total_s"],
+        "gather_gbps": gb / rank0["gather_s"], "total_gbps": gb / rank0["total_s"],
+        "total_over_memcpy": gb / rank0["total_s"] / memcpy,
         "extra_peak_rss_bytes_rank0": rank0["extra_peak_rss_bytes"],
     }
+    if not rank0["pipelined"]:  # serial: the wait is the hand-overs and the loads, one after another
+        handover = handover_per_bucket * rank0["buckets"]
+        summary.update(handover_s=handover, load_s=max(rank0["engine_wait_s"] - handover, 0.0))
+    return summary
+
+
+def tiny_model_fixed_cost(work: Path, syncs: int = 20) -> dict:
+    """Median seconds of a whole sync of the quickstart's tiny model (0.1 M parameters, one
+    bucket): what a sync costs whatever its bytes (requests, queues, barriers), per transport,
+    serial and pipelined."""
+    model_dir = make_tiny_model(work / "tiny-model", TinyModelSpec())
+    engine_config = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=2048)
+    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(model_dir)), engine_config), 1,
+                             str(work / "tiny-logs"), [{"num_cpus": 1}])  # one bucket: no load to overlap
+    group, result, version = None, {}, 0
+    try:
+        group = TrainerGroup(TrainerSpec(ModelConfig(path=str(model_dir)), TrainerConfig(lr=1e-5)), 2,
+                             worker_cls=BenchTrainerWorker)
+        engine = rollout.wait_ready()[0]
+        for transport in ("colocated", "broadcast"):
+            mode = "colocated" if transport == "colocated" else "disaggregated"
+            topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines([engine])
+            group.connect_engines(topology, timeout_s=600)
+            for pipelined in (False, True):
+                seconds = []
+                for _ in range(syncs):
+                    version += 1
+                    stats = group.sync_weights(16 << 20, version, pipelined)
+                    seconds.append(max(rank["total_s"] for rank in stats))
+                result[f"{transport}_{'pipelined' if pipelined else 'serial'}_s"] = statistics.median(seconds)
+            assert rollout.weight_versions() == [version]
+    finally:
+        if group is not None:
+            group.shutdown()
+        rollout.shutdown()
+    return result
 
 
 def main() -> None:
@@ -206,6 +245,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[64, 512, 1024])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--engine-load-threads", type=int, default=None,
+                        help="rollout.engine.weight_load_threads (default: the machine's cores)")
+    parser.add_argument("--skip-fixed-cost", action="store_true")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="rlsys-bench-ws-"))
@@ -217,61 +259,93 @@ def main() -> None:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     num_params = sum(p.numel() for p in skeleton.parameters())
+    cores = len(os.sched_getaffinity(0))
     result = {"model_parameters": num_params, "model_bytes": num_params * 4,
               "memcpy_gbps": memcpy_gbps(), "memcpy_gbps_1_thread": memcpy_gbps(threads=1),
               "torch_threads": torch.get_num_threads(),
-              "engine_weight_load_threads": len(os.sched_getaffinity(0))}  # ServerSpec's default
+              "engine_weight_load_threads": args.engine_load_threads or {
+                  "serial": ServerSpec(ModelConfig(path=str(model_dir)), pipelined_sync=False).load_threads(cores),
+                  "pipelined": ServerSpec(ModelConfig(path=str(model_dir))).load_threads(cores)}}
+    memcpy = result["memcpy_gbps"]
 
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)  # trainer ranks set 1 thread themselves
     engine_config = EngineConfig(skip_tokenizer_init=True, context_length=128, max_total_tokens=2048,
-                                 mem_fraction_static=0.2, startup_timeout_s=900, request_timeout_s=900)
-    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(model_dir)), engine_config),
-                             1, str(work / "logs"), [{"num_cpus": 1}])
-    group = None
+                                 mem_fraction_static=0.2, startup_timeout_s=900, request_timeout_s=900,
+                                 weight_load_threads=args.engine_load_threads)
+    group, rollout = None, None
+    runs: dict[tuple[str, int, bool], list] = {}
     try:
         group = TrainerGroup(TrainerSpec(ModelConfig(path=str(model_dir)), TrainerConfig(lr=1e-5)), 2,
                              worker_cls=BenchTrainerWorker)
-        engine = rollout.wait_ready()[0]
         raw = ray.get([w.raw_gather_bandwidth.remote(256 << 20) for w in group.workers])[0]
         result["allgather_gbps_gloo_2_ranks"] = raw["all_gather"]
         result["gather_to_rank0_gbps_gloo_2_ranks"] = raw["gather_to_rank0"]
-
-        version = 0
-        result["colocated"], result["broadcast"] = {}, {}
-        for transport in ("colocated", "broadcast"):
-            mode = "colocated" if transport == "colocated" else "disaggregated"
-            topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines([engine])
-            group.connect_engines(topology, timeout_s=600)
-            for bucket_mb in args.bucket_mb:
-                runs = []
-                for _ in range(args.repeats):
-                    version += 1
-                    runs.append(ray.get([w.measured_sync.remote(bucket_mb << 20, version) for w in group.workers]))
-                overhead = ray.get([w.handover_overhead.remote() for w in group.workers])[0]
-                best = min(runs, key=lambda stats: stats[0]["total_s"])  # warm run: buffers reused
-                result[transport][f"{bucket_mb}MB"] = summarize(best, overhead)
-                assert rollout.weight_versions() == [version]
-
-        naive = ray.get([w.naive_sync.remote(engine, str(model_dir), str(work / "naive")) for w in group.workers])[0]
-        naive["gbps"] = naive["bytes"] / 1e9 / naive["total_s"]
-        result["naive"] = naive
+        version, overheads = 0, {}
+        # Each mode against an engine launched for it, as `rlsys train` launches it: a serial sync's
+        # load takes every core (the trainers wait), a pipelined one's half (ServerSpec.load_threads).
+        for pipelined in (False, True):
+            spec = ServerSpec(ModelConfig(path=str(model_dir)), engine_config, pipelined_sync=pipelined)
+            rollout = RolloutManager(spec, 1, str(work / f"logs-{pipelined}"), [{"num_cpus": 1}])
+            engine = rollout.wait_ready()[0]
+            for transport in ("colocated", "broadcast"):
+                mode = "colocated" if transport == "colocated" else "disaggregated"
+                topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines([engine])
+                group.connect_engines(topology, timeout_s=600)
+                if not pipelined:
+                    overheads[transport] = ray.get([w.handover_overhead.remote() for w in group.workers])[0]
+                for bucket_mb in args.bucket_mb:
+                    for _ in range(args.repeats):
+                        version += 1
+                        runs.setdefault((transport, bucket_mb, pipelined), []).append(ray.get(
+                            [w.measured_sync.remote(bucket_mb << 20, version, pipelined) for w in group.workers]))
+                        assert rollout.weight_versions() == [version]
+            if pipelined:
+                naive = ray.get([w.naive_sync.remote(engine, str(model_dir), str(work / "naive"))
+                                 for w in group.workers])[0]
+                naive["gbps"] = naive["bytes"] / 1e9 / naive["total_s"]
+                result["naive"] = naive
+            rollout.shutdown()
+            rollout = None
     finally:
         if group is not None:
             group.shutdown()
-        rollout.shutdown()
+        if rollout is not None:
+            rollout.shutdown()
+    for transport in ("colocated", "broadcast"):
+        result[transport] = {}
+        for bucket_mb in args.bucket_mb:
+            side_by_side = {}
+            for pipelined in (False, True):
+                best = min(runs[transport, bucket_mb, pipelined], key=lambda ranks: ranks[0]["total_s"])  # warm
+                side_by_side["pipelined" if pipelined else "serial"] = summarize(best, overheads[transport], memcpy)
+            side_by_side["pipelined_over_serial"] = side_by_side["serial"]["total_s"] / side_by_side["pipelined"]["total_s"]
+            result[transport][f"{bucket_mb}MB"] = side_by_side
+    try:
+        if not args.skip_fixed_cost:
+            result["fixed_cost_per_sync"] = tiny_model_fixed_cost(work)
+    finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
 
-    colocated_best = min(result["colocated"].values(), key=lambda r: r["total_s"])
+    def best(transport: str, mode: str) -> dict:
+        return min((r[mode] for r in result[transport].values()), key=lambda r: r["total_s"])
+
+    def speedup(transport: str) -> float:
+        return best(transport, "serial")["total_s"] / best(transport, "pipelined")["total_s"]
+
+    fixed = result.get("fixed_cost_per_sync") or {f"{t}_{m}_s": float("nan") for t in ("colocated", "broadcast")
+                                                  for m in ("serial", "pipelined")}
     result["checks"] = {
-        "colocated_after_gather_over_memcpy": colocated_best["after_gather_gbps"] / result["memcpy_gbps"],
-        # for comparison only: the engine's load uses every core, as memcpy_gbps does
-        "colocated_after_gather_over_memcpy_1_thread": colocated_best["after_gather_gbps"] / result["memcpy_gbps_1_thread"],
-        "colocated_total_speedup_over_naive": result["naive"]["total_s"] / colocated_best["total_s"],
-        "broadcast_total_speedup_over_naive": result["naive"]["total_s"] / min(
-            r["total_s"] for r in result["broadcast"].values()),
-        "gather_over_raw_allgather": colocated_best["gather_gbps"] / result["allgather_gbps_gloo_2_ranks"],
-        "gather_over_raw_gather_to_rank0": colocated_best["gather_gbps"] / result["gather_to_rank0_gbps_gloo_2_ranks"],
+        "colocated_pipelined_total_over_memcpy": best("colocated", "pipelined")["total_over_memcpy"],
+        "colocated_serial_total_over_memcpy": best("colocated", "serial")["total_over_memcpy"],
+        "colocated_pipelined_over_serial": speedup("colocated"),
+        "broadcast_pipelined_over_serial": speedup("broadcast"),
+        "colocated_total_speedup_over_naive": result["naive"]["total_s"] / best("colocated", "pipelined")["total_s"],
+        "broadcast_total_speedup_over_naive": result["naive"]["total_s"] / best("broadcast", "pipelined")["total_s"],
+        "gather_over_raw_gather_to_rank0": best("colocated", "pipelined")["gather_gbps"]
+        / result["gather_to_rank0_gbps_gloo_2_ranks"],
+        "fixed_cost_colocated_serial_over_pipelined": fixed["colocated_serial_s"] / fixed["colocated_pipelined_s"],
+        "fixed_cost_broadcast_serial_over_pipelined": fixed["broadcast_serial_s"] / fixed["broadcast_pipelined_s"],
     }
     print(json.dumps(result, indent=2))
 

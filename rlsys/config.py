@@ -209,8 +209,9 @@ class EngineConfig(_Section):
     )
     weight_load_threads: int | None = Field(
         None, ge=1,
-        description="CPU threads the engine copies a colocated weight sync with (default: every core of "
-        "its node; the trainers wait during the load). No effect on GPU, where the copy is on device.",
+        description="CPU threads the engine copies a colocated weight sync with (default: half the cores of its "
+        "node, the trainers gathering the next bucket on the rest; every core with weight_sync.pipelined off, the "
+        "trainers then waiting). No effect on GPU, where the copy is on device.",
     )
     radix_cache: bool | None = Field(
         None, description="SGLang's prefix (radix) cache. Default: on with a GPU or a rollout.generate_function "
@@ -506,8 +507,13 @@ class CheckpointConfig(_Section):
 class WeightSyncConfig(_Section):
     bucket_size_mb: float = Field(
         512.0, gt=0.0,
-        description="Weights move in buckets of this size: the extra memory of a sync (one staging buffer, "
-        "device memory on GPU). Each bucket costs a fixed ~5 ms round trip to the engine.",
+        description="Weights move in buckets of this size: the extra memory of a sync is two staging buffers of "
+        "the largest bucket each (one with pipelined off; device memory on GPU), and each bucket costs a fixed "
+        "round trip to the engine.",
+    )
+    pipelined: bool = Field(
+        True, description="Gather bucket k+1 while the engine loads bucket k (two staging buffers in turn); off: "
+        "one buffer, each bucket loaded before the next is gathered (half the staging memory, slower).",
     )
     timeout_s: float = Field(120.0, gt=0.0, description="Disaggregated: group set-up and per-bucket timeout.")
     verify: bool = Field(False, description="After each sync, check every engine against the trainer (logprob probes).")

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from rlsys.system.backend import Backend
 from rlsys.weight_sync.buckets import WeightBucket
+from rlsys.weight_sync.call_queue import EngineCallQueue
 from rlsys.weight_sync.colocated import StagingBuffer
 
 
@@ -139,13 +141,21 @@ class BroadcastWeightSender:
         self.timeout_s = timeout_s
         self.group_name = f"rlsys-weights-{uuid.uuid4().hex[:8]}"
         self.group = None
-        self._staging = StagingBuffer(share_memory=False)
+        self._staging = (StagingBuffer(share_memory=False), StagingBuffer(share_memory=False))
+        # The engine calls and each bucket's broadcast run in order on a thread of their own, so the
+        # sync gathers the next bucket meanwhile (weight_sync/sync.py).
+        self._queue = EngineCallQueue("rlsys-broadcast-sync")
 
-    def staging_buffer(self, nbytes: int, device):
-        return self._staging.get(nbytes, device)
+    def staging_buffer(self, slot: int, nbytes: int, device):
+        return self._staging[slot].get(nbytes, device)
+
+    @property
+    def staging_nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._staging)
 
     def release_staging_buffer(self) -> None:
-        self._staging.release()
+        for buffer in self._staging:
+            buffer.release()
 
     def connect(self) -> None:
         with socket.socket() as sock:
@@ -186,13 +196,21 @@ class BroadcastWeightSender:
         if failed:
             raise WeightSyncError(f"{what} failed on {failed}")
 
-    def begin(self) -> None:
-        self._on_every_engine("/begin_weight_update", lambda engine: engine.begin_weight_update())
+    def begin(self) -> Future:
+        self._queue.reset()
+        return self._queue.submit(lambda: self._on_every_engine("/begin_weight_update",
+                                                                lambda engine: engine.begin_weight_update()))
 
-    def end(self) -> None:
-        self._on_every_engine("/end_weight_update", lambda engine: engine.end_weight_update())
+    def end(self) -> Future:
+        return self._queue.submit(lambda: self._on_every_engine("/end_weight_update",
+                                                                lambda engine: engine.end_weight_update()),
+                                  always=True)
 
-    def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None:
+    def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> Future:
+        """Queues the bucket's broadcast; its future completes once every engine has loaded it."""
+        return self._queue.submit(lambda: self._broadcast(bucket, flush_cache, weight_version))
+
+    def _broadcast(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None:
         if self.group is None:
             raise WeightSyncError("the weight-update group was torn down after an earlier failure; "
                                   "connect the engines again before the next sync")
@@ -203,6 +221,7 @@ class BroadcastWeightSender:
         for engine in self.engines:
             calls.start(engine.name, lambda engine=engine: engine.update_weights_from_distributed(
                 names, dtypes, shapes, self.group_name, flush_cache, weight_version, timeout_s=self.timeout_s))
+        self.backend.use_device_on_this_thread(bucket.buffer.device)  # launched from the queue's thread
         work = dist.broadcast(bucket.buffer, src=0, group=self.group, async_op=True)
         try:
             wait_for_collective(work, calls, self.timeout_s, "broadcast of a weight bucket", self._abort)
@@ -225,9 +244,10 @@ class BroadcastWeightSender:
             group.abort()
         except Exception:  # noqa: BLE001 - not every backend implements abort
             pass
-        self._staging.release()
+        self.release_staging_buffer()
 
     def close(self) -> None:
+        self._queue.close()
         if self.group is None:
             return
         for engine in self.engines:
@@ -237,4 +257,4 @@ class BroadcastWeightSender:
                 pass
         dist.destroy_process_group(self.group)
         self.group = None
-        self._staging.release()
+        self.release_staging_buffer()

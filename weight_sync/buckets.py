@@ -91,7 +91,7 @@ def group_into_buckets(
 
 
 def gather_into(tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None = None,
-                dtype: torch.dtype | None = None) -> None:
+                dtype: torch.dtype | None = None, tag: int = 0) -> list:
     """Write the full tensor into `out` (a view into a bucket), gathering FSDP2's even dim-0
     shards straight into it, so no extra copy of the bucket is made.
 
@@ -99,13 +99,16 @@ def gather_into(tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None 
     default group): only rank r receives it and the others just send their shard, with `out=None`:
     half an all-gather's traffic on 2 ranks, and no staging buffer on the senders. A collective
     for DTensor shards: every rank calls it for the same tensors in the same order. `dtype`: the
-    wire dtype (the shard is cast before it travels); default `out`'s, else the tensor's."""
+    wire dtype (the shard is cast before it travels); default `out`'s, else the tensor's.
+    Returns the works still in flight (the even-shard paths are asynchronous, so a bucket's
+    tensors travel together instead of one round trip each: `gather_bucket` waits for them);
+    `tag` tells apart the point-to-point messages of one bucket (its tensor's index)."""
     tensor = tensor.detach()
     dtype = dtype or (out.dtype if out is not None else tensor.dtype)
     if not hasattr(tensor, "full_tensor"):
         if out is not None:
             out.copy_(tensor)
-        return
+        return []
     from torch.distributed.tensor import Shard
 
     mesh = tensor.device_mesh
@@ -115,33 +118,31 @@ def gather_into(tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None 
         full = tensor.full_tensor()  # the general (collective) path for any other layout
         if out is not None:
             out.copy_(full)
-        return
+        return []
     import torch.distributed as dist
 
     group = mesh.get_group()
-    local = tensor.to_local().to(dtype).contiguous()
+    local = tensor.to_local().to(dtype).contiguous()  # the works hold it until they are waited for
     if dst is None:
-        dist.all_gather_into_tensor(out, local, group=group)
-    else:
-        gather_shards_to(local, out, dst, group)
+        return [dist.all_gather_into_tensor(out, local, group=group, async_op=True)]
+    return gather_shards_to(local, out, dst, group, tag)
 
 
-def gather_shards_to(local: torch.Tensor, out: torch.Tensor | None, dst: int, group) -> None:
-    """Even dim-0 shards of one tensor to rank `dst` by point-to-point sends into `out`."""
+def gather_shards_to(local: torch.Tensor, out: torch.Tensor | None, dst: int, group, tag: int = 0) -> list:
+    """Even dim-0 shards of one tensor to rank `dst` by point-to-point sends into `out`; returns the
+    sends and receives in flight (wait for each)."""
     import torch.distributed as dist
 
     me = dist.get_rank()
     if me != dst:
-        dist.send(local, dst, group=None)
-        return
+        return [dist.isend(local, dst, tag=tag)]
     if out is None:
         raise ValueError(f"rank {dst} receives the gathered tensor but was given no output buffer")
     members = dist.get_process_group_ranks(group)
     chunks = out.reshape(-1).chunk(len(members))  # contiguous: shard i is chunk i of the flat tensor
-    requests = [dist.irecv(chunk, rank) for rank, chunk in zip(members, chunks, strict=True) if rank != me]
+    requests = [dist.irecv(chunk, rank, tag=tag) for rank, chunk in zip(members, chunks, strict=True) if rank != me]
     chunks[members.index(me)].copy_(local.reshape(-1))
-    for request in requests:
-        request.wait()
+    return requests
 
 
 def gather_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,15 +175,23 @@ def gather_bucket(named_tensors: list[tuple[str, torch.Tensor]], buffer: torch.T
     """Gather (possibly sharded) tensors straight into `buffer`, laid out as `bucket_layout`.
     With `dst` set, ranks other than `dst` only send (pass `buffer=None`) and get None back."""
     ordered, metas, total = bucket_layout(named_tensors, alignment, engine_dtype)
+    in_flight = []
     if buffer is None:
         if dst is None:
             raise ValueError("an all-gather (dst=None) needs an output buffer on every rank")
-        for (_, tensor), meta in zip(ordered, metas, strict=True):  # the same order as the receiver's layout
-            gather_into(tensor, None, dst, meta.dtype)
+        for index, ((_, tensor), meta) in enumerate(zip(ordered, metas, strict=True)):  # the receiver's order
+            in_flight += gather_into(tensor, None, dst, meta.dtype, tag=index)
+        _wait_all(in_flight)
         return None
     if buffer.numel() < total:
         raise ValueError(f"staging buffer of {buffer.numel()} bytes is smaller than the bucket ({total})")
     bucket = WeightBucket(buffer=buffer[:total], metas=metas)
-    for (_, tensor), (_, view) in zip(ordered, bucket.tensors(), strict=True):
-        gather_into(tensor, view, dst)
+    for index, ((_, tensor), (_, view)) in enumerate(zip(ordered, bucket.tensors(), strict=True)):
+        in_flight += gather_into(tensor, view, dst, tag=index)
+    _wait_all(in_flight)
     return bucket
+
+
+def _wait_all(works: list) -> None:
+    for work in works:
+        work.wait()

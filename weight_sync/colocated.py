@@ -5,14 +5,15 @@ multiprocessing reductions: a CUDA IPC handle for GPU memory, a shared-memory fi
 memory (`Backend.prepare_ipc`), plus each view's offset and shape. The engine maps the same memory
 instead of receiving bytes and loads it with `weight_sync.engine_loader` (why not SGLang's own
 `flattened_bucket` loader: see that module). The handle must stay alive until the engine has
-loaded it: `/update_weights_from_tensor` answers only after the load.
+loaded it: `/update_weights_from_tensor` answers only after the load, and only then is the
+buffer gathered into again.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from multiprocessing.reduction import ForkingPickler
 from typing import Protocol
 
@@ -20,6 +21,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
 
 from rlsys.weight_sync.buckets import WeightBucket
+from rlsys.weight_sync.call_queue import EngineCallQueue
 from rlsys.weight_sync.engine_loader import END_OF_SYNC, LOAD_FORMAT
 
 COLOCATED_ALIGNMENT = 16  # bytes: every tensor's view in a bucket starts aligned for its dtype
@@ -71,44 +73,66 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-@dataclass
 class ColocatedWeightSender:
-    """A trainer rank's transport to the engine on its node."""
+    """A trainer rank's transport to the engine on its node.
 
-    engine: TensorUpdateEndpoints
-    tp_size: int = 1
-    alignment: int = COLOCATED_ALIGNMENT
-    _staging: StagingBuffer = field(default_factory=lambda: StagingBuffer(share_memory=True))
-    _engine_maps_staging: bool = False  # the engine's loader still holds the staging buffer
+    Its engine calls run in order on a thread of their own (`EngineCallQueue`): `begin`,
+    `send_bucket` and `end` queue a call and return its future, so the sync gathers the next
+    bucket while the engine loads this one. Two staging buffers (slots) take turns: a slot is
+    gathered into again only once the engine has loaded the bucket it held."""
 
-    def staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        return self._staging.get(nbytes, device)
+    alignment = COLOCATED_ALIGNMENT
+
+    def __init__(self, engine: TensorUpdateEndpoints, tp_size: int = 1):
+        self.engine = engine
+        self.tp_size = tp_size
+        self._staging = (StagingBuffer(share_memory=True), StagingBuffer(share_memory=True))
+        self._queue = EngineCallQueue("rlsys-colocated-sync")
+        self._engine_maps_staging = False  # the engine's loader still holds a staging buffer (queue thread only)
+
+    def staging_buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        return self._staging[slot].get(nbytes, device)
+
+    @property
+    def staging_nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._staging)
 
     def release_staging_buffer(self) -> None:
-        """Drop the buffer between syncs (the next sync allocates it again). The engine's loader
-        has let go of it with the sync's last bucket (`END_OF_SYNC`)."""
-        self._staging.release()
+        """Drop the buffers between syncs (the next sync allocates them again). The engine's loader
+        has let go of them with the sync's last bucket (`END_OF_SYNC`)."""
+        for buffer in self._staging:
+            buffer.release()
 
     def close(self) -> None:
-        self._staging.release()
+        self._queue.close()
+        self.release_staging_buffer()
 
-    def begin(self) -> None:
-        self.engine.begin_weight_update()
+    def begin(self) -> Future:
+        self._queue.reset()
+        return self._queue.submit(self.engine.begin_weight_update)
 
-    def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None:
-        """Returns once the engine has loaded the bucket, so the handle may then be released.
-        `flush_cache` marks the sync's last bucket: it also tells the engine's loader to let go of
-        the staging buffer's mapping once loaded (`END_OF_SYNC`, an empty view of the buffer)."""
+    def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> Future:
+        """Queues the bucket's hand-over; its future completes once the engine has loaded it, so
+        the handle (and the slot) may then be reused. `flush_cache` marks the sync's last bucket:
+        it also tells the engine's loader to let go of the staging buffers' mappings once loaded
+        (`END_OF_SYNC`, an empty view of the buffer)."""
         tensors = bucket.tensors() + ([(END_OF_SYNC, bucket.buffer[:0])] if flush_cache else [])
         # One payload per TP rank: each rank maps the same full tensors and keeps its shard. Each
         # is pickled separately: pickling takes a reference on the handle that unpickling returns.
         payloads = [serialize_named_tensors(tensors) for _ in range(self.tp_size)]
-        self._engine_maps_staging = True
-        self.engine.update_weights_from_tensor(payloads, LOAD_FORMAT, flush_cache, weight_version)
-        self._engine_maps_staging = not flush_cache
 
-    def end(self) -> None:
-        if self._engine_maps_staging:  # the sync failed before its last bucket was loaded
-            self.engine.update_weights_from_tensor([serialize_named_tensors([])] * self.tp_size, LOAD_FORMAT)
-            self._engine_maps_staging = False
-        self.engine.end_weight_update()
+        def hand_over():
+            self._engine_maps_staging = True
+            self.engine.update_weights_from_tensor(payloads, LOAD_FORMAT, flush_cache, weight_version)
+            self._engine_maps_staging = not flush_cache
+
+        return self._queue.submit(hand_over)
+
+    def end(self) -> Future:
+        def close_session():
+            if self._engine_maps_staging:  # the sync failed before its last bucket was loaded
+                self.engine.update_weights_from_tensor([serialize_named_tensors([])] * self.tp_size, LOAD_FORMAT)
+                self._engine_maps_staging = False
+            self.engine.end_weight_update()
+
+        return self._queue.submit(close_session, always=True)

@@ -8,11 +8,12 @@ handle, so a bucket maps its buffer once, not once per tensor).
 
 Two things make it faster than SGLang's built-in `flattened_bucket` loader:
 
-1. Host staging memory stays mapped between the buckets of a sync. The trainer reuses one staging
-   buffer, so the engine keeps a reference to it; the next bucket finds the mapping (and its
-   populated page tables) in torch's handle cache instead of mapping the file again and faulting
-   every page in. The sync's last bucket ends with an `END_OF_SYNC` entry (an empty view of the
-   same buffer) and the reference is dropped once it is loaded; an empty bucket does the same
+1. Host staging memory stays mapped between the buckets of a sync. The trainer reuses two staging
+   buffers in turn (it gathers into one while the engine loads from the other), so the engine
+   keeps a reference to both; the next bucket finds the mapping (and its populated page tables)
+   in torch's handle cache instead of mapping the file again and faulting every page in. The
+   sync's last bucket ends with an `END_OF_SYNC` entry (an empty view of its buffer) and the
+   references are dropped once it is loaded; an empty bucket does the same
    for a sync that failed before its last bucket (`ColocatedWeightSender.end`). torch's
    shared-memory files are refcounted across processes and removed when the last holder lets go,
    so an engine holding one between syncs would leave it behind if it were killed.
@@ -53,10 +54,15 @@ def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Ten
 
 
 def _keep_host_staging_mapped(model: torch.nn.Module, tensor: torch.Tensor) -> None:
-    # Only the newest buffer is kept: a trainer that replaced its staging buffer never sends the
-    # old one again. Stored on the model so no state outlives the engine's weights.
-    storage = tensor.untyped_storage() if tensor.device.type == "cpu" else None
-    setattr(model, _KEPT_STORAGE_ATTR, storage)
+    # The two newest buffers are kept (the trainer's two slots): a trainer that replaced a staging
+    # buffer never sends the old one again. Stored on the model so no state outlives the engine's
+    # weights.
+    if tensor.device.type != "cpu":
+        setattr(model, _KEPT_STORAGE_ATTR, None)
+        return
+    storage = tensor.untyped_storage()
+    kept = [s for s in getattr(model, _KEPT_STORAGE_ATTR, None) or () if s.data_ptr() != storage.data_ptr()]
+    setattr(model, _KEPT_STORAGE_ATTR, tuple([*kept[-1:], storage]))
 
 
 def _load_threads() -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -26,36 +27,56 @@ from rlsys.weight_sync.colocated import COLOCATED_ALIGNMENT, StagingBuffer
 
 
 class WeightTransport(Protocol):
+    """Engine calls queued in order on the transport's own thread; each returns its future."""
+
     alignment: int
 
-    def staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor: ...
+    def staging_buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor: ...
     def release_staging_buffer(self) -> None: ...
-    def begin(self) -> None: ...
-    def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> None: ...
-    def end(self) -> None: ...
+    def begin(self) -> Future: ...
+    def send_bucket(self, bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> Future: ...
+    def end(self) -> Future: ...
 
 
 @dataclass
 class SyncStats:
     buckets: int = 0
-    bytes: int = 0
-    gather_s: float = 0.0  # all-gather straight into the staging buffer (the bucket)
-    handover_and_load_s: float = 0.0
+    bytes: int = 0  # bucket bytes handed to the transport (0 on ranks without one)
+    gather_s: float = 0.0  # all-gather straight into a staging buffer (the bucket)
+    engine_wait_s: float = 0.0  # waiting for the engine: its load of a bucket not hidden behind a gather
     total_s: float = 0.0
+    pipelined: bool = True
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "gbps": self.gbps}
+
+
+def staging_slot_bytes(named_params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                       alignment: int = COLOCATED_ALIGNMENT, engine_dtype: torch.dtype | None = None,
+                       pipelined: bool = True) -> list[int]:
+    """Bytes of each staging buffer `sync_weights` allocates on a rank with a transport. Pipelined,
+    bucket k is gathered into slot k % 2 while the engine loads bucket k - 1 from the other slot,
+    so each slot is its largest bucket; serial (or with one bucket), one slot holds them all in turn.
+    A bucket is its tensors in their wire dtype plus `alignment` bytes of padding each, so a slot is
+    at least its largest tensor (a tensor larger than a bucket travels alone: the output layer,
+    often). Shapes are all it reads: the parameters may be on the meta device (the memory plan's
+    model), and DTensor shards count at their full size."""
+    sizes = [sum(full_nbytes(t, engine_dtype) + alignment for _, t in group)
+             for group in group_into_buckets(named_params, bucket_bytes, engine_dtype)]
+    if not pipelined or len(sizes) < 2:
+        return [max(sizes, default=0)]
+    return [max(sizes[0::2]), max(sizes[1::2])]
 
 
 def staging_buffer_bytes(named_params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                         alignment: int = COLOCATED_ALIGNMENT, engine_dtype: torch.dtype | None = None) -> int:
-    """Bytes of the staging buffer `sync_weights` allocates: its largest bucket, each tensor in its
-    wire dtype plus `alignment` bytes of padding. Not `bucket_bytes`: a tensor larger than a bucket
-    travels alone, so the buffer is at least the largest tensor (the output layer, often). Shapes
-    are all it reads: the parameters may be on the meta device (the memory plan's model), and
-    DTensor shards count at their full size."""
-    groups = group_into_buckets(named_params, bucket_bytes, engine_dtype)
-    return max((sum(full_nbytes(t, engine_dtype) + alignment for _, t in group) for group in groups), default=0)
+                         alignment: int = COLOCATED_ALIGNMENT, engine_dtype: torch.dtype | None = None,
+                         pipelined: bool = True) -> int:
+    """All the staging memory of a rank with a transport (`staging_slot_bytes`, summed)."""
+    return sum(staging_slot_bytes(named_params, bucket_bytes, alignment, engine_dtype, pipelined))
 
 
 def sync_weights(
@@ -69,10 +90,15 @@ def sync_weights(
     engine_dtype: torch.dtype | None = None,
     pieces: dict[str, list[tuple[str, tuple[int, ...]]]] | None = None,
     materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    pipelined: bool = True,
 ) -> SyncStats:
     """Gather buckets of full tensors (a collective: every rank must call this) and, where a
-    transport is given, send each one. Shards are gathered straight into one reusable staging
-    buffer: the transport's, or `scratch` on ranks that only take part in an all-gather.
+    transport is given, send each one. Shards are gathered straight into reusable staging buffers:
+    the transport's, or `scratch` on ranks that only take part in an all-gather.
+    `pipelined`: bucket k+1 is gathered while the engine loads bucket k (two staging buffers taking
+    turns; a buffer is gathered into again only once the engine has loaded what it held); else
+    each bucket is loaded before the next is gathered (one buffer). The engine calls keep their
+    order either way (begin, the buckets, end), and `begin` is answered while bucket 0 gathers.
     `gather_dst`: the one rank that holds a transport, when only one does (broadcast, or a single
     colocated engine): shards then go only there and the other ranks need no buffer.
     `engine_dtype`: the dtype the engine serves; floating-point weights are cast to it shard by
@@ -81,44 +107,47 @@ def sync_weights(
     gathered (LoRA's merged weights, actors/lora.py; a collective where the listed tensors are).
     The engines flush their cache and take the new weight version once, with the last bucket.
     An engine that fails mid-sync does not stop this rank's gathers: the other ranks are in them,
-    and leaving would hang them; the first failure is raised once every bucket has been gathered."""
+    and leaving would hang them; the first failure is raised once every bucket has been gathered
+    (and the session closed)."""
     if transport is not None and gather_dst is not None and gather_dst != _rank():
         raise ValueError(f"this rank ({_rank()}) holds a transport but the gathers go to rank {gather_dst}")
     backend.prepare_ipc()
-    stats = SyncStats()
+    stats = SyncStats(pipelined=pipelined)
     start = time.perf_counter()
     groups = list(group_into_buckets(named_params, bucket_bytes, engine_dtype))
     alignment = transport.alignment if transport is not None else 1
-    # One staging buffer, sized for the largest bucket (with alignment padding), reused by all.
-    largest = staging_buffer_bytes([item for group in groups for item in group], bucket_bytes, alignment,
-                                   engine_dtype)
-    device = next(iter(groups[0]))[1].device
-    if transport is not None:
-        staging = transport.staging_buffer
-    elif gather_dst is None:
-        staging = (scratch or StagingBuffer(share_memory=False)).get
-    else:
-        staging = None  # this rank only sends its shards to `gather_dst`
-    failure = _attempt(transport.begin) if transport is not None else None  # deferred: see the docstring
+    named = [item for group in groups for item in group]
+    staging = _staging_for(transport, scratch, gather_dst, named, bucket_bytes, alignment, engine_dtype, pipelined)
+    failure: Exception | None = None
+    loading: dict[int, Future] = {}  # staging slot -> the engine call still reading it
+    begun = transport.begin() if transport is not None else None
+    if begun is not None and not pipelined:
+        failure = _wait(begun, stats)
     for index, group in enumerate(groups):
+        slot = index % 2 if pipelined else 0
+        if slot in loading:  # the engine still reads this buffer: wait for its load
+            failure = failure or _wait(loading.pop(slot), stats)
         tick = time.perf_counter()
-        buffer = staging(largest, device) if staging is not None else None
+        buffer = staging(index) if staging is not None else None
         if materialize is not None:
             group = [(name, materialize(name, tensor)) for name, tensor in group]
         bucket = gather_bucket(group, buffer, alignment, gather_dst, engine_dtype)
         stats.gather_s += time.perf_counter() - tick
-        if transport is not None and failure is None:
-            tick = time.perf_counter()
-            is_last = index == len(groups) - 1
-            failure = _attempt(transport.send_bucket, as_checkpoint_tensors(bucket, pieces or {}), flush_cache=is_last,
-                               weight_version=weight_version if is_last else None)
-            stats.bytes += bucket.buffer.numel()
-            stats.handover_and_load_s += time.perf_counter() - tick
-        del bucket  # loaded by the engine: the staging buffer may be reused
         stats.buckets += 1
+        if transport is None or failure is not None:
+            continue
+        backend.finish_device_writes()  # the engine reads the bucket on a stream of its own
+        is_last = index == len(groups) - 1
+        loading[slot] = transport.send_bucket(as_checkpoint_tensors(bucket, pieces or {}), flush_cache=is_last,
+                                              weight_version=weight_version if is_last else None)
+        stats.bytes += bucket.buffer.numel()
+        if not pipelined:
+            failure = _wait(loading.pop(slot), stats)
     if transport is not None:
+        for future in [begun, *loading.values()]:
+            failure = failure or _wait(future, stats)
         # Also after a failure: the engines that can still hear must not keep the session open.
-        ended = _attempt(transport.end)
+        ended = _wait(transport.end(), stats)
         failure = failure or ended
     if failure is not None:
         raise failure
@@ -126,11 +155,31 @@ def sync_weights(
     return stats
 
 
-def _attempt(call, *args, **kwargs) -> Exception | None:
+def _staging_for(transport: WeightTransport | None, scratch: StagingBuffer | None, gather_dst: int | None,
+                 named: list[tuple[str, torch.Tensor]], bucket_bytes: int, alignment: int,
+                 engine_dtype: torch.dtype | None, pipelined: bool) -> Callable[[int], torch.Tensor] | None:
+    """The buffer bucket `index` is gathered into on this rank, or None where the rank only sends
+    its shards to `gather_dst`."""
+    device = named[0][1].device
+    if transport is not None:
+        slots = staging_slot_bytes(named, bucket_bytes, alignment, engine_dtype, pipelined)
+        return lambda index: transport.staging_buffer(index % len(slots), slots[index % len(slots)], device)
+    if gather_dst is None:  # an all-gather: nothing reads the buffer after it, one is enough
+        largest = staging_buffer_bytes(named, bucket_bytes, alignment, engine_dtype, pipelined=False)
+        scratch = scratch or StagingBuffer(share_memory=False)
+        return lambda index: scratch.get(largest, device)
+    return None
+
+
+def _wait(future: Future, stats: SyncStats) -> Exception | None:
+    """The engine call's outcome (its error, not raised: see `sync_weights`), the wait counted."""
+    tick = time.perf_counter()
     try:
-        call(*args, **kwargs)
+        future.result()
     except Exception as error:  # noqa: BLE001 - raised by sync_weights after the collectives
         return error
+    finally:
+        stats.engine_wait_s += time.perf_counter() - tick
     return None
 
 

@@ -144,7 +144,7 @@ def train_loop(run: Run) -> None:
             with run.phase(row, "training", "train"):
                 row.update(_train(config, parts, batch.scored))
             with run.phase(row, "syncing", "sync"), parts.rollout.weights_updating():
-                sync_engines(config, parts, state.weight_version + 1)
+                row.update(sync_engines(config, parts, state.weight_version + 1))
             if next_batch:
                 row["staleness_mean"] = _staleness(batch.generations, state.weight_version)
             state.finish_step(step, *batch.end)  # an in-flight next batch is generated again after a resume

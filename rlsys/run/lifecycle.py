@@ -65,7 +65,8 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
     server = ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
                         memory_saver=topology.trainers_sleep, cpu_sharers=parts.cpu_sharers[1],
-                        radix_cache=config.rollout.uses_radix_cache(topology.has_gpu))
+                        radix_cache=config.rollout.uses_radix_cache(topology.has_gpu),
+                        pipelined_sync=config.weight_sync.pipelined)
     parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
                                    parts.placement.engine_options())
     if topology.engines_start_first:
@@ -137,30 +138,37 @@ def bring_engines_up_to_date(config: RunConfig, parts: Components, weight_versio
         parts.handoff.to_engines({})
 
 
-def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> None:
+def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> dict:
     """`push_weights`, restarting any engine that died meanwhile and pushing again."""
     try:
-        push_weights(config, parts, weight_version)
+        return push_weights(config, parts, weight_version)
     except RayError as error:
         dead = parts.rollout.dead_engines()
         if not dead:
             raise
         for index in dead:
             parts.rollout.restart(index, f"it died during a weight sync: {getattr(error, 'cause', None) or error}")
-        push_weights(config, parts, weight_version)
+        return push_weights(config, parts, weight_version)
 
 
-def push_weights(config: RunConfig, parts: Components, weight_version: int) -> None:
+def push_weights(config: RunConfig, parts: Components, weight_version: int) -> dict:
     """Trainer -> engines over the topology's transport; then, with weight_sync.verify, check
-    that every engine computes what the trainer computes."""
+    that every engine computes what the trainer computes. Returns the sync's metrics: the bytes
+    handed to the engines (every rank with a transport), and their rate over the sync's time."""
     parts.handoff.weights_to_engines()
-    parts.trainer.sync_weights(int(config.weight_sync.bucket_size_mb * 2**20), weight_version)
+    ranks = parts.trainer.sync_weights(int(config.weight_sync.bucket_size_mb * 2**20), weight_version,
+                                       config.weight_sync.pipelined)
+    sent = sum(rank["bytes"] for rank in ranks)
+    seconds = max(rank["total_s"] for rank in ranks)
+    metrics = {"sync_bytes": sent, "sync_gbps": sent / seconds / 1e9 if seconds > 0 else 0.0,
+               "sync_buckets": max(rank["buckets"] for rank in ranks)}
     if config.weight_sync.verify:
         # The probes need the engines' KV cache: back beside the awake trainer (a debugging aid,
         # it costs the memory that the hand-off otherwise saves).
         parts.rollout.resume_memory(list(ALL_REGIONS))
         verify_engine_weights(parts.trainer, parts.rollout, weight_version, config.weight_sync.verify_tolerance,
                               config.seed, config.model.dtype, model_depth(config.model.path))
+    return metrics
 
 
 def restore(config: RunConfig, parts: Components, checkpoint: Path | None) -> CoordinatorState:

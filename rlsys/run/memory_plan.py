@@ -7,15 +7,16 @@ dtype, plus the next one prefetched, while the root group — embeddings, final 
 — stays gathered through forward and backward; none of that when one fp32 rank trains the model
 whole, `uses_fsdp`). Backward adds the larger of two transients: the output layer's [V, H]
 weight gradient in fp32 (`logprob_head_backward`) and FSDP's fp32 reduce-scatter input of the
-largest group with its unsharded gradients (`gradient_reduce`). The weight-sync staging buffer is
-its largest bucket, at least the largest tensor; every process on a GPU also holds a CUDA context
-and NCCL buffers (two processes per GPU colocated). Engine terms follow SGLang's sizing: its static
-pool is `mem_fraction_static` of the GPU, the weights come out of it and the rest is KV cache
-(capped by `max_total_tokens`; sglang/srt/model_executor/model_runner.py, profile_max_num_token).
+largest group with its unsharded gradients (`gradient_reduce`). The weight sync's two staging
+buffers (one with `weight_sync.pipelined` off) are each their largest bucket, at least the largest
+tensor; every process on a GPU also holds a CUDA context and NCCL buffers (two processes per GPU
+colocated). Engine terms follow SGLang's sizing: its static pool is `mem_fraction_static` of the
+GPU, the weights come out of it and the rest is KV cache (capped by `max_total_tokens`;
+sglang/srt/model_executor/model_runner.py, profile_max_num_token).
 
 Phases: colocated with sleeping trainers, a GPU holds the engine (weights + KV cache) while it
 generates, the trainer (everything it trains with) while the engine's memory is released, and
-the trainer's weights and optimizer plus the staging buffer and the engine's weights during the sync; its
+the trainer's weights and optimizer plus the staging buffers and the engine's weights during the sync; its
 peak is the largest phase. Colocated without sleep, everything at once. Disaggregated: trainer
 GPUs and engine GPUs separately; the peak is the larger. On CPU the "GPU" is a process's host
 memory. Activations are an estimate (what a Qwen2/Llama decoder layer saves for backward), the
@@ -55,7 +56,8 @@ ADVICE = {
     "reference_model": "turn KL off (algorithm.use_kl_loss / kl_in_reward) or use more memory",
     "logprob_head_backward": "use a GPU with more memory (the output layer's [vocab, hidden] gradient in fp32)",
     "gradient_reduce": "raise trainer.num_ranks (FSDP's fp32 reduce-scatter input of the largest group)",
-    "weight_sync_staging": "lower weight_sync.bucket_size_mb (the staging buffer holds at least the largest tensor)",
+    "weight_sync_staging": "lower weight_sync.bucket_size_mb (each staging buffer holds at least the largest tensor), "
+                           "or weight_sync.pipelined=false (one buffer instead of two)",
     "cuda_contexts": "use a GPU with more memory (one CUDA context per process on the GPU)",
     "nccl_buffers": "use a GPU with more memory (NCCL's buffers, per process on the GPU)",
     "engine_weights": "raise rollout.engine.tp_size (placement.mode=disaggregated) or use more memory",
@@ -228,11 +230,11 @@ def gradient_reduce_bytes(shape: ModelShape, ranks: int, grad_bytes: int) -> int
                group(shape.layer_shapes, shape.layer_params) + output_layer_grad)
 
 
-def staging_bytes(shape: ModelShape, bucket_bytes: int, dtype: str) -> int:
-    """The weight-sync staging buffer as `sync_weights` sizes it (weight_sync/sync.py,
-    `staging_buffer_bytes`): its largest bucket, so at least the largest tensor in the engine's
-    dtype, whatever `bucket_bytes` says. The colocated alignment (16 bytes a tensor) bounds the
-    broadcast's (1)."""
+def staging_bytes(shape: ModelShape, bucket_bytes: int, dtype: str, pipelined: bool = True) -> int:
+    """The weight-sync staging buffers as `sync_weights` sizes them (weight_sync/sync.py,
+    `staging_buffer_bytes`): each its largest bucket, so at least the largest tensor in the
+    engine's dtype, whatever `bucket_bytes` says; pipelined, two of them (buckets alternate between
+    them). The colocated alignment (16 bytes a tensor) bounds the broadcast's (1)."""
     if not shape.param_shapes:
         return bucket_bytes
     import torch
@@ -241,7 +243,7 @@ def staging_bytes(shape: ModelShape, bucket_bytes: int, dtype: str) -> int:
     from rlsys.weight_sync.sync import staging_buffer_bytes
 
     params = [(str(i), torch.empty(s, device="meta")) for i, s in enumerate(shape.param_shapes)]
-    return staging_buffer_bytes(params, bucket_bytes, COLOCATED_ALIGNMENT, getattr(torch, dtype))
+    return staging_buffer_bytes(params, bucket_bytes, COLOCATED_ALIGNMENT, getattr(torch, dtype), pipelined)
 
 
 def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,
@@ -298,7 +300,7 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
         "gradient_reduce": (shape.layer_adapter_params * (compute + 4) + shape.layer_adapter_params * 4 // ranks
                             if lora else gradient_reduce_bytes(shape, ranks, compute)) if gathers else 0,
         "weight_sync_staging": staging_bytes(shape, int(config.weight_sync.bucket_size_mb * 2**20),
-                                             config.model.dtype),
+                                             config.model.dtype, config.weight_sync.pipelined),
         "engine_weights": shape.params * engine_dtype // engine.tp_size,
         "cuda_contexts": processes * CUDA_CONTEXT_BYTES if on_gpu else 0,
         "nccl_buffers": processes * NCCL_BUFFER_BYTES if on_gpu else 0,

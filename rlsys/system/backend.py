@@ -57,6 +57,23 @@ class Backend:
         if not self.has_gpu:
             mp.set_sharing_strategy("file_system")
 
+    def finish_device_writes(self) -> None:
+        """Block until this thread's device stream has finished writing (a gathered bucket): another
+        process is about to read the memory by IPC handle on a stream of its own, which nothing
+        orders after ours. Nothing to wait for on CPU (host collectives return when done)."""
+        if self.has_gpu:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+
+    def use_device_on_this_thread(self, device) -> None:
+        """CUDA's current device is per thread and a new thread starts on cuda:0: a collective
+        launched from a transport's own thread must first select the device its buffers are on."""
+        if self.has_gpu and device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+
     def empty_device_cache(self) -> None:
         """Return the caching allocator's free blocks to the device (after a sleep, so that the
         engine sharing the GPU can use them). Nothing to return on CPU."""

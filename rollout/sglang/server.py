@@ -45,11 +45,21 @@ class ServerSpec:
     # Processes of the run computing on the engine's node while it generates (Topology.cpu_sharers);
     # its threads are the node's cores over this. None (standalone engines): one thread.
     cpu_sharers: int | None = None
+    pipelined_sync: bool = True  # weight_sync.pipelined: the trainers gather the next bucket during a load
 
     def threads(self, node_cores: int) -> int:
         if self.engine.threads is not None:
             return self.engine.threads
         return max(1, node_cores // self.cpu_sharers) if self.cpu_sharers else 1
+
+    def load_threads(self, node_cores: int) -> int:
+        """Threads of a colocated sync's host copy (weight_sync/engine_loader.py). Serial syncs
+        leave the trainers waiting, so the copy takes every core; pipelined ones gather the next
+        bucket meanwhile, so it takes half (measured on 2 cores, bench/weight_sync.py: with both
+        cores the load slowed the overlapping gather so much that the pipelined sync lost)."""
+        if self.engine.weight_load_threads is not None:
+            return self.engine.weight_load_threads
+        return max(1, node_cores // 2) if self.pipelined_sync else node_cores
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -223,7 +233,7 @@ def build_env(spec: ServerSpec, backend: Backend, host: str = "127.0.0.1") -> di
     cores = len(os.sched_getaffinity(0))
     # The scheduler's torch takes its thread count from OMP_NUM_THREADS at start.
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(spec.threads(cores))
-    env[engine_loader.LOAD_THREADS_ENV] = str(spec.engine.weight_load_threads or cores)
+    env[engine_loader.LOAD_THREADS_ENV] = str(spec.load_threads(cores))
     return env
 
 

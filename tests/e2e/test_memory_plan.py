@@ -89,7 +89,7 @@ def test_trainer_and_engine_terms_equal_hand_sums(qwen):
     assert terms["logits_chunk"] == 3 * 512 * shape.vocab * 4
     assert terms["attention_scores"] == 0  # flash-attn
     assert terms["reference_model"] == 0  # KL off
-    # The staging buffer is the largest bucket: at least the [vocab, hidden] bf16 embedding (+16 B alignment).
+    # Each staging buffer is its largest bucket: one at least the [vocab, hidden] bf16 embedding (+16 B).
     assert terms["weight_sync_staging"] >= shape.vocab * shape.hidden * 2 + 16
     assert terms["engine_weights"] == 2 * p
     kv_per_token = 2 * 28 * shape.kv_heads * shape.head_dim * 2  # K and V, every layer, bf16
@@ -266,7 +266,9 @@ def test_gpu_colocated_recipe_plans_every_term_as_the_hand_sum(tmp_path, name):
         # the root group's reduce: bf16 gradients + fp32 reduce-scatter input + fp32 output shard
         # (every dim 0 divides by 8: no padding)
         "gradient_reduce": root * 2 + root * 4 + root * 4 // 8,
-        "weight_sync_staging": v * h * 2 + 16,  # the embedding (or output layer) alone, bf16, aligned
+        # two staging buffers (pipelined): 30 (7B) or 60 (14B) buckets of 512 MB take turns, so the
+        # embedding (bucket 0) and the output layer (the last, odd) each fill one alone, bf16, aligned
+        "weight_sync_staging": 2 * (v * h * 2 + 16),
         "engine_weights": 2 * p,
         "cuda_contexts": 2 * 512 * 2**20,  # a trainer rank and an engine per GPU
         "nccl_buffers": 2 * GiB,
@@ -317,21 +319,26 @@ def test_gpu_recipes_fit_their_models_on_80gb(tmp_path):
 
 def test_train_refuses_what_the_output_layer_and_reduce_scatter_push_past_the_gpu(tmp_path):
     """Qwen2.5-14B disaggregated over 4 trainer ranks on 80 GiB GPUs: without the output layer's
-    gradient, FSDP's fp32 reduce-scatter input, the real staging buffer and the CUDA context and
-    NCCL buffers, the trainer GPU's sum is 75.4 GiB and the run was let start; it needs 88.0 GiB."""
+    gradient, FSDP's fp32 reduce-scatter input, the real staging buffers (two, pipelined) and the CUDA
+    context and NCCL buffers, the trainer GPU's sum is 75.4 GiB and the run was let start; it needs
+    89.4 GiB (88.0 with weight_sync.pipelined off)."""
     model_dir = _qwen_dir(tmp_path, "14b")
     config = _recipe("gpu_disaggregated", model_dir, "trainer.num_ranks=4")
     plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
     t = plan.terms
     v, h, root, p = 152064, 5120, 2 * 152064 * 5120 + 5120, PARAMS["14b"]
     assert t["gradient_reduce"] == root * 2 + root * 4 + root * 4 // 4  # root's bf16 grads, fp32 input and shard
-    assert t["weight_sync_staging"] == v * h * 2 + 16 > 512 * 2**20
+    assert t["weight_sync_staging"] == 2 * (v * h * 2 + 16) > 2 * 512 * 2**20  # two buffers, each an [v, h]
     assert t["cuda_contexts"] + t["nccl_buffers"] == 512 * 2**20 + GiB
     left_out = t["gradient_reduce"] + t["weight_sync_staging"] - 512 * 2**20 + t["cuda_contexts"] + t["nccl_buffers"]
     assert plan.phases["trainer_gpu"] - left_out < 80 * GiB < plan.phases["trainer_gpu"]
     assert 16 * p // 4 < plan.phases["trainer_gpu"]  # the sharded state alone is 16 bytes a parameter / 4
-    with pytest.raises(ConfigError, match="memory plan: trainer_gpu needs 88.0 GiB of 80.0 GiB"):
+    with pytest.raises(ConfigError, match="memory plan: trainer_gpu needs 89.4 GiB of 80.0 GiB"):
         plan_for_devices(config, on_gpu=True, device_memory=80 * GiB, flash_attention=True)
+    serial = load_config(REPO / "configs/gpu_disaggregated.yaml", [f"model.path={model_dir}", "trainer.num_ranks=4",
+                                                                     "weight_sync.pipelined=false"])
+    with pytest.raises(ConfigError, match="memory plan: trainer_gpu needs 88.0 GiB of 80.0 GiB"):
+        plan_for_devices(serial, on_gpu=True, device_memory=80 * GiB, flash_attention=True)
 
 
 def test_lora_plans_gradients_and_moments_for_the_adapters_only_and_no_reference_model(tmp_path):

@@ -5,6 +5,7 @@ import os
 import subprocess
 
 import pytest
+from safetensors.torch import load_file
 
 from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO, Leftovers, train_command
@@ -12,7 +13,7 @@ from tests.helpers import REPO, Leftovers, train_command
 REQUIRED_COLUMNS = {
     "step", "reward_mean", "reward_std", "loss", "kl", "clip_fraction", "entropy",
     "response_len_mean", "weight_version", "logprob_mismatch", "time_generate_s",
-    "time_train_s", "time_sync_s", "time_step_s", "tokens_per_s",
+    "time_train_s", "time_sync_s", "time_step_s", "tokens_per_s", "sync_bytes", "sync_buckets", "sync_gbps",
 }
 
 
@@ -46,6 +47,10 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir, config):
     # the engine's weights advance one version per step and match the trainer (fp32)
     assert [r["weight_version"] for r in rows] == list(range(len(rows)))
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3
+    # each sync hands the engine the whole model once (fp32; colocated adds <16 B of alignment a tensor)
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    assert all(model_bytes <= r["sync_bytes"] < model_bytes + 16 * len(weights) and r["sync_gbps"] > 0 for r in rows)
     if config == "quickstart.yaml":
         _check_device_handoff(run_dir, rows)
     else:

@@ -74,24 +74,27 @@ def test_colocated_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
 
 
 @pytest.mark.slow
-def test_bucket_smaller_than_largest_tensor_still_syncs(two_engines_two_ranks):
+def test_bucket_smaller_than_largest_tensor_still_syncs_pipelined_or_serial(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
-    trainer.train_step(_batch(1))
     trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)
-    stats = trainer.sync_weights(4096, weight_version=2)
-    assert stats[0]["buckets"] > 20  # every tensor (the largest is 64 KB) travelled on its own
-    assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
-    assert rollout.weight_versions() == [2, 2]
+    for version, pipelined in [(2, True), (3, False)]:
+        trainer.train_step(_batch(version))
+        assert min(_engines_match_trainer(rollout, trainer)) > 1e-2
+        stats = trainer.sync_weights(4096, weight_version=version, pipelined=pipelined)
+        assert stats[0]["buckets"] > 20  # every tensor (the largest is 64 KB) travelled on its own
+        assert stats[0]["pipelined"] is pipelined
+        assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
+        assert rollout.weight_versions() == [version, version]
 
 
 @pytest.mark.slow
 def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
     trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=60)
-    for version, bucket_bytes in [(3, 16 * 2**20), (4, 4096)]:
+    for version, bucket_bytes, pipelined in [(4, 16 * 2**20, True), (5, 4096, True), (6, 4096, False)]:
         trainer.train_step(_batch(version))
         assert min(_engines_match_trainer(rollout, trainer)) > 1e-2
-        stats = trainer.sync_weights(bucket_bytes, weight_version=version)
+        stats = trainer.sync_weights(bucket_bytes, weight_version=version, pipelined=pipelined)
         assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # only rank 0 sends
         assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
         assert rollout.weight_versions() == [version, version]
@@ -100,15 +103,15 @@ def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
 @pytest.mark.slow
 def test_single_engine_sync_gathers_to_rank_zero_only(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
-    trainer.train_step(_batch(5))
+    trainer.train_step(_batch(7))
     before = _engines_match_trainer(rollout, trainer)
     trainer.connect_engines(_topology("colocated", rollout.addresses[:1]), timeout_s=60)  # engine 1 unfed
-    stats = trainer.sync_weights(4096, weight_version=5)
+    stats = trainer.sync_weights(4096, weight_version=7)
     assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # rank 1 only sent its shards
     after = _engines_match_trainer(rollout, trainer)
     assert after[0] < 1e-3  # engine 0 got every tensor, bucket by bucket
     assert after[1] == pytest.approx(before[1]) and after[1] > 1e-2  # engine 1 was not touched
-    assert rollout.weight_versions()[0] == 5
+    assert rollout.weight_versions()[0] == 7
 
 
 @pytest.mark.slow

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from rlsys.weight_sync.buckets import TensorMeta, bucket_layout, gather_bucket, group_into_buckets
+from rlsys.weight_sync.engine_loader import END_OF_SYNC
 
 
 def _f32(numel: int) -> torch.Tensor:
@@ -274,27 +277,97 @@ def test_a_sync_that_fails_mid_way_still_releases_the_engines_mapping():
                                                                   ("update", []), ("end", [])]
 
 
-def test_the_staging_buffer_holds_the_largest_tensor_whatever_the_bucket_size():
-    from rlsys.weight_sync.sync import staging_buffer_bytes
+def test_the_staging_buffers_hold_the_largest_tensor_whatever_the_bucket_size():
+    from rlsys.weight_sync.sync import staging_buffer_bytes, staging_slot_bytes
 
     with torch.device("meta"):  # Qwen2.5-7B's shapes: what the memory plan reads, without the bytes
         params = [("embed_tokens.weight", torch.empty(152064, 3584)), ("q_proj.weight", torch.empty(3584, 3584)),
                   ("norm.weight", torch.empty(3584)), ("lm_head.weight", torch.empty(152064, 3584))]
     lm_head = 152064 * 3584 * 2  # bytes in bf16: ~1 GiB, twice the 512 MiB bucket
-    assert staging_buffer_bytes(params, 512 * 2**20, engine_dtype=torch.bfloat16) == lm_head + 16
-    assert staging_buffer_bytes(params, 512 * 2**20, alignment=1) == 2 * lm_head + 1  # fp32 on the wire
+    serial = dict(pipelined=False)
+    assert staging_buffer_bytes(params, 512 * 2**20, engine_dtype=torch.bfloat16, **serial) == lm_head + 16
+    assert staging_buffer_bytes(params, 512 * 2**20, alignment=1, **serial) == 2 * lm_head + 1  # fp32 on the wire
     small = [(f"w{i}", torch.empty(4, 4)) for i in range(3)]
-    assert staging_buffer_bytes(small, bucket_bytes=128) == 2 * (64 + 16)  # two tensors share the first bucket
+    assert staging_buffer_bytes(small, bucket_bytes=128, **serial) == 2 * (64 + 16)  # two tensors share bucket 0
+    # Pipelined, buckets alternate between two slots: [embed], [q_proj, norm], [lm_head] -> slot 0
+    # holds the larger of embed and lm_head, slot 1 the attention bucket.
+    middle = 3584 * 3584 * 2 + 16 + 3584 * 2 + 16
+    assert staging_slot_bytes(params, 512 * 2**20, engine_dtype=torch.bfloat16) == [lm_head + 16, middle]
+    assert staging_buffer_bytes(small, bucket_bytes=128) == 2 * (64 + 16) + (64 + 16)
+    assert staging_slot_bytes(small, bucket_bytes=1024) == [3 * (64 + 16)]  # one bucket: one buffer
 
 
-def test_a_sync_allocates_the_staging_buffer_its_size_function_plans():
+def test_a_sync_allocates_the_staging_buffers_their_size_function_plans():
     from rlsys.system.backend import make_backend
     from rlsys.weight_sync.colocated import ColocatedWeightSender
     from rlsys.weight_sync.sync import staging_buffer_bytes, sync_weights
 
     params = [("small", torch.ones(3)), ("large", torch.ones(40, 5)), ("steps", torch.ones(2, dtype=torch.int64))]
-    sender = ColocatedWeightSender(_RecordingEngine())
-    sync_weights(params, 64, sender, "1", make_backend(False), engine_dtype=torch.bfloat16)
-    assert sender._staging.nbytes == staging_buffer_bytes(params, 64, engine_dtype=torch.bfloat16) == 400 + 16
-    sender.release_staging_buffer()
-    assert sender._staging.nbytes == 0
+    # buckets [small], [large], [steps]: 6, 400 and 16 bytes plus 16 of padding each
+    for pipelined, expected in [(False, 400 + 16), (True, (400 + 16) + (16 + 16))]:
+        sender = ColocatedWeightSender(_RecordingEngine())
+        sync_weights(params, 64, sender, "1", make_backend(False), engine_dtype=torch.bfloat16, pipelined=pipelined)
+        assert sender.staging_nbytes == expected == staging_buffer_bytes(params, 64, engine_dtype=torch.bfloat16,
+                                                                         pipelined=pipelined)
+        sender.release_staging_buffer()
+        assert sender.staging_nbytes == 0
+        sender.close()
+
+
+class _SlowLoadingEngine(_RecordingEngine):
+    """Loads a bucket the way the engine's loader does (maps the handles, reads the tensors) and
+    takes its time doing it; records when each load ran and what it read at its end."""
+
+    def __init__(self, load_s: float, fail_on_update: int | None = None):
+        super().__init__(fail_on_update)
+        self.load_s = load_s
+        self.loads: list[tuple[float, float, dict[str, torch.Tensor]]] = []
+
+    def update_weights_from_tensor(self, serialized_named_tensors, load_format, flush_cache=False,
+                                   weight_version=None) -> None:
+        import base64
+        import pickle
+
+        start = time.perf_counter()
+        mapped = pickle.loads(base64.b64decode(serialized_named_tensors[0]))
+        time.sleep(self.load_s)  # the trainer gathers the next bucket meanwhile, into the other buffer
+        read = {name: tensor.clone() for name, tensor in mapped if name != END_OF_SYNC}
+        self.loads.append((start, time.perf_counter(), read))
+        super().update_weights_from_tensor(serialized_named_tensors, load_format, flush_cache, weight_version)
+
+
+def test_the_next_bucket_is_gathered_while_the_engine_loads_and_no_buffer_is_overwritten_while_read():
+    from rlsys.system.backend import make_backend
+    from rlsys.weight_sync.colocated import ColocatedWeightSender
+    from rlsys.weight_sync.sync import sync_weights
+
+    params = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(6)]  # 64 bytes each: one bucket each
+    gathered_at: dict[str, float] = {}
+
+    def materialize(name, tensor):  # called as each bucket is gathered
+        gathered_at[name] = time.perf_counter()
+        return tensor
+
+    engine = _SlowLoadingEngine(load_s=0.2)
+    sender = ColocatedWeightSender(engine)
+    stats = sync_weights(params, 64, sender, "3", make_backend(False), materialize=materialize)
+    sender.close()
+    assert [names for kind, names, _ in engine.calls if kind == "update"] == (
+        [[f"w{i}"] for i in range(5)] + [["w5", END_OF_SYNC]])
+    for index, (_start, end, read) in enumerate(engine.loads):
+        assert torch.equal(read[f"w{index}"], params[index][1])  # what the engine read at the end of its load
+        if index + 1 < len(params):
+            assert gathered_at[f"w{index + 1}"] < end  # the next bucket was gathered during this load
+        if index + 2 < len(params):
+            assert gathered_at[f"w{index + 2}"] > end  # this buffer was gathered into only after it
+    assert stats.buckets == 6 and stats.bytes == 6 * 64 and stats.pipelined
+    # the loads, not the gathers, set the pace: the engine waits are most of the sync
+    assert stats.engine_wait_s > 0.5 * 6 * 0.2
+
+
+def test_a_failed_bucket_stops_the_hand_overs_queued_behind_it_and_the_session_still_ends():
+    engine = _SlowLoadingEngine(load_s=0.0, fail_on_update=2)
+    with pytest.raises(RuntimeError, match="refused"):
+        _sync(engine, bucket_bytes=64)  # three buckets, the second refused
+    assert [(kind, names) for kind, names, _ in engine.calls] == [
+        ("begin", []), ("update", ["w0"]), ("update", ["w1"]), ("update", []), ("end", [])]

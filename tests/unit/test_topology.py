@@ -93,6 +93,23 @@ def test_a_cpu_engine_server_starts_with_its_thread_budget():
     assert env["OMP_NUM_THREADS"] == "1"  # a standalone engine: one thread
 
 
+def test_a_colocated_syncs_host_copy_takes_half_the_cores_pipelined_and_all_of_them_serial():
+    """Pipelined, the trainers gather the next bucket while the engine copies this one in."""
+    import os
+
+    from rlsys.config import EngineConfig, ModelConfig
+    from rlsys.rollout.sglang.server import ServerSpec, build_env
+    from rlsys.system.backend import make_backend
+    from rlsys.weight_sync.engine_loader import LOAD_THREADS_ENV
+
+    cores = len(os.sched_getaffinity(0))
+    model = ModelConfig(path="unused")
+    assert build_env(ServerSpec(model), make_backend(False))[LOAD_THREADS_ENV] == str(max(1, cores // 2))
+    assert build_env(ServerSpec(model, pipelined_sync=False), make_backend(False))[LOAD_THREADS_ENV] == str(cores)
+    chosen = ServerSpec(model, EngineConfig(weight_load_threads=3))
+    assert build_env(chosen, make_backend(False))[LOAD_THREADS_ENV] == "3"
+
+
 def test_colocated_trainers_sleep_by_default_only_on_gpus():
     assert Topology.from_config(_config("colocated", 2, 1), has_gpu=True).trainers_sleep
     assert not Topology.from_config(_config("colocated", 2, 1), has_gpu=False).trainers_sleep  # one memory

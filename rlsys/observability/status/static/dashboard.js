@@ -11,6 +11,9 @@ const CHARTS = [
   { id: "chart-response-len", series: [["response_len_mean", "mean length", "#00897b"]] },
   { id: "chart-tokens-per-s", series: [["tokens_per_s", "tokens/s", "#3949ab"]] },
   { id: "chart-mismatch", series: [["logprob_mismatch", "mismatch", "#6d4c41"]] },
+  // Weight sync: bytes handed to the engines (MiB), their rate, the step's sync seconds.
+  { id: "chart-sync", series: [["sync_gbps", "GB/s", "#fb8c00"], ["time_sync_s", "seconds", "#6d4c41"]] },
+  { id: "chart-sync-bytes", scale: 2 ** -20, series: [["sync_bytes", "MiB", "#fb8c00"]] },
   // Algorithm options (algorithm.*): empty until the option that fills them is on.
   { id: "chart-sampling", series: [["filtered_groups", "filtered groups", "#e53935"],
                                    ["sampling_rounds", "sampling rounds", "#1e88e5"]] },
