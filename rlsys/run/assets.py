@@ -67,6 +67,29 @@ def read_model_config(model_dir: str | Path) -> dict:
     return model_config
 
 
+def read_architecture(model_dir: str | Path):
+    """The model's transformers config, refused with a ConfigError when transformers cannot build a
+    causal LM from it (a model type it does not know, or one that is no causal LM), before anything
+    starts."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_config = read_model_config(model_dir)
+    named = f"model type {model_config.get('model_type')!r} (architectures {model_config.get('architectures')})"
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as error:  # a model_type this transformers does not know
+        reason = str(error).split(". ")[0]
+        raise ConfigError(f"invalid config: model.path {model_dir}: transformers cannot read its config.json, "
+                          f"{named}: {reason}; rlsys trains the architectures in docs/gpus-and-clusters.md "
+                          "(Qwen2, Qwen3, Llama, Qwen3-MoE): point model.path at one of those") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"invalid config: model.path {model_dir}: {named} is not a causal language model "
+                          "transformers can build (AutoModelForCausalLM); rlsys trains the architectures in "
+                          "docs/gpus-and-clusters.md (Qwen2, Qwen3, Llama, Qwen3-MoE)")
+    return config
+
+
 # The tokenizer's own JSON files, as transformers reads them (config.json is read_model_config's).
 _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
                          "vocab.json")
@@ -185,7 +208,7 @@ def load_assets(config: RunConfig) -> RunAssets:
             f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
             "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
         )
-    read_model_config(model_dir)
+    read_architecture(model_dir)
     weights = [p.name for pattern in _WEIGHT_FILES for p in model_dir.glob(pattern)]
     if not weights:
         raise ConfigError(

@@ -93,18 +93,14 @@ class ModelShape:
     @classmethod
     def from_model_dir(cls, path: str | Path, lora=None) -> ModelShape:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         from rlsys.actors.parallelize import decoder_layers
-        from rlsys.run.assets import read_model_config
+        from rlsys.run.assets import read_architecture
 
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"model.path {path} has no config.json (the memory plan reads the model's shapes)")
-        read_model_config(path)
-        try:
-            config = AutoConfig.from_pretrained(str(path))
-        except (OSError, ValueError, KeyError) as error:  # e.g. a model_type this transformers does not know
-            raise ConfigError(f"model.path {path}: transformers cannot read its config.json: {error}") from None
+        config = read_architecture(path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         adapters: dict[int, int] = {}  # id(decoder layer) -> its adapters' parameters

@@ -303,3 +303,22 @@ def test_lora_targets_that_match_nothing_or_reach_past_linear_layers_are_refused
         load_assets(config)
     load_assets(load_config(write_config(tmp_path / "c.yaml", moe),
                             ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]))
+
+
+@pytest.mark.parametrize(("model_type", "why"), [("foonet", "transformers cannot read its config.json"),
+                                                 ("t5", "is not a causal language model")])
+def test_an_architecture_transformers_cannot_build_as_a_causal_lm_is_refused_by_train_and_plan(
+        tmp_path, tiny_model_dir, model_type, why):
+    import json
+    import shutil
+
+    from rlsys.run.assets import load_assets
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**settings, "model_type": model_type,
+                                                   "architectures": ["FooNetForCausalLM"]}))
+    config = load_config(write_config(tmp_path / "c.yaml", model))
+    with pytest.raises(ConfigError, match=f"model type '{model_type}'.*{why}|{why}.*model type '{model_type}'"):
+        load_assets(config)
+    assert f"model type '{model_type}'" in refused_by_cli("plan", str(tmp_path / "c.yaml"))
