@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rlsys.system.backend import Backend
 from rlsys.weight_sync.buckets import WeightBucket
 from rlsys.weight_sync.call_queue import EngineCallQueue
-from rlsys.weight_sync.colocated import StagingBuffer
+from rlsys.weight_sync.colocated import StagingSlots
 
 
 class BroadcastEndpoints(Protocol):
@@ -141,21 +141,20 @@ class BroadcastWeightSender:
         self.timeout_s = timeout_s
         self.group_name = f"rlsys-weights-{uuid.uuid4().hex[:8]}"
         self.group = None
-        self._staging = (StagingBuffer(share_memory=False), StagingBuffer(share_memory=False))
+        self._staging = StagingSlots(share_memory=False)
         # The engine calls and each bucket's broadcast run in order on a thread of their own, so the
         # sync gathers the next bucket meanwhile (weight_sync/sync.py).
         self._queue = EngineCallQueue("rlsys-broadcast-sync")
 
     def staging_buffer(self, slot: int, nbytes: int, device):
-        return self._staging[slot].get(nbytes, device)
+        return self._staging.get(slot, nbytes, device)
 
     @property
     def staging_nbytes(self) -> int:
-        return sum(buffer.nbytes for buffer in self._staging)
+        return self._staging.nbytes
 
     def release_staging_buffer(self) -> None:
-        for buffer in self._staging:
-            buffer.release()
+        self._staging.release()
 
     def connect(self) -> None:
         with socket.socket() as sock:

@@ -65,6 +65,25 @@ class StagingBuffer:
         self._buffer = None
 
 
+class StagingSlots:
+    """A transport's two staging buffers, which a pipelined sync's buckets take in turn
+    (weight_sync/sync.py; a serial sync uses slot 0 only)."""
+
+    def __init__(self, share_memory: bool):
+        self._buffers = (StagingBuffer(share_memory), StagingBuffer(share_memory))
+
+    def get(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        return self._buffers[slot].get(nbytes, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._buffers)
+
+    def release(self) -> None:
+        for buffer in self._buffers:
+            buffer.release()
+
+
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     """A base64 payload of (name, tensor) pairs as IPC handles and offsets, ~100 bytes per tensor
     whatever its size. Views of one storage (a bucket) share a handle the receiver opens once."""
@@ -86,22 +105,21 @@ class ColocatedWeightSender:
     def __init__(self, engine: TensorUpdateEndpoints, tp_size: int = 1):
         self.engine = engine
         self.tp_size = tp_size
-        self._staging = (StagingBuffer(share_memory=True), StagingBuffer(share_memory=True))
+        self._staging = StagingSlots(share_memory=True)
         self._queue = EngineCallQueue("rlsys-colocated-sync")
         self._engine_maps_staging = False  # the engine's loader still holds a staging buffer (queue thread only)
 
     def staging_buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        return self._staging[slot].get(nbytes, device)
+        return self._staging.get(slot, nbytes, device)
 
     @property
     def staging_nbytes(self) -> int:
-        return sum(buffer.nbytes for buffer in self._staging)
+        return self._staging.nbytes
 
     def release_staging_buffer(self) -> None:
         """Drop the buffers between syncs (the next sync allocates them again). The engine's loader
         has let go of them with the sync's last bucket (`END_OF_SYNC`)."""
-        for buffer in self._staging:
-            buffer.release()
+        self._staging.release()
 
     def close(self) -> None:
         self._queue.close()
