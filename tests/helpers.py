@@ -250,3 +250,22 @@ def fill_hub_cache(cache: Path, repo_id: str, model_dir: Path, commit: str = "1a
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / branch).write_text(commit)
     return snapshot
+
+
+def check_tracking(run_dir: Path, rows: list[dict]) -> None:
+    """A run with logging.backends=[tensorboard,wandb,mlflow]: TensorBoard and MLflow got every step's
+    metrics under metrics.jsonl's names; wandb ran offline."""
+    import pytest
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [r["step"] for r in rows]
+    assert [e.value for e in events.Scalars("reward_mean")] == pytest.approx([r["reward_mean"] for r in rows])
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 opens file stores only when asked
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("rlsys").experiment_id])
+    evals = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_reward_mean")]
+    assert sorted(evals) == [(r["step"], r["eval_reward_mean"]) for r in rows if r.get("eval_reward_mean") is not None]
+    assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1

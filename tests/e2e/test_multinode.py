@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rlsys.observability.metrics import read_metrics
-from tests.helpers import REPO, fill_hub_cache
+from tests.helpers import REPO, check_tracking, fill_hub_cache
 from tests.multinode import NamespaceCluster, NodeSpec, our_namespaces, unavailable_reason
 
 pytestmark = pytest.mark.slow
@@ -261,7 +261,8 @@ def test_disaggregated_ranks_on_one_node_broadcast_to_an_engine_on_another_and_l
     run_dir = tmp_path / "disaggregated"
     output = _succeeded(_submit(
         cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}", "rollout.num_engines=1",
-        "trainer.total_steps=100", "eval.interval=50", ON_TRAINER_NODES, ON_ENGINE_NODES))
+        "trainer.total_steps=100", "eval.interval=50", "logging.backends=[tensorboard,wandb,mlflow]", ON_TRAINER_NODES,
+        ON_ENGINE_NODES))
     trainer_node = cluster.nodes["a"].address
     engine_nodes = {cluster.nodes["b"].address, cluster.nodes["c"].address}
     nodes = dict(part.split(": ") for part in _nodes_line(output).removeprefix("rlsys: nodes: ").split("; ")[1:])
@@ -274,6 +275,8 @@ def test_disaggregated_ranks_on_one_node_broadcast_to_an_engine_on_another_and_l
     # engine's log-probs on the probe sequences matched the trainer's, or the run would have failed.
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3
     assert rows[-1]["eval_reward_mean"] >= 0.9
+    assert not (run_dir / "logs" / "device_handoff.jsonl").exists()  # disaggregated trainers keep their devices
+    check_tracking(run_dir, rows)
 
 
 def test_an_engines_node_lost_mid_run_is_replaced_on_a_node_with_room(cluster, tiny_model_dir, tmp_path):

@@ -1,17 +1,16 @@
 """A killed run resumes from its last checkpoint: same data order, engine on the resumed weights."""
 
-import os
-import signal
+import json
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 
 from rlsys.observability.metrics import read_metrics
-from tests.helpers import REPO, RUN_SHM_PREFIXES
+from rlsys.system.run_lock import owner_is_alive
+from tests.helpers import REPO, Leftovers
 
 
 def _command(run_dir, model_dir, *extra):
@@ -23,40 +22,29 @@ def _command(run_dir, model_dir, *extra):
     ]
 
 
-def _kill_run(process: subprocess.Popen, before_pids: set[int], before_shm: set[str]) -> None:
-    """SIGKILL the run and everything it started, as a crash would; then clear what it left."""
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    time.sleep(2)
-    mine = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. this session's Ray
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if proc.pid in before_pids or proc.pid in mine:
-            continue
-        if "sglang" in cmdline or "ray" in cmdline:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-    time.sleep(1)
-    for name in set(os.listdir("/dev/shm")) - before_shm:
-        if name.startswith(RUN_SHM_PREFIXES):  # multiprocessing's semaphores too: their tracker died
-            os.unlink(f"/dev/shm/{name}")
-
-
 @pytest.mark.slow
-def test_killed_run_resumes_where_its_checkpoint_left_off(tmp_path, tiny_model_dir):
+def test_a_killed_driver_leaves_nothing_and_the_run_resumes_where_its_checkpoint_left_off(tmp_path, tiny_model_dir):
+    """The driver alone dies without warning (SIGKILL) after its step-4 checkpoint: its reaper stops
+    the engines, trainers and Ray, the status says failed, the lock is stale; `--resume` then
+    continues from step 4 as if nothing had happened."""
+    leftovers = Leftovers()
     run_dir = tmp_path / "run"
-    before_pids = {p.pid for p in psutil.process_iter()}
-    before_shm = set(os.listdir("/dev/shm"))
-    crashed = subprocess.Popen(_command(run_dir, tiny_model_dir), cwd=REPO, start_new_session=True,
+    crashed = subprocess.Popen(_command(run_dir, tiny_model_dir), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoint = run_dir / "checkpoints" / "step_00000004" / "coordinator.json"
     deadline = time.monotonic() + 600
     while not checkpoint.exists() and time.monotonic() < deadline and crashed.poll() is None:
         time.sleep(0.2)
     assert checkpoint.exists(), "the run never wrote its step-4 checkpoint"
-    _kill_run(crashed, before_pids, before_shm)
+    crashed.kill()
+    crashed.wait()
+    killed_at = time.monotonic()
+    while (leftovers.processes() or leftovers.shm_files()) and time.monotonic() - killed_at < 120:  # waits, never a measure
+        time.sleep(0.5)
+    assert leftovers.processes() == [] and leftovers.shm_files() == []
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "died without finishing" in status["error"]
+    assert not owner_is_alive(run_dir)  # the stale lock will not block the next start
 
     resumed = subprocess.run(_command(run_dir, tiny_model_dir, "--resume"), cwd=REPO,
                              capture_output=True, text=True, timeout=900)
