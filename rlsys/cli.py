@@ -1,4 +1,4 @@
-"""`rlsys` command line: train, plan, export, serve, status, runs, compare, make-tiny-model."""
+"""`rlsys` command line: train, eval, plan, export, serve, status, runs, compare, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -52,6 +52,40 @@ def _plan(args: argparse.Namespace) -> int:
     plan = memory_plan(load_config(args.config, list(args.overrides)))
     print_plan(plan, args.json)
     return 0 if plan.fits else 1
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import contextlib
+    import json
+    from pathlib import Path
+
+    from rlsys.config import load_config
+    from rlsys.errors import RunFailed
+    from rlsys.run.offline_eval import evaluate_model
+
+    config = load_config(args.config, list(args.overrides))
+    try:
+        # --json: stdout holds the one JSON object; the progress lines go to stderr meanwhile.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            metrics = evaluate_model(config, checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+                                     model=Path(args.model) if args.model else None)
+    except RunFailed as error:
+        logger.error("eval failed: %s", error)
+        return 1
+    source = {"checkpoint": args.checkpoint} if args.checkpoint else {"model": args.model}
+    if args.json:
+        print(json.dumps({**source, "metrics": metrics}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"rlsys eval of {args.checkpoint or args.model}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -256,6 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="comma-separated metrics.jsonl keys (default: %(default)s)")
     compare.add_argument("--plot", metavar="PNG", default=None, help="also write the curves to this PNG file")
     compare.set_defaults(handler=_compare)
+
+    evaluate = commands.add_parser("eval", help="run a config's eval sets against a checkpoint or a model, "
+                                   "on real engines (no trainer)")
+    evaluate.add_argument("config", help="YAML config whose eval sets (data's eval prompts, eval.datasets) to run")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_engines=2")
+    source = evaluate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="a run's checkpoint: RUN_DIR/checkpoints/step_N")
+    source.add_argument("--model", metavar="HF_DIR", help="a Hugging Face model directory (e.g. from rlsys export)")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    evaluate.set_defaults(handler=_eval)
 
     plan = commands.add_parser("plan", help="print the memory each GPU will hold, per phase, and whether it fits")
     plan.add_argument("config", help="YAML config, e.g. configs/gpu_colocated.yaml")

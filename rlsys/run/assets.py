@@ -4,16 +4,26 @@ prompt splits (tokenised), the reward function (loaded once to check it) and the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlsys.config import ConfigError, LoraConfig, RunConfig
-from rlsys.data.datasets import load_splits
+from rlsys.config import ConfigError, EvalSetConfig, LoraConfig, RunConfig
+from rlsys.data.datasets import Columns, DatasetError, load_splits, read_records
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.records import EncodedPrompt, PromptRecord
 from rlsys.rewards.loading import load_reward_function
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+
+
+@dataclass
+class EvalSetAssets:
+    """A named eval set (eval.datasets), read and tokenised."""
+
+    config: EvalSetConfig
+    prompts: list[EncodedPrompt]
+    skipped_rows: int
+    too_long_prompts: int
 
 
 @dataclass
@@ -24,6 +34,7 @@ class RunAssets:
     stop_token_ids: list[int]
     skipped_rows: int
     too_long_prompts: int
+    eval_sets: list[EvalSetAssets] = field(default_factory=list)
 
 
 def _encode(tokenizer, record: PromptRecord, chat: bool, system_prompt: str | None = None) -> list[int]:
@@ -226,6 +237,9 @@ def load_assets(config: RunConfig) -> RunAssets:
                           "has no chat template")
     if config.reward.url is None:
         load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
+    for eval_set in config.eval.datasets:
+        if eval_set.reward_function:
+            load_reward_function(eval_set.reward_function)
     splits = load_splits(config.data, config.seed)
     budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
     if budget < 1:
@@ -241,6 +255,18 @@ def load_assets(config: RunConfig) -> RunAssets:
 
     train, too_long_train = encode_all(splits.train)
     eval_, too_long_eval = encode_all(splits.eval)
+    eval_sets = []
+    for eval_set in config.eval.datasets:
+        records, skipped = _read_eval_set(config, eval_set)
+        budget_set = config.rollout.engine.context_length - (eval_set.max_new_tokens or config.rollout.max_new_tokens)
+        encoded = [EncodedPrompt(r, _encode(tokenizer, r, config.data.apply_chat_template, config.data.system_prompt))
+                   for r in records]
+        kept = [e for e in encoded if 0 < len(e.token_ids) <= budget_set]
+        if not kept:
+            raise ConfigError(f"invalid config: eval set {eval_set.name!r} ({eval_set.path}): none of its "
+                              f"{len(records)} prompts fits in {budget_set} tokens (rollout.engine.context_length "
+                              "minus its max_new_tokens)")
+        eval_sets.append(EvalSetAssets(eval_set, kept, skipped, len(encoded) - len(kept)))
     if not train:
         raise ConfigError(
             f"no training prompt fits in {budget} tokens (context_length - max_new_tokens)"
@@ -248,5 +274,26 @@ def load_assets(config: RunConfig) -> RunAssets:
     return RunAssets(
         tokenizer=tokenizer, train=train, eval=eval_,
         stop_token_ids=_stop_token_ids(config, tokenizer),
-        skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval,
+        skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval, eval_sets=eval_sets,
     )
+
+
+def _read_eval_set(config: RunConfig, eval_set: EvalSetConfig) -> tuple[list[PromptRecord], int]:
+    """An eval set's rows as records (data's columns unless the set names its own), refused with
+    a ConfigError naming the set when its file is missing, unreadable or empty."""
+    where = f"eval set {eval_set.name!r}"
+    if not Path(eval_set.path).exists():
+        raise ConfigError(f"invalid config: {where}: {eval_set.path} does not exist (eval.datasets[].path: a "
+                          ".jsonl, .parquet, .json or .csv file, or a saved dataset directory)")
+    data = config.data
+    columns = Columns(eval_set.prompt_key or data.prompt_key, eval_set.label_key or data.label_key,
+                      tuple(data.metadata_keys))
+    try:
+        records, skipped = read_records(eval_set.path, columns, data.skip_invalid_rows, eval_set.split)
+    except DatasetError as error:
+        raise DatasetError(f"{where}: {error}") from None
+    if not records:
+        raise ConfigError(f"invalid config: {where}: {eval_set.path} holds no prompts")
+    if eval_set.max_prompts:
+        records = records[: eval_set.max_prompts]
+    return records, skipped

@@ -134,7 +134,7 @@ def train_loop(run: Run) -> None:
             row.update(batch.scored.reward_metrics())  # task rewards, before any penalty
             if run.evaluator.due(step):  # the engines are idle here and hold this step's weights
                 with run.phase(row, "evaluating", "eval"):
-                    row.update(run.evaluator.evaluate())
+                    row.update(run.evaluator.evaluate(step))
             if next_batch and step + 1 < config.trainer.total_steps:
                 next_batch.start(step + 1, step_start)  # generates while this step trains
 
@@ -517,9 +517,10 @@ def run(config: RunConfig) -> Path:
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack)
+        evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
+        stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own
         run = Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
-                  PromptSampler(assets.train, config.data.prompts_per_step, config.seed),
-                  Evaluator(config, assets, parts.rollout, rewards.score, maker),
+                  PromptSampler(assets.train, config.data.prompts_per_step, config.seed), evaluator,
                   Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts),
                   HealthMonitor(parts), rewards, trackers, maker)
         parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.state.weight_version)

@@ -1,19 +1,26 @@
-"""Greedy evaluation on the held-out prompts, every `eval.interval` steps and at the last step."""
+"""Evaluation: the data section's held-out prompts (metrics eval_*) and the named sets of
+eval.datasets (metrics eval_NAME_*), each every its interval steps and at the last step; `rlsys
+eval` runs them all once, on a checkpoint or a model, with no trainer."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from math import comb
+
 from rlsys.algorithms.samples import Scorer, generation_text, reward_call
 from rlsys.config import RunConfig
-from rlsys.records import SamplingParams
+from rlsys.records import EncodedPrompt, SamplingParams
+from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import RolloutManager
 from rlsys.run.assets import RunAssets
 from rlsys.run.generation import SampleMaker
 
 
-def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, top_p: float) -> SamplingParams:
+def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, top_p: float,
+                    max_new_tokens: int | None = None) -> SamplingParams:
     extra = config.rollout.sampling
     return SamplingParams(
-        temperature=temperature, top_p=top_p, max_new_tokens=config.rollout.max_new_tokens,
+        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or config.rollout.max_new_tokens,
         # Without its tokenizer the engine stops on token ids only (assets.stop_token_ids).
         stop=config.rollout.stop if not config.rollout.engine.skip_tokenizer_init else [],
         stop_token_ids=[*assets.stop_token_ids, *extra.stop_token_ids],
@@ -22,28 +29,115 @@ def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, to
     )
 
 
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """The unbiased pass@k of one prompt from n answers of which `correct` succeeded: the chance
+    that k answers drawn from the n without replacement hold at least one success,
+    1 - C(n - c, k) / C(n, k) (Chen et al., 2021, "Evaluating Large Language Models Trained on Code")."""
+    if not 1 <= k <= n or not 0 <= correct <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= correct <= n (n={n}, correct={correct}, k={k})")
+    return 1.0 - comb(n - correct, k) / comb(n, k)
+
+
+@dataclass
+class EvalSet:
+    """What one eval set is and how it is run. `name` None: the data section's eval prompts."""
+
+    name: str | None
+    prompts: list[EncodedPrompt]
+    sampling: SamplingParams
+    n_samples: int
+    interval: int
+    reward_function: str | None = None  # None: the run's reward
+    pass_k: tuple[int, ...] = ()
+    success_threshold: float = 1.0
+
+    @property
+    def prefix(self) -> str:
+        return "eval_" if self.name is None else f"eval_{self.name}_"
+
+    def due(self, step: int, last_step: int) -> bool:
+        return bool(self.prompts) and (step % self.interval == 0 or step == last_step)
+
+
+def eval_sets(config: RunConfig, assets: RunAssets) -> list[EvalSet]:
+    """The run's eval sets: the data section's eval prompts (one answer each at eval.temperature),
+    then eval.datasets in order."""
+    default_prompts = assets.eval[: config.eval.max_prompts] if config.eval.max_prompts else assets.eval
+    sets = [EvalSet(None, default_prompts, sampling_params(config, assets, config.eval.temperature, 1.0), 1,
+                    config.eval.interval)]
+    for loaded in assets.eval_sets:
+        c = loaded.config
+        sets.append(EvalSet(c.name, loaded.prompts,
+                            sampling_params(config, assets, c.temperature, c.top_p, c.max_new_tokens), c.n_samples,
+                            c.interval or config.eval.interval, c.reward_function, tuple(c.pass_k),
+                            c.success_threshold))
+    return sets
+
+
+def set_metrics(eval_set: EvalSet, generations, rewards: list[float], errors: int) -> dict[str, float]:
+    """An eval set's metrics from its answers (n per prompt, grouped prompt by prompt) and their
+    rewards (0 where the reward failed): reward_mean (pass@1 averaged over the n), pass_at_K, mean
+    response length, the share of answers cut at max_new_tokens, and the failed rewards."""
+    n, count = eval_set.n_samples, max(len(rewards), 1)
+    metrics = {
+        "reward_mean": sum(rewards) / count,
+        "reward_errors": errors,
+        "response_len_mean": sum(len(g.response_ids) for g in generations) / count,
+        "truncated_fraction": sum(g.finish_reason == "length" for g in generations) / count,
+    }
+    solved = [sum(r >= eval_set.success_threshold for r in rewards[i:i + n]) for i in range(0, len(rewards), n)]
+    for k in eval_set.pass_k:
+        metrics[f"pass_at_{k}"] = sum(pass_at_k(n, c, k) for c in solved) / max(len(solved), 1)
+    return {eval_set.prefix + key: value for key, value in metrics.items()}
+
+
 class Evaluator:
+    """Runs the eval sets that are due against the engines' current weights. A set with a reward
+    function of its own scores in a worker pool of its own (started with the first use, closed by
+    `close`); the others share the run's scorer."""
+
     def __init__(self, config: RunConfig, assets: RunAssets, rollout: RolloutManager, scorer: Scorer,
                  maker: SampleMaker):
-        self.interval = config.eval.interval
+        self.sets = eval_sets(config, assets)
         self.last_step = config.trainer.total_steps - 1
-        self.prompts = assets.eval[: config.eval.max_prompts] if config.eval.max_prompts else assets.eval
-        self.sampling = sampling_params(config, assets, config.eval.temperature, 1.0)
         self.tokenizer = assets.tokenizer
         self.rollout = rollout
         self.scorer = scorer
         self.maker = maker
+        self._reward_config = config.reward
+        self._own_scorers: dict[str, object] = {}
 
     def due(self, step: int) -> bool:
-        return bool(self.prompts) and (step % self.interval == 0 or step == self.last_step)
+        return any(s.due(step, self.last_step) for s in self.sets)
 
-    def evaluate(self) -> dict[str, float]:
-        """Mean reward of one greedy (eval.temperature) answer per eval prompt. A prompt whose
-        reward fails scores 0 and is counted in `eval_reward_errors`."""
-        generations = self.maker.samples(self.rollout, self.prompts, self.sampling, n=1)
-        calls = [reward_call(p.record, g, generation_text(self.tokenizer, g))
-                 for p, g in zip(self.prompts, generations, strict=True)]
-        outcomes = self.scorer(calls)
+    def evaluate(self, step: int | None = None) -> dict[str, float]:
+        """The metrics of every set due at `step` (None: every set)."""
+        metrics: dict[str, float] = {}
+        for eval_set in self.sets:
+            if eval_set.prompts and (step is None or eval_set.due(step, self.last_step)):
+                metrics.update(self.evaluate_set(eval_set))
+        return metrics
+
+    def evaluate_set(self, eval_set: EvalSet) -> dict[str, float]:
+        """n answers per prompt; a prompt whose reward fails scores 0 and is counted in reward_errors."""
+        generations = self.maker.samples(self.rollout, eval_set.prompts, eval_set.sampling, n=eval_set.n_samples)
+        records = [p.record for p in eval_set.prompts for _ in range(eval_set.n_samples)]
+        calls = [reward_call(r, g, generation_text(self.tokenizer, g))
+                 for r, g in zip(records, generations, strict=True)]
+        outcomes = self._scorer_for(eval_set.reward_function)(calls)
         rewards = [o.value if o.error is None else 0.0 for o in outcomes]
-        return {"eval_reward_mean": sum(rewards) / max(len(rewards), 1),
-                "eval_reward_errors": sum(o.error is not None for o in outcomes)}
+        return set_metrics(eval_set, generations, rewards, sum(o.error is not None for o in outcomes))
+
+    def _scorer_for(self, function: str | None) -> Scorer:
+        if function is None:
+            return self.scorer
+        if function not in self._own_scorers:
+            pool = make_reward_scorer(self._reward_config.model_copy(update={"function": function, "url": None}))
+            pool.start()
+            self._own_scorers[function] = pool
+        return self._own_scorers[function].score
+
+    def close(self) -> None:
+        for pool in self._own_scorers.values():
+            pool.close()
+        self._own_scorers.clear()

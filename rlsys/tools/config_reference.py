@@ -39,10 +39,16 @@ _BOUNDS = {annotated_types.Ge: (">=", "ge"), annotated_types.Gt: (">", "gt"),
 
 
 def _section_model(annotation) -> type[BaseModel] | None:
-    """The model class of a field that holds a section (`X` or `X | None`), else None."""
+    """The model class of a field that holds a section (`X`, `X | None` or a list of X), else None."""
+    if typing.get_origin(annotation) is list:
+        annotation = typing.get_args(annotation)[0]
     candidates = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
     models = [c for c in candidates if inspect.isclass(c) and issubclass(c, BaseModel)]
     return models[0] if models else None
+
+
+def _is_list(annotation) -> bool:
+    return typing.get_origin(annotation) is list
 
 
 def _is_union(annotation) -> bool:
@@ -108,7 +114,8 @@ def _sections(model: type[BaseModel], prefix: str, description: str):
     for name, info in model.model_fields.items():
         nested = _section_model(info.annotation)
         if nested is not None:
-            yield from _sections(nested, f"{prefix}.{name}" if prefix else name, info.description or "")
+            dotted = (f"{prefix}.{name}" if prefix else name) + ("[]" if _is_list(info.annotation) else "")
+            yield from _sections(nested, dotted, info.description or "")
 
 
 def _table(model: type[BaseModel], prefix: str) -> list[str]:
@@ -121,8 +128,12 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
         kind = type_name(info.annotation)
         nested = _section_model(info.annotation)
         if nested is not None:
-            kind = "section" + (", optional" if _is_union(info.annotation) else "")
-            description = f"{info.description} See [`{dotted}`](#{dotted.replace('.', '')})."
+            if _is_list(info.annotation):
+                kind, dotted = "list[section]", dotted + "[]"
+            else:
+                kind = "section" + (", optional" if _is_union(info.annotation) else "")
+            anchor = dotted.replace(".", "").replace("[]", "")
+            description = f"{info.description} See [`{dotted}`](#{anchor})."
         else:
             description = info.description
         bounds = _bounds(info)

@@ -60,10 +60,15 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    # a named eval set (eval.datasets) gets a chart of its own
+    (tmp_path / "held_out.jsonl").write_text("".join(f'{{"prompt": "{d} {d + 1} {d + 2}>", "label": "{d + 2}"}}\n'
+                                                     for d in range(7)))
+    eval_set = f"eval.datasets=[{{name: held_out, path: {tmp_path / 'held_out.jsonl'}, n_samples: 2, " \
+               "temperature: 1.0, pass_k: [2]}]"
     run = subprocess.Popen(
         [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
          f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "logging.progress_bar=false",
-         "trainer.total_steps=400", "eval.interval=5", f"status.port={port}", "status.token=let-me-in"],
+         "trainer.total_steps=400", "eval.interval=5", f"status.port={port}", "status.token=let-me-in", eval_set],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "RLSYS_STATUS_TOKEN": ""},
     )
@@ -88,6 +93,10 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir):
         for chart in CHARTS:
             points = int(re.search(rf'id="{chart}"[^>]*data-points="(\d+)"', dom).group(1))
             assert before <= points <= after, f"{chart}: {points} points for {before}..{after} finished steps"
+        eval_chart = re.search(r'<div class="chart" id="chart-eval-held_out"[^>]*>', dom)
+        assert eval_chart and 'data-eval-set="held_out"' in eval_chart.group(0), dom[:2000]
+        assert before <= int(re.search(r'data-points="(\d+)"', eval_chart.group(0)).group(1)) <= after
+        assert "pass@2" in dom and "eval set held_out" in dom  # its legend and title
         assert len(re.findall(r'class="tl-row" data-step=', dom)) >= before  # a timeline row per step
         assert 'data-phase="generate"' in dom and 'data-phase="train"' in dom and 'data-phase="sync"' in dom
         assert len(re.findall(r'<tr data-kind="trainer">', dom)) == 2

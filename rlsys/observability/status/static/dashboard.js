@@ -87,7 +87,52 @@ function ensurePlots() {
   }
 }
 
+// eval.datasets: one chart per named eval set (its metrics are eval_NAME_*), added when its first
+// eval arrives: mean reward (pass@1 over its n answers), each pass@k, the share of answers truncated.
+const EVAL_SET_COLORS = ["#e53935", "#1e88e5", "#43a047", "#8e24aa", "#fb8c00", "#00897b"];
+
+function addEvalSetCharts() {
+  const names = new Set();
+  for (const r of rows) {
+    for (const key of Object.keys(r)) {
+      const m = /^eval_([a-z][a-z0-9_]*)_reward_mean$/.exec(key);
+      if (m) names.add(m[1]);
+    }
+  }
+  for (const name of names) {
+    const id = `chart-eval-${name}`;
+    const passKeys = new Set();
+    for (const r of rows) {
+      for (const key of Object.keys(r)) if (key.startsWith(`eval_${name}_pass_at_`)) passKeys.add(key);
+    }
+    const ks = [...passKeys].sort((a, b) => Number(a.split("_").pop()) - Number(b.split("_").pop()));
+    const keys = [[`eval_${name}_reward_mean`, "reward mean (pass@1)"],
+                  ...ks.map(key => [key, `pass@${key.split("_").pop()}`]),
+                  [`eval_${name}_truncated_fraction`, "truncated"]];
+    const series = keys.map(([key, label], i) => [key, label, EVAL_SET_COLORS[i % EVAL_SET_COLORS.length]]);
+    const known = CHARTS.find(c => c.id === id);
+    if (known && known.series.length === series.length) continue;
+    if (known) {  // a pass@k that arrived later: the chart is built again with it
+      plots[id].destroy();
+      delete plots[id];
+      document.getElementById(id).replaceChildren();
+      known.series = series;
+      continue;
+    }
+    const el = document.createElement("div");
+    el.className = "chart";
+    el.id = id;
+    el.dataset.title = `eval set ${name}`;
+    el.dataset.evalSet = name;
+    // next to the reward chart (after the sets already shown), where a reader looks for evals
+    const evalCharts = document.querySelectorAll("section.charts [data-eval-set]");
+    (evalCharts.length ? evalCharts[evalCharts.length - 1] : document.getElementById("chart-reward")).after(el);
+    CHARTS.push({ id, series });
+  }
+}
+
 function redrawPlots() {
+  addEvalSetCharts();
   ensurePlots();
   for (const chart of CHARTS) {
     plots[chart.id].setData(chartData(chart));
