@@ -277,9 +277,10 @@ class RolloutConfig(_Section):
         if value is not None and (":" not in value or not value.rpartition(":")[0] or not value.rpartition(":")[2]):
             raise ValueError(f"{value!r} must look like 'path/to/file.py:function' or 'package.module:function'")
         return value
-    max_staleness: Literal[0, 1] = Field(
-        0, description="1: the engines generate the next step's samples while the trainer trains on this "
-        "step's (one-step off-policy; placement.mode disaggregated only).",
+    max_staleness: int = Field(
+        0, ge=0, description="N > 0: the engines generate up to N steps' samples ahead while the trainer trains "
+        "(asynchronous, off-policy by at most N weight versions; a group with an older sample is dropped and "
+        "counted); 1 is one-step off-policy. placement.mode disaggregated only.",
     )
 
     def uses_radix_cache(self, has_gpu: bool) -> bool:
@@ -367,7 +368,7 @@ class TISConfig(_Section):
     token is weighted by min(exp(trainer_old_logprob - engine_logprob), cap)."""
 
     enabled: bool | None = Field(
-        None, description="Apply these weights. Default: on exactly when rollout.max_staleness is 1.",
+        None, description="Apply these weights. Default: on exactly when rollout.max_staleness is above 0.",
     )
     cap: float = Field(2.0, gt=0.0, description="Upper bound of a weight.")
     level: Literal["token", "sequence"] = Field(
@@ -674,8 +675,8 @@ class RunConfig(_Section):
                 f"({self.rollout.num_engines}) must be <= trainer.num_ranks ({self.trainer.num_ranks})"
             )
         if self.placement.mode == "colocated" and self.rollout.max_staleness:
-            raise ValueError("rollout.max_staleness=1 overlaps generation with training, which needs engines and "
-                             "trainers on their own devices: set placement.mode=disaggregated")
+            raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} overlaps generation with training, "
+                             "which needs engines and trainers on their own devices: set placement.mode=disaggregated")
         if self.placement.mode == "colocated" and self.rollout.engine.tp_size > 1:
             # Each trainer rank hands its weights to the engine on its own GPU by IPC handle; an
             # engine spread over several GPUs would need one handle per GPU, from the trainer rank

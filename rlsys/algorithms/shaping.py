@@ -41,6 +41,21 @@ def drop_uniform_groups(samples: list[Sample], group_size: int) -> tuple[list[Sa
     return kept, dropped
 
 
+def drop_stale_groups(samples: list[Sample], group_size: int, trainer_version: int,
+                      max_staleness: int) -> tuple[list[Sample], int]:
+    """Bounded staleness: the samples of the groups none of whose samples came from weights more
+    than `max_staleness` versions behind the trainer's, and how many samples the dropped groups held
+    (a group is kept or dropped whole: its advantages are relative to each other)."""
+    kept, dropped = [], 0
+    for start in range(0, len(samples), group_size):
+        group = samples[start:start + group_size]
+        if all(trainer_version - s.generation.weight_version <= max_staleness for s in group):
+            kept += group
+        else:
+            dropped += len(group)
+    return kept, dropped
+
+
 # mask_t = 0 for every response token of a truncated sample (mask_truncated), else the generation's own
 def loss_mask(sample: Sample, mask_truncated: bool) -> list[int] | None:
     """Per response token 1 = in the loss, 0 = not (a trajectory's injected tokens; with

@@ -24,7 +24,7 @@ from pathlib import Path
 from ray.exceptions import RayError
 
 from rlsys.algorithms.samples import ScoredBatch, check_reward_errors, prepare, score_groups, truncated_fraction
-from rlsys.algorithms.shaping import drop_uniform_groups
+from rlsys.algorithms.shaping import drop_stale_groups, drop_uniform_groups
 from rlsys.config import RunConfig, dump_config
 from rlsys.data.datasets import PromptSampler, repeated_prompts_note
 from rlsys.errors import RunFailed
@@ -121,12 +121,12 @@ class Run:
 def train_loop(run: Run) -> None:
     config, parts, state = run.config, run.parts, run.state
     sampling = sampling_params(config, run.assets, config.rollout.temperature, config.rollout.top_p)
-    next_batch = NextBatch(run, sampling) if config.rollout.max_staleness else None
+    ahead = BatchesAhead(run, sampling, config.rollout.max_staleness) if config.rollout.max_staleness else None
     try:
         for step in run.steps():
             row: dict = {"step": step}
             step_start = time.perf_counter()
-            batch = next_batch.take(row) if next_batch else None
+            batch = ahead.take(row, state.weight_version) if ahead else None
             if batch is None:
                 with run.phase(row, "rollout", "generate"):
                     batch = collect_step_batch(run, sampling, step)
@@ -135,8 +135,8 @@ def train_loop(run: Run) -> None:
             if run.evaluator.due(step):  # the engines are idle here and hold this step's weights
                 with run.phase(row, "evaluating", "eval"):
                     row.update(run.evaluator.evaluate(step))
-            if next_batch and step + 1 < config.trainer.total_steps:
-                next_batch.start(step + 1, step_start)  # generates while this step trains
+            if ahead:
+                ahead.start(step + 1, step_start)  # the next steps' batches generate while this step trains
 
             if parts.handoff.enabled:
                 with run.phase(row, "training", "offload"):
@@ -145,8 +145,8 @@ def train_loop(run: Run) -> None:
                 row.update(_train(config, parts, batch.scored))
             with run.phase(row, "syncing", "sync"), parts.rollout.weights_updating():
                 row.update(sync_engines(config, parts, state.weight_version + 1))
-            if next_batch:
-                row["staleness_mean"] = _staleness(batch.generations, state.weight_version)
+            if ahead:
+                row.update(_staleness(batch.generations, state.weight_version, config.rollout.max_staleness))
             state.finish_step(step, *batch.end)  # an in-flight next batch is generated again after a resume
             if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
                 with run.phase(row, "checkpointing", "checkpoint"):
@@ -162,8 +162,8 @@ def train_loop(run: Run) -> None:
                        engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
             _record(run, row, last_step=step + 1 == config.trainer.total_steps)
     finally:
-        if next_batch:
-            next_batch.close()
+        if ahead:
+            ahead.close()
     if run.status.stop_requested:
         _checkpoint_before_stopping(run)
 
@@ -212,64 +212,87 @@ def collect_step_batch(run: Run, sampling, step: int, recover: bool = True) -> S
     return StepBatch(batch, generations, metrics, start, (run.sampler.epoch, run.sampler.index))
 
 
-class NextBatch:
-    """rollout.max_staleness=1: the next step's batch is generated and scored in a background
-    thread while this step trains (one step off-policy). The engines take the new weights between
-    requests (`RolloutManager.weights_updating`), so a sample's tokens all come from one version.
-    If an engine dies meanwhile, the batch is drawn again and generated in the loop's thread,
-    which restarts the engine; a batch still in flight when the run stops or checkpoints is not
-    saved: its prompts are drawn again after a resume (the checkpoint's data position is the one
-    after the batch just trained)."""
+class BatchesAhead:
+    """rollout.max_staleness=N > 0: the batches of the next N steps are generated and scored, one
+    after the other, in a background thread while the trainer trains (asynchronous, off-policy by
+    at most N weight versions: the batch of step t is drawn once step t - N's was taken, when the
+    engines hold version t - N or later). The engines take new weights between requests
+    (`RolloutManager.weights_updating`), so a sample's tokens all come from one version. If an
+    engine dies meanwhile, the batches ahead are dropped, their prompts drawn again and the batch
+    generated in the loop's thread, which restarts the engine. Batches still ahead when the run
+    stops or checkpoints are not saved: their prompts are drawn again after a resume (the
+    checkpoint's data position is the one after the batch just trained)."""
 
-    def __init__(self, run: Run, sampling):
-        self.run, self.sampling = run, sampling
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="next-batch")
-        self._pending: tuple[Future, tuple[int, int], float] | None = None
+    def __init__(self, run: Run, sampling, steps_ahead: int):
+        self.run, self.sampling, self.steps_ahead = run, sampling, steps_ahead
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="batches-ahead")
+        self._pending: list[Future] = []  # oldest first; the thread draws their prompts in this order
+        self._next_step = 0
+        self._after_taken: tuple[int, int] | None = None  # data position after the last batch trained
 
     def start(self, step: int, step_start: float) -> None:
-        position = (self.run.sampler.epoch, self.run.sampler.index)
-        future = self._executor.submit(self._collect, step, step_start)
-        self._pending = (future, position, step_start)
+        """Put the batches of the steps up to `step + steps_ahead - 1` ahead (those not yet)."""
+        if not self._pending:  # the thread is idle: the sampler stands after the batch just drawn
+            self._after_taken = (self.run.sampler.epoch, self.run.sampler.index)
+        self._next_step = max(self._next_step, step)
+        while len(self._pending) < self.steps_ahead and self._next_step < self.run.config.trainer.total_steps:
+            self._pending.append(self._executor.submit(self._collect, self._next_step, step_start))
+            self._next_step += 1
 
     def _collect(self, step: int, step_start: float) -> StepBatch:
         began = time.perf_counter()
         batch = collect_step_batch(self.run, self.sampling, step, recover=False)
         # On the row of the step that trains it: how long it generated, and when, from the start
-        # of the step before (the one it overlapped).
-        batch.metrics.update(prefetch_start_s=began - step_start, prefetch_s=time.perf_counter() - began)
+        # of the step during which it was put ahead.
+        batch.metrics.update(prefetch_start_s=max(began - step_start, 0.0), prefetch_s=time.perf_counter() - began)
         return batch
 
-    def take(self, row: dict) -> StepBatch | None:
-        """The batch generated during the previous step (waiting for it counts as `generate`), or
-        None when there is none or its generation hit a dead engine."""
-        if self._pending is None:
+    def take(self, row: dict, trainer_version: int) -> StepBatch | None:
+        """The oldest batch ahead (waiting for it counts as `generate`), without its groups that
+        hold a sample more than max_staleness versions older than the trainer (counted); None when
+        there is none, or when its generation hit a dead engine (every batch ahead is dropped)."""
+        if not self._pending:
             return None
-        future, position, _ = self._pending
-        self._pending = None
+        future = self._pending.pop(0)
         try:
             with self.run.phase(row, "rollout", "generate"):
-                return future.result()
+                batch = future.result()
         except (RayError, EngineCallFailed) as error:
             if not is_engine_death(getattr(error, "error", error)):
                 raise
-            self.run.sampler.restore(*position)
+            self._drop_pending()
             return None
+        self._after_taken = batch.end
+        batch.scored.samples, dropped = drop_stale_groups(
+            batch.scored.samples, self.run.config.rollout.n_samples_per_prompt, trainer_version, self.steps_ahead)
+        batch.metrics["stale_dropped_samples"] = dropped
+        return batch
 
-    def close(self) -> None:
-        """Wait for a batch in flight (it is dropped) and stop the thread."""
-        if self._pending is not None:
+    def _drop_pending(self) -> None:
+        """Wait for every batch ahead and drop it; the sampler goes back to where the first one began."""
+        for future in self._pending:
             try:
-                self._pending[0].result()
+                future.result()
             except BaseException:  # noqa: BLE001 - the batch is dropped either way
                 pass
-            self.run.sampler.restore(*self._pending[1])
-            self._pending = None
+        self._pending.clear()
+        if self._after_taken is not None:
+            self.run.sampler.restore(*self._after_taken)
+        self._next_step = 0  # re-put ahead from the step the loop asks for next
+
+    def close(self) -> None:
+        """Drop the batches ahead (the data position goes back to the first one's start) and stop the thread."""
+        self._drop_pending()
         self._executor.shutdown(wait=True)
 
 
-def _staleness(generations: list, trainer_version: int) -> float:
-    """How many weight versions behind the trainer the trained samples were, on average."""
-    return sum(trainer_version - g.weight_version for g in generations) / max(len(generations), 1)
+def _staleness(generations: list, trainer_version: int, max_staleness: int) -> dict:
+    """How many weight versions behind the trainer the step's samples were: the mean, and the
+    share of samples at each age 0..max_staleness (staleness_0, staleness_1, ...)."""
+    ages = [trainer_version - g.weight_version for g in generations]
+    count = max(len(ages), 1)
+    return {"staleness_mean": sum(ages) / count,
+            **{f"staleness_{age}": sum(a == age for a in ages) / count for age in range(max_staleness + 1)}}
 
 
 def _phase_seconds(row: dict) -> str:

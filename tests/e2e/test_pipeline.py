@@ -1,6 +1,7 @@
-"""One-step-off-policy pipeline (rollout.max_staleness=1, disaggregated): it overlaps, learns,
-and resumes from a checkpoint taken with the next batch in flight without losing or repeating
-a prompt."""
+"""The asynchronous pipeline (rollout.max_staleness=N, disaggregated), at N=2: it overlaps, learns,
+and resumes from a checkpoint taken with batches ahead in flight without losing or repeating a
+prompt. (N=1, one step off-policy, is the same code with one batch ahead; its queue, bound and
+drops: tests/unit/test_batches_ahead.py.)"""
 
 import os
 import shutil
@@ -14,8 +15,8 @@ from tests.helpers import REPO, served_run_dir, train_command
 
 
 @pytest.mark.slow
-def test_staleness_one_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_dir):
-    overrides = ("trainer.num_ranks=1", "rollout.num_engines=1", "rollout.max_staleness=1",
+def test_staleness_two_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_dir):
+    overrides = ("trainer.num_ranks=1", "rollout.num_engines=1", "rollout.max_staleness=2",
                  "trainer.total_steps=100", "checkpoint.interval=70", "weight_sync.verify=false")
     run_dir = tmp_path / "run"
     result = subprocess.run(train_command("quickstart_disaggregated.yaml", tiny_model_dir, run_dir, *overrides),
@@ -24,13 +25,18 @@ def test_staleness_one_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(100))
 
-    # Every step after the first trains a batch generated while the step before it trained; the
-    # samples of a step came from the weights one or zero versions behind, never more.
+    # Every step after the first trains a batch generated while earlier steps trained; the samples
+    # of a step came from weights at most two versions behind, never more (how far behind depends
+    # on whether the engine or the trainer is faster: bounds only).
     assert "prefetch_s" not in rows[0] and all(r["prefetch_s"] > 0 for r in rows[1:])
-    assert all(0.0 <= r["staleness_mean"] <= 1.0 for r in rows)
-    assert sum(r["staleness_mean"] for r in rows[1:]) / 99 > 0.5  # mostly one step behind
+    assert all(0.0 <= r["staleness_mean"] <= 2.0 for r in rows)
+    for r in rows:  # the histogram: the share of samples 0, 1 and 2 versions behind
+        assert r["staleness_0"] + r["staleness_1"] + r["staleness_2"] == pytest.approx(1.0)
+        assert r["staleness_mean"] == pytest.approx(r["staleness_1"] + 2 * r["staleness_2"])
+        assert r.get("stale_dropped_samples", 0) == 0  # none is older than 2 versions by construction
+    assert sum(r["staleness_mean"] for r in rows[1:]) / 99 > 0.5  # off-policy most of the time
     assert rows[0]["staleness_mean"] == 0.0  # the first batch is generated before any training
-    assert all(r["tis_weight_mean"] > 0 for r in rows)  # TIS is on by default with staleness 1
+    assert all(r["tis_weight_mean"] > 0 for r in rows)  # TIS is on by default with staleness above 0
     # ... and the prompts advance by one batch a step: none skipped, none drawn twice
     per_step = 32
     positions = [r["data_epoch"] * 800 + r["data_index"] for r in rows]
@@ -45,7 +51,7 @@ def test_staleness_one_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_
             dom = _chromium("--dump-dom", f"{url}/")
         assert dom.count('data-phase="next-batch"') == 59, dom[:2000]
 
-    # Resume from the step-70 checkpoint (taken while step 70's batch was generating, mid-epoch: 25
+    # Resume from the step-70 checkpoint (taken with steps 70 and 71's batches ahead, mid-epoch: 25
     # steps an epoch): steps 70..99, across the epoch boundary at 75, run again on exactly the
     # prompts the uninterrupted run used.
     resumed_dir = tmp_path / "resumed"

@@ -131,8 +131,24 @@ function addEvalSetCharts() {
   }
 }
 
+// rollout.max_staleness=N: the staleness chart also draws the share of samples 0..N versions behind
+// (staleness_0 .. staleness_N), once they arrive.
+function addStalenessShares() {
+  const chart = CHARTS.find(c => c.id === "chart-staleness");
+  const last = rows[rows.length - 1] || {};
+  const shares = Object.keys(last).filter(k => /^staleness_\d+$/.test(k))
+    .sort((a, b) => Number(a.split("_")[1]) - Number(b.split("_")[1]));
+  if (!shares.length || chart.series.length === shares.length + 1 || !plots[chart.id]) return;
+  chart.series = [chart.series[0], ...shares.map((key, i) => [key, `share ${key.split("_")[1]} behind`,
+                                                              EVAL_SET_COLORS[(i + 1) % EVAL_SET_COLORS.length]])];
+  plots[chart.id].destroy();
+  delete plots[chart.id];
+  document.getElementById(chart.id).replaceChildren();
+}
+
 function redrawPlots() {
   addEvalSetCharts();
+  addStalenessShares();
   ensurePlots();
   for (const chart of CHARTS) {
     plots[chart.id].setData(chartData(chart));
