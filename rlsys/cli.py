@@ -61,6 +61,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from rlsys.config import load_config
     from rlsys.errors import RunFailed
+    from rlsys.run.evaluation import metrics_by_set
     from rlsys.run.offline_eval import evaluate_model
 
     config = load_config(args.config, list(args.overrides))
@@ -79,11 +80,19 @@ def _eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    # one row per eval set (the data section's eval prompts first), one column per metric
+    per_set = metrics_by_set(metrics, [s.name for s in config.eval.datasets])
+    columns = list(dict.fromkeys(column for values in per_set.values() for column in values))
     table = Table(title=f"rlsys eval of {args.checkpoint or args.model}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in metrics.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    table.add_column("eval set")
+    short = {"reward_mean": "reward", "reward_errors": "errors", "response_len_mean": "length",
+             "truncated_fraction": "truncated"}
+    for column in columns:
+        table.add_column(short.get(column, column.replace("pass_at_", "pass@")), justify="right")
+    for name, values in per_set.items():
+        if values:
+            cells = (f"{values[c]:.4g}" if isinstance(values.get(c), float) else str(values.get(c, "-")) for c in columns)
+            table.add_row(name or "(data)", *cells)
     Console().print(table)
     return 0
 

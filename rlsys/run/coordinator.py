@@ -132,7 +132,7 @@ def train_loop(run: Run) -> None:
                     batch = collect_step_batch(run, sampling, step)
             row.update(batch.metrics, data_epoch=batch.start[0], data_index=batch.start[1])
             row.update(batch.scored.reward_metrics())  # task rewards, before any penalty
-            if run.evaluator.due(step):  # the engines are idle here and hold this step's weights
+            if run.evaluator.due(step):  # the engines hold this step's weights (batches ahead may generate beside it)
                 with run.phase(row, "evaluating", "eval"):
                     row.update(run.evaluator.evaluate(step))
             if ahead:
@@ -478,7 +478,9 @@ def _describe_data(assets: RunAssets) -> str:
         dropped.append(f"{assets.skipped_rows} invalid rows skipped")
     if assets.too_long_prompts:
         dropped.append(f"{assets.too_long_prompts} prompts longer than the context window dropped")
-    return f"{len(assets.train)} train and {len(assets.eval)} eval prompts" + (f" ({', '.join(dropped)})" if dropped else "")
+    sets = ", ".join(f"{s.config.name} ({len(s.prompts)} prompts)" for s in assets.eval_sets)
+    return (f"{len(assets.train)} train and {len(assets.eval)} eval prompts"
+            + (f" ({', '.join(dropped)})" if dropped else "") + (f"; eval sets: {sets}" if sets else ""))
 
 
 def _describe_rewards(config: RunConfig) -> str:

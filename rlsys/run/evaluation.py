@@ -91,6 +91,20 @@ def set_metrics(eval_set: EvalSet, generations, rewards: list[float], errors: in
     return {eval_set.prefix + key: value for key, value in metrics.items()}
 
 
+def metrics_by_set(metrics: dict[str, float], names: list[str]) -> dict[str | None, dict[str, float]]:
+    """Eval metrics grouped by set, each under its own name without the set's prefix: None for the
+    data section's eval prompts (eval_KEY), then each named set (eval_NAME_KEY). A key goes to the
+    set with the longest matching prefix (sets "a" and "a_b" both exist: eval_a_b_* is a_b's)."""
+    prefixes = sorted([(None, "eval_")] + [(name, f"eval_{name}_") for name in names], key=lambda p: -len(p[1]))
+    grouped: dict[str | None, dict[str, float]] = {None: {}, **{name: {} for name in names}}
+    for key, value in metrics.items():
+        for name, prefix in prefixes:
+            if key.startswith(prefix):
+                grouped[name][key.removeprefix(prefix)] = value
+                break
+    return grouped
+
+
 class Evaluator:
     """Runs the eval sets that are due against the engines' current weights. A set with a reward
     function of its own scores in a worker pool of its own (started with the first use, closed by

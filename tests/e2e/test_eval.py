@@ -34,6 +34,7 @@ def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoin
                                           "eval.interval=3", "checkpoint.interval=3", eval_set),
                             cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "rlsys: data: 800 train and 100 eval prompts; eval sets: held_out (40 prompts)" in result.stdout
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows if "eval_reward_mean" in r] == [0, 3]
     assert [r["step"] for r in rows if "eval_held_out_reward_mean" in r] == [0, 2, 3]

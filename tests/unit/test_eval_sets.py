@@ -50,6 +50,16 @@ def test_a_sets_metrics_average_its_n_answers_per_prompt_under_its_own_names():
         "eval_reward_mean", "eval_reward_errors", "eval_response_len_mean", "eval_truncated_fraction"}
 
 
+def test_metrics_are_grouped_by_the_set_with_the_longest_matching_name():
+    from rlsys.run.evaluation import metrics_by_set
+
+    metrics = {"eval_reward_mean": 0.5, "eval_a_reward_mean": 0.1, "eval_a_b_reward_mean": 0.2,
+               "eval_a_b_pass_at_4": 0.7, "eval_a_pass_at_2": 0.3}
+    assert metrics_by_set(metrics, ["a", "a_b"]) == {
+        None: {"reward_mean": 0.5}, "a": {"reward_mean": 0.1, "pass_at_2": 0.3},
+        "a_b": {"reward_mean": 0.2, "pass_at_4": 0.7}}
+
+
 def test_a_set_is_due_every_its_interval_and_at_the_last_step():
     from rlsys.records import EncodedPrompt, PromptRecord, SamplingParams
 
