@@ -43,11 +43,11 @@ from rlsys.run.lifecycle import (
     bring_engines_up_to_date,
     restart_trainers,
     restore,
+    run_uses_gpus,
     start_components,
     sync_engines,
 )
 from rlsys.run.reporting import HealthMonitor, new_status, status_server
-from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
 from rlsys.system.cluster import ray_cluster
 from rlsys.system.model_source import resolve_model_paths
 from rlsys.system.reaper import start_reaper
@@ -461,17 +461,6 @@ def _stop_on_signals(status: RunStatus) -> None:
         signal.signal(signal.SIGINT, _stop)
 
 
-def _run_uses_gpus(config: RunConfig, layout: Topology) -> bool:
-    """From the Ray cluster's resources: the driver may sit on a GPU-less head node."""
-    try:
-        has_gpu = decide_has_gpu(config.placement.device, cluster_gpus(), layout.gpus_needed())
-    except BackendError as error:
-        raise RunFailed(str(error)) from None
-    logger.info("%s (placement.device=%s, %g GPUs in the Ray cluster)", "GPUs" if has_gpu else "CPUs only",
-                config.placement.device, cluster_gpus())
-    return has_gpu
-
-
 def _describe_data(assets: RunAssets) -> str:
     dropped = []
     if assets.skipped_rows:
@@ -536,7 +525,7 @@ def run(config: RunConfig) -> Path:
         logger.info("Ray cluster up in %.1f s", time.perf_counter() - ray_start)
         _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
-        topology = Topology.from_config(config, _run_uses_gpus(config, layout))
+        topology = Topology.from_config(config, run_uses_gpus(config, layout))
         rewards = make_reward_scorer(config.reward)
         logger.info("rewards from %s", _describe_rewards(config))
         stack.callback(rewards.close)

@@ -16,12 +16,14 @@ from rlsys.actors.group import TrainerGroup
 from rlsys.actors.placement import Placement, create_placement
 from rlsys.actors.trainer import TrainerSpec
 from rlsys.config import RunConfig
+from rlsys.errors import RunFailed
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
 from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
 from rlsys.run.memory_plan import plan_for_devices
 from rlsys.run.verify import model_depth, verify_engine_weights
+from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
 from rlsys.system.cluster import ACTOR_ENV
 from rlsys.system.node import node_address
 from rlsys.system.node_checks import (
@@ -180,3 +182,14 @@ def restore(config: RunConfig, parts: Components, checkpoint: Path | None) -> Co
     push_weights(config, parts, state.weight_version)
     restore_python_random_state(state.python_random_state)
     return state
+
+
+def run_uses_gpus(config: RunConfig, layout: Topology) -> bool:
+    """From the Ray cluster's resources: the driver may sit on a GPU-less head node."""
+    try:
+        has_gpu = decide_has_gpu(config.placement.device, cluster_gpus(), layout.gpus_needed())
+    except BackendError as error:
+        raise RunFailed(str(error)) from None
+    logger.info("%s (placement.device=%s, %g GPUs in the Ray cluster)", "GPUs" if has_gpu else "CPUs only",
+                config.placement.device, cluster_gpus())
+    return has_gpu

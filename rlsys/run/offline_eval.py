@@ -11,14 +11,14 @@ from pathlib import Path
 
 from rlsys.actors.placement import create_placement
 from rlsys.config import ConfigError, RunConfig
-from rlsys.errors import RunFailed, UsageError
+from rlsys.errors import UsageError
 from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.run.assets import load_assets
 from rlsys.run.evaluation import Evaluator
 from rlsys.run.generation import SampleMaker
-from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
+from rlsys.run.lifecycle import run_uses_gpus
 from rlsys.system.cluster import ray_cluster
 from rlsys.system.topology import Topology
 
@@ -76,10 +76,7 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
             stack.enter_context(ray_cluster(config.placement.ray_address,
                                             config.placement.num_cpus or engines.local_cpus(),
                                             engines.custom_resources()))
-            try:
-                has_gpu = decide_has_gpu(config.placement.device, cluster_gpus(), engines.gpus_needed())
-            except BackendError as error:
-                raise RunFailed(str(error)) from None
+            has_gpu = run_uses_gpus(config, engines)
             engines = Topology("disaggregated", 0, engines.num_engines, engines.engine_tp_size, has_gpu=has_gpu,
                                trainers_sleep=False, engine_resources=engines.engine_resources)
             placement = create_placement(engines)
