@@ -60,6 +60,7 @@ class TrainerSpec:
     # The rollout's too, for the objective's defaults (`loss_norm_tokens`, `uses_tis`).
     max_new_tokens: int = 32
     max_staleness: int = 0
+    partial_rollouts: bool = False
     seed: int = 0
     has_gpu: bool = False  # decided by the driver from the cluster's resources (rlsys/system/backend.py)
     # Processes of the run computing on a rank's node while it trains (Topology.cpu_sharers); the
@@ -70,7 +71,8 @@ class TrainerSpec:
     def from_config(cls, config: RunConfig, has_gpu: bool, cpu_sharers: int | None = None) -> TrainerSpec:
         return cls(config.model, config.trainer, config.algorithm, config.rollout.temperature,
                    max_new_tokens=config.rollout.max_new_tokens, max_staleness=config.rollout.max_staleness,
-                   seed=config.seed, has_gpu=has_gpu, cpu_sharers=cpu_sharers)
+                   partial_rollouts=config.rollout.partial_rollouts, seed=config.seed, has_gpu=has_gpu,
+                   cpu_sharers=cpu_sharers)
 
     def threads(self, node_cores: int) -> int:
         if self.trainer.threads_per_rank is not None:
@@ -88,10 +90,10 @@ class TrainerSpec:
 
     @property
     def uses_tis(self) -> bool:
-        """algorithm.tis.enabled, or when unset whether the run is one step off-policy (rollout.max_staleness
-        1: the samples come from the previous weights, which TIS reweighs to the trainer's)."""
+        """algorithm.tis.enabled, or when unset whether the run is off-policy (rollout.max_staleness above 0,
+        or partial rollouts: samples come from earlier weights, which TIS reweighs to the trainer's)."""
         enabled = self.algorithm.tis.enabled
-        return enabled if enabled is not None else self.max_staleness > 0
+        return enabled if enabled is not None else self.max_staleness > 0 or self.partial_rollouts
 
 
 @dataclass

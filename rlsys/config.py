@@ -282,12 +282,43 @@ class RolloutConfig(_Section):
         "(asynchronous, off-policy by at most N weight versions; a group with an older sample is dropped and "
         "counted); 1 is one-step off-policy. placement.mode disaggregated only.",
     )
+    partial_rollouts: bool = Field(
+        False, description="A step stops generating once data.prompts_per_step groups are finished and aborts the "
+        "rest on the engines; their samples keep their tokens and log-probs and are continued at the next step with "
+        "the weights then current (each token keeps the weight version that sampled it; TIS is on by default).",
+    )
+    oversample: int | None = Field(
+        None, ge=0, description="Partial rollouts: groups in flight beyond data.prompts_per_step, so a step need "
+        "not wait for its slowest group. Default: a quarter of data.prompts_per_step, at least 1.",
+    )
+    partial_max_age: int | None = Field(
+        None, ge=1, description="Partial rollouts: a sample holding a token more than this many weight versions "
+        "old starts again from its prompt (the tokens thrown away are counted). Default: no bound.",
+    )
+
+    def groups_in_flight(self, prompts_per_step: int) -> int:
+        """Partial rollouts: prompts_per_step plus rollout.oversample (or its default)."""
+        extra = self.oversample if self.oversample is not None else max(1, prompts_per_step // 4)
+        return prompts_per_step + extra
 
     def uses_radix_cache(self, has_gpu: bool) -> bool:
         """Whether the engines keep SGLang's prefix cache (rollout.engine.radix_cache, or its default)."""
         if self.engine.radix_cache is not None:
             return self.engine.radix_cache
         return has_gpu or self.generate_function is not None
+
+    @model_validator(mode="after")
+    def _partial_rollouts(self):
+        if not self.partial_rollouts and (self.oversample is not None or self.partial_max_age is not None):
+            named = "rollout.oversample" if self.oversample is not None else "rollout.partial_max_age"
+            raise ValueError(f"{named} applies to partial rollouts only: set rollout.partial_rollouts=true too")
+        if self.partial_rollouts and self.max_staleness:
+            raise ValueError(f"rollout.partial_rollouts and rollout.max_staleness={self.max_staleness} are two ways "
+                             "of not waiting for the slowest samples; choose one")
+        if self.partial_rollouts and self.generate_function:
+            raise ValueError("rollout.partial_rollouts continues single engine calls; a rollout.generate_function's "
+                             "trajectories (tools, several turns) cannot be aborted and continued: turn one off")
+        return self
 
     @model_validator(mode="after")
     def _group_size(self):
@@ -368,7 +399,8 @@ class TISConfig(_Section):
     token is weighted by min(exp(trainer_old_logprob - engine_logprob), cap)."""
 
     enabled: bool | None = Field(
-        None, description="Apply these weights. Default: on exactly when rollout.max_staleness is above 0.",
+        None, description="Apply these weights. Default: on exactly when the run is off-policy "
+        "(rollout.max_staleness above 0, or rollout.partial_rollouts).",
     )
     cap: float = Field(2.0, gt=0.0, description="Upper bound of a weight.")
     level: Literal["token", "sequence"] = Field(

@@ -88,15 +88,23 @@ class Generation:
     response_ids: list[int]
     logprobs: list[float]  # engine log-prob of each response token
     finish_reason: str  # "stop" | "length" | "abort" (| "tool_error" for a trajectory)
-    weight_version: int
+    weight_version: int  # the weights that sampled it (the oldest, for a response continued across updates)
     # Multi-turn trajectories (rollout.generate_function): per response token 1 = sampled by the
     # policy, 0 = injected (tool output); None = every token is the policy's.
     loss_mask: list[int] | None = None
     turns: int = 1
     tool_calls: int = 0
-    stop_reason: str | None = None  # why a trajectory ended early (a tool's error)
+    stop_reason: str | None = None  # why it ended early: a trajectory's tool error, an abort's message
     info: dict = field(default_factory=dict)  # from the generate function, for the reward
     multi_turn: bool = False  # built by a generate function: its response spans turns
+    # Partial rollouts (rollout.partial_rollouts): the weight version that sampled each response
+    # token, when a response was continued across weight updates; None: all of them `weight_version`.
+    token_versions: list[int] | None = None
+
+    @property
+    def aborted(self) -> bool:
+        """Stopped by an abort before it ended (a partial rollout continues it later)."""
+        return self.finish_reason == "abort"
 
 
 @dataclass(frozen=True)

@@ -79,18 +79,38 @@ class RolloutEngine:
         }))
         return [self._to_generation(ids, answer) for ids, answer in zip(batch, answers, strict=False)]
 
+    def generate_each(self, inputs: list[list[int]], sampling: list[SamplingParams]) -> list[Generation]:
+        """One sample per input, each with its own sampling parameters (a partial rollout's
+        continuations: each has its own tokens left), in one request."""
+        if not inputs:
+            return []
+        answers = self._call(lambda: self.client.generate({
+            "input_ids": [list(ids) for ids in inputs],
+            "sampling_params": [params.as_sglang() for params in sampling],
+            "return_logprob": True,
+        }))
+        return [self._to_generation(list(ids), answer) for ids, answer in zip(inputs, answers, strict=True)]
+
+    def abort_all(self) -> None:
+        """End every request in flight on the server now; each answers with the tokens and
+        log-probs it has so far and finish reason "abort" (SGLang's /abort_request, abort_all)."""
+        self._call(self.client.abort_all)
+
     @staticmethod
     def _to_generation(prompt_ids: list[int], answer: dict) -> Generation:
         meta = answer["meta_info"]
         pairs = meta["output_token_logprobs"]
         response_ids = [int(token) for _, token, *_ in pairs]
         finish = meta.get("finish_reason") or {}
+        reason = finish.get("type", "unknown") if isinstance(finish, dict) else str(finish)
         return Generation(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             logprobs=[float(logprob) for logprob, *_ in pairs],
-            finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
+            finish_reason=reason,
             weight_version=int(meta.get("weight_version", -1)),
+            # an abort's message: "Aborted" for ours, the engine's reason when it aborted by itself
+            stop_reason=finish.get("message") if reason == "abort" and isinstance(finish, dict) else None,
         )
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -18,6 +18,7 @@ from rlsys.errors import RunFailed
 from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rollout.dispatch import Dispatcher, LoopThread, RequestBatcher
 from rlsys.rollout.engine import RolloutEngine
+from rlsys.rollout.partial import GroupInFlight, continuation, out_of_tokens, stitch
 from rlsys.rollout.sglang.client import EngineAddress, EngineDied
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.rollout.trajectory import (
@@ -160,6 +161,82 @@ class RolloutManager:
                 return await self.engines[index].generate.remote(prompts, sampling, n)
             except (RayActorError, RayTaskError) as error:
                 return EngineCallFailed(index, error)
+
+    def generate_groups(self, groups: list[GroupInFlight], needed: int, sampling: SamplingParams,
+                        recover: bool = True) -> None:
+        """Partial rollouts: generate (or continue) the unfinished samples of `groups`, one request
+        per group, all at once, until at least `needed` groups are finished; then abort what is
+        still running on the engines, whose samples keep the tokens they have (finish reason
+        "abort"). The groups are updated in place. A group whose engine died is sent again, as it
+        stood before, once the engine has been restarted (with `recover`)."""
+        for group in groups:
+            try:
+                check_token_ids(group.prompt.token_ids, self.vocab_size)
+            except TokenIdOutOfVocabulary as error:
+                raise RunFailed(f"prompt {group.prompt.text!r}: {error}; the tokenizer (model.tokenizer_path) does "
+                                "not match the model (model.path)") from None
+        died_with: dict[int, int] = {}
+        while sum(group.finished for group in groups) < needed:
+            pending = [i for i, group in enumerate(groups) if not group.finished]
+            results = self._loop.submit(self._groups_round(groups, pending, needed, sampling)).result()
+            failed = {i: result for i, result in zip(pending, results, strict=True)
+                      if isinstance(result, EngineCallFailed)}
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(result, EngineCallFailed):
+                    raise result
+            self._refuse_poison_requests(failed, died_with, lambda i: f"the group of prompt {groups[i].prompt.text!r}")
+            self._recover_all(failed.values(), recover)
+
+    async def _groups_round(self, groups: list[GroupInFlight], pending: list[int], needed: int,
+                            sampling: SamplingParams) -> list:
+        """One round of `generate_groups`: every pending group in flight; once `needed` groups are
+        finished, abort_all on every engine (again every half second, for a request that reached
+        its server after the abort) until every request has answered."""
+        finished = sum(group.finished for group in groups)
+        enough = asyncio.Event()
+        aborting = False
+
+        async def one(i: int):
+            nonlocal finished
+            group = groups[i]
+            positions, inputs, params = [], [], []
+            for k in group.unfinished():
+                step = continuation(group.prompt.token_ids, group.samples[k], sampling)
+                if step is None:  # aborted just as it reached max_new_tokens
+                    group.samples[k] = out_of_tokens(group.samples[k])
+                    continue
+                positions.append(k)
+                inputs.append(step[0])
+                params.append(step[1])
+            if positions:
+                async with self.dispatcher.engine(len(positions)) as index:
+                    try:
+                        answers = await self.engines[index].generate_each.remote(inputs, params)
+                    except (RayActorError, RayTaskError) as error:
+                        return EngineCallFailed(index, error)
+                refused = next((a for a in answers if a.aborted and not aborting), None)
+                if refused is not None:  # the engine aborted it by itself (e.g. longer than its context)
+                    raise RunFailed(f"engine-{index} aborted a sample of prompt {group.prompt.text!r} before any "
+                                    f"abort was sent: {refused.stop_reason or 'no reason given'}")
+                for k, answer in zip(positions, answers, strict=True):
+                    group.samples[k] = stitch(group.prompt.token_ids, group.samples[k], answer)
+            if group.finished:
+                finished += 1
+                if finished >= needed:
+                    enough.set()
+            return None
+
+        if finished >= needed:
+            enough.set()
+        requests = asyncio.gather(*(one(i) for i in pending), return_exceptions=True)
+        enough_waiter = asyncio.ensure_future(enough.wait())
+        await asyncio.wait([requests, enough_waiter], return_when=asyncio.FIRST_COMPLETED)
+        enough_waiter.cancel()
+        while not requests.done():
+            aborting = True
+            await _gather([_answer(engine.abort_all.remote()) for engine in self.engines])  # a dead one: ignored
+            await asyncio.wait([requests], timeout=0.5)
+        return requests.result()
 
     def trajectories(self, prompts: list[EncodedPrompt], function: GenerateFunction, sampling: SamplingParams,
                      n: int, tokenizer, tool_timeout_s: float, recover: bool = True,
@@ -368,6 +445,10 @@ def _user_code_line(error: BaseException) -> str:
         return ""
     frame = frames[-1]
     return f" at {frame.filename}:{frame.lineno} (`{frame.line}`)"
+
+
+async def _answer(ref):
+    return await ref
 
 
 async def _gather(calls: list) -> list:

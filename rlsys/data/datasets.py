@@ -326,8 +326,12 @@ class PromptSampler:
         self._order = self._shuffled_order()
 
     def next_batch(self) -> list[PromptRecord]:
+        return self.next_prompts(self.batch_size)
+
+    def next_prompts(self, count: int) -> list[PromptRecord]:
+        """The next `count` prompts (partial rollouts draw only what their groups in flight lack)."""
         batch = []
-        while len(batch) < self.batch_size:
+        while len(batch) < count:
             if self.index >= len(self._order):
                 self.epoch += 1
                 self.index = 0

@@ -34,6 +34,8 @@ class CoordinatorState:
     data_epoch: int
     data_index: int
     python_random_state: list | None = None
+    # rollout.partial_rollouts: the groups in flight after `next_step - 1` (rollout/partial.py form)
+    partial_groups: list | None = None
 
     def finish_step(self, step: int, data_epoch: int, data_index: int) -> None:
         """`step` is done and its weights are on the engines (one version newer)."""

@@ -47,6 +47,7 @@ from rlsys.run.lifecycle import (
     start_components,
     sync_engines,
 )
+from rlsys.run.partial_rollouts import PartialRollouts
 from rlsys.run.reporting import HealthMonitor, new_status, status_server
 from rlsys.system.cluster import ray_cluster
 from rlsys.system.model_source import resolve_model_paths
@@ -77,6 +78,7 @@ class Run:
     rewards: RewardPool | RemoteReward
     trackers: Trackers
     maker: SampleMaker
+    partials: PartialRollouts | None = None  # rollout.partial_rollouts: the groups carried between steps
     trainer_restarts: int = 0  # automatic resumes after a trainer rank died
 
     @contextmanager
@@ -95,8 +97,16 @@ class Run:
         self.log.truncate_from(self.state.next_step)  # rows of steps that will run again
         self.status.replace_steps(self.log.rows)
         self.sampler.restore(self.state.data_epoch, self.state.data_index)
+        self._restore_partial_groups()
         self.health.refresh(self.status)
         self.parts.handoff.to_engines({})  # a sleeping trainer leaves the device to the engines
+
+    def _restore_partial_groups(self) -> None:
+        if self.partials is not None:
+            self.partials.restore(self.state.partial_groups)
+        elif self.state.partial_groups:
+            logger.warning("the checkpoint carries %d partial-rollout group(s) in flight; without "
+                           "rollout.partial_rollouts their prompts are not trained", len(self.state.partial_groups))
 
     def steps(self) -> Iterator[int]:
         """The steps still to run, with a progress bar; waits while paused, ends on a stop request."""
@@ -148,6 +158,8 @@ def train_loop(run: Run) -> None:
             if ahead:
                 row.update(_staleness(batch.generations, state.weight_version, config.rollout.max_staleness))
             state.finish_step(step, *batch.end)  # an in-flight next batch is generated again after a resume
+            if run.partials is not None:  # the groups in flight go into the checkpoint with the data position
+                state.partial_groups = run.partials.saved()
             if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
                 with run.phase(row, "checkpointing", "checkpoint"):
                     run.checkpointer.save(state)
@@ -189,9 +201,15 @@ def collect_step_batch(run: Run, sampling, step: int, recover: bool = True) -> S
     batch, generations, metrics = ScoredBatch(samples=[], sampling_rounds=0), [], {}
     start = (run.sampler.epoch, run.sampler.index)
     reward_seconds = 0.0
+    if run.partials is not None:
+        run.partials.begin_step(run.state.weight_version)
     while batch.sampling_rounds < (algorithm.max_sampling_rounds if algorithm.dynamic_sampling else 1):
-        prompts = run.sampler.next_batch()
-        round_generations = run.maker.samples(run.parts.rollout, prompts, sampling, group_size, recover=recover)
+        if run.partials is not None:  # the groups finished first, carried ones before new ones
+            prompts, round_generations = run.partials.round(run.parts.rollout, run.sampler, sampling,
+                                                            wanted - len(batch.samples) // group_size, recover)
+        else:
+            prompts = run.sampler.next_batch()
+            round_generations = run.maker.samples(run.parts.rollout, prompts, sampling, group_size, recover=recover)
         reward_start = time.perf_counter()
         scored = score_groups([p.record for p in prompts], round_generations, group_size, run.assets.tokenizer,
                               run.rewards.score, algorithm.overlong_penalty, config.rollout.max_new_tokens)
@@ -209,6 +227,8 @@ def collect_step_batch(run: Run, sampling, step: int, recover: bool = True) -> S
         metrics.update(filtered_groups=batch.filtered_groups, sampling_rounds=batch.sampling_rounds,
                        train_groups=len(batch.samples) // group_size)
     metrics["reward_s"] = reward_seconds  # of the generate phase (or of the overlapped batch), scoring
+    if run.partials is not None:
+        metrics.update(run.partials.step_metrics([s.generation for s in batch.samples], run.state.weight_version))
     return StepBatch(batch, generations, metrics, start, (run.sampler.epoch, run.sampler.index))
 
 
@@ -536,7 +556,8 @@ def run(config: RunConfig) -> Path:
         run = Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
                   PromptSampler(assets.train, config.data.prompts_per_step, config.seed), evaluator,
                   Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts),
-                  HealthMonitor(parts), rewards, trackers, maker)
+                  HealthMonitor(parts), rewards, trackers, maker,
+                  PartialRollouts(config) if config.rollout.partial_rollouts else None)
         parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.state.weight_version)
         sync_start = time.perf_counter()
         run.continue_from(checkpoint)

@@ -110,6 +110,12 @@ class SGLangClient:
         """`/generate` with a batch of `input_ids`; one answer per sequence."""
         return self._call("/generate", payload)
 
+    def abort_all(self) -> None:
+        """Abort every request on the server: each in-flight /generate answers at once with what it
+        has so far (finish_reason "abort"). Aborting by rid is not used: with one tokenizer worker
+        SGLang drops an abort for a rid it has not registered yet (tokenizer_manager.abort_request)."""
+        self._call("/abort_request", {"abort_all": True}, json_answer=False)
+
     def model_info(self, timeout_s: float | None = None) -> dict:
         """Cheap liveness and the engine's weight version (`/health` takes a full second)."""
         return self._call("/model_info", timeout_s=timeout_s)

@@ -242,3 +242,50 @@ def test_a_session_left_open_by_a_dead_trainer_is_closed_and_the_next_sync_goes_
     version = max(rollout.weight_versions()) + 1
     trainer.sync_weights(16 * 2**20, weight_version=version)
     assert rollout.weight_versions() == [version, version]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_continue_aborted_samples_token_by_token_with_the_new_weights(two_engines_two_ranks):
+    """rollout.partial_rollouts on real engines: a round stops once enough groups are finished and
+    aborts the rest, whose samples keep the tokens made so far with the old weights' log-probs; after
+    a sync the next round continues them with the new weights. (The run's step, checkpoints and
+    invariants over many steps: tests/unit/test_partial_rollouts.py, tests/e2e/test_partial_rollouts.py.)"""
+    from rlsys.records import EncodedPrompt, PromptRecord
+    from rlsys.rollout.partial import GroupInFlight
+
+    rollout, trainer = two_engines_two_ranks
+    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)
+    old = max(rollout.weight_versions())
+    # About one token in 20 ends a response: lengths long-tailed, some up to max_new_tokens.
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=list(range(20, 24)))
+    groups = [GroupInFlight.new(EncodedPrompt(PromptRecord(f"p{i}", ""), [5 + i, 9, 14]), 2) for i in range(12)]
+    rollout.generate_groups(groups, needed=3, sampling=sampling)
+    assert sum(group.finished for group in groups) >= 3
+    cut = [(group.prompt.token_ids, sample) for group in groups for sample in group.samples
+           if sample.aborted and sample.response_ids]
+    assert cut, "no sample was aborted part-way"
+    for prompt, sample in cut:  # the tokens so far, each with the log-prob the (old) weights give it
+        assert sample.token_versions == [old] * len(sample.response_ids)
+        scored = rollout.score([prompt + sample.response_ids])[0][len(prompt) - 1:]
+        assert _max_diff([scored], [sample.logprobs]) < 1e-3
+    made_before = {(tuple(prompt), tuple(sample.response_ids)): len(sample.response_ids) for prompt, sample in cut}
+
+    trainer.train_step(_batch(20))
+    trainer.sync_weights(16 * 2**20, weight_version=old + 1)
+    rollout.generate_groups(groups, needed=len(groups), sampling=sampling)
+    continued = 0
+    for group in groups:
+        prompt = group.prompt.token_ids
+        for sample in group.samples:
+            assert sample.finish_reason in ("stop", "length") and len(sample.response_ids) <= 40
+            assert (sample.finish_reason == "length") == (len(sample.response_ids) == 40)  # the limit is the whole's
+            kept = next((n for (p, before), n in made_before.items()
+                         if p == tuple(prompt) and tuple(sample.response_ids[:n]) == before), None)
+            if kept is None or sample.weight_version == old + 1 or len(sample.response_ids) == kept:
+                continue
+            continued += 1
+            assert sample.token_versions == [old] * kept + [old + 1] * (len(sample.response_ids) - kept)
+            assert sample.weight_version == old
+            scored = rollout.score([prompt + sample.response_ids])[0][len(prompt) - 1:]
+            assert _max_diff([scored[kept:]], [sample.logprobs[kept:]]) < 1e-3  # the new tokens: new weights'
+    assert continued > 0
