@@ -20,7 +20,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = REPO / "test-artifacts"
 CHARTS = ["chart-reward", "chart-kl", "chart-loss", "chart-entropy", "chart-response-len",
           "chart-tokens-per-s", "chart-mismatch", "chart-sync", "chart-sync-bytes", "chart-sampling",
-          "chart-truncation", "chart-policy", "chart-tis", "chart-tools", "chart-staleness", "chart-memory"]
+          "chart-truncation", "chart-policy", "chart-tis", "chart-tools", "chart-staleness", "chart-partial",
+          "chart-memory"]
 
 
 def _get(url: str) -> dict:

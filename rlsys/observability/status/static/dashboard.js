@@ -24,11 +24,17 @@ const CHARTS = [
                                  ["vespo_phi_mean", "VESPO phi mean", "#3949ab"]] },
   { id: "chart-tis", series: [["tis_weight_mean", "TIS weight mean", "#00897b"],
                               ["tis_clipped_fraction", "TIS clipped fraction", "#e53935"]] },
-  // rollout.generate_function (multi-turn, tools) and rollout.max_staleness.
+  // rollout.generate_function (multi-turn, tools), rollout.max_staleness and rollout.partial_rollouts.
   { id: "chart-tools", series: [["turns_mean", "turns", "#1e88e5"], ["tool_calls_mean", "tool calls", "#43a047"],
                                 ["tool_errors", "tool errors", "#e53935"],
                                 ["policy_tokens_fraction", "policy token fraction", "#8e24aa"]] },
   { id: "chart-staleness", series: [["staleness_mean", "staleness (weight versions)", "#6d4c41"]] },
+  // rollout.partial_rollouts: samples aborted and carried into the next step, and how old the
+  // trained samples' oldest tokens are.
+  { id: "chart-partial", series: [["partial_samples_carried", "samples carried", "#1e88e5"],
+                                  ["partial_age_mean", "age mean (versions)", "#6d4c41"],
+                                  ["partial_age_max", "age max (versions)", "#e53935"],
+                                  ["partial_tokens_discarded", "tokens discarded", "#8e24aa"]] },
   // Colocated hand-off: what each side holds per phase (device memory on GPU, process RSS on CPU), MiB.
   { id: "chart-memory", scale: 2 ** -20, series: [
     ["memory_engine_serving_bytes", "engine generating", "#1e88e5"],
