@@ -34,7 +34,8 @@ class CoordinatorState:
     data_epoch: int
     data_index: int
     python_random_state: list | None = None
-    # rollout.partial_rollouts: the groups in flight after `next_step - 1` (rollout/partial.py form)
+    # rollout.partial_rollouts: the groups in flight after step `next_step - 1` (rollout/partial.py's
+    # JSON form), set when a checkpoint is taken
     partial_groups: list | None = None
 
     def finish_step(self, step: int, data_epoch: int, data_index: int) -> None:
@@ -171,11 +172,15 @@ class Checkpointer:
     step, when the status API asks, and before a requested stop (API or SIGTERM), so a stopped
     run can always be resumed."""
 
-    def __init__(self, store: CheckpointStore, interval: int, total_steps: int, parts):
+    def __init__(self, store: CheckpointStore, interval: int, total_steps: int, parts,
+                 partial_groups: Callable[[], list] | None = None):
         self.store = store
         self.interval = interval
         self.total_steps = total_steps
         self.parts = parts  # the trainer group may be replaced (auto-resume): looked up at save time
+        # rollout.partial_rollouts: the groups in flight, serialised only when a checkpoint is taken
+        # (they can hold many tokens: not every step)
+        self.partial_groups = partial_groups
 
     def due(self, finished_steps: int, requested: bool, stopping: bool) -> bool:
         on_schedule = self.interval and (finished_steps % self.interval == 0 or finished_steps == self.total_steps)
@@ -183,6 +188,7 @@ class Checkpointer:
 
     def save(self, state: CoordinatorState) -> Path:
         state.python_random_state = python_random_state()
+        state.partial_groups = self.partial_groups() if self.partial_groups else None
         return self.store.save(state.next_step, self.parts.trainer.save_checkpoint, state)
 
 

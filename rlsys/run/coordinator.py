@@ -80,6 +80,10 @@ class Run:
     maker: SampleMaker
     partials: PartialRollouts | None = None  # rollout.partial_rollouts: the groups carried between steps
     trainer_restarts: int = 0  # automatic resumes after a trainer rank died
+    # The version of the weights the trainer holds: the engines' (state.weight_version) except between
+    # a train step and its sync, when it is one ahead. An engine restarted then gets these weights,
+    # so it must be told this version (the sync it died in expects it).
+    trainer_version: int = 0
 
     @contextmanager
     def phase(self, row: dict, state: str, timing: str):
@@ -97,6 +101,7 @@ class Run:
         self.log.truncate_from(self.state.next_step)  # rows of steps that will run again
         self.status.replace_steps(self.log.rows)
         self.sampler.restore(self.state.data_epoch, self.state.data_index)
+        self.trainer_version = self.state.weight_version
         self._restore_partial_groups()
         self.health.refresh(self.status)
         self.parts.handoff.to_engines({})  # a sleeping trainer leaves the device to the engines
@@ -152,14 +157,13 @@ def train_loop(run: Run) -> None:
                 with run.phase(row, "training", "offload"):
                     parts.handoff.to_trainer(row)  # engines release their memory, the trainer wakes
             with run.phase(row, "training", "train"):
+                run.trainer_version = state.weight_version + 1  # what the sync below pushes, trained or skipped
                 row.update(_train(config, parts, batch.scored))
             with run.phase(row, "syncing", "sync"), parts.rollout.weights_updating():
                 row.update(sync_engines(config, parts, state.weight_version + 1))
             if ahead:
                 row.update(_staleness(batch.generations, state.weight_version, config.rollout.max_staleness))
             state.finish_step(step, *batch.end)  # an in-flight next batch is generated again after a resume
-            if run.partials is not None:  # the groups in flight go into the checkpoint with the data position
-                state.partial_groups = run.partials.saved()
             if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
                 with run.phase(row, "checkpointing", "checkpoint"):
                     run.checkpointer.save(state)
@@ -553,12 +557,13 @@ def run(config: RunConfig) -> Path:
         parts = start_components(config, topology, run_dir, stack)
         evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
         stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own
+        partials = PartialRollouts(config) if config.rollout.partial_rollouts else None
         run = Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
                   PromptSampler(assets.train, config.data.prompts_per_step, config.seed), evaluator,
-                  Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts),
-                  HealthMonitor(parts), rewards, trackers, maker,
-                  PartialRollouts(config) if config.rollout.partial_rollouts else None)
-        parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.state.weight_version)
+                  Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts,
+                               partials.saved if partials else None),
+                  HealthMonitor(parts), rewards, trackers, maker, partials)
+        parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.trainer_version)
         sync_start = time.perf_counter()
         run.continue_from(checkpoint)
         logger.info("engines hold the trainer's weights (version %d) after %.1f s", run.state.weight_version,
