@@ -129,11 +129,7 @@ class RolloutManager:
         go to the least busy engine; a run whose engine dies is issued again once the engine has
         been restarted (with `recover`; otherwise the EngineCallFailed is raised)."""
         for number, prompt in enumerate(prompts):
-            try:
-                check_token_ids(prompt, self.vocab_size)
-            except TokenIdOutOfVocabulary as error:
-                raise RunFailed(f"prompt {number} of the batch: {error}; the tokenizer (model.tokenizer_path) does "
-                                "not match the model (model.path)") from None
+            self._refuse_out_of_vocabulary(prompt, f"prompt {number} of the batch")
         chunks = split_into_chunks(len(prompts), len(self.engines))
         # Two runs in flight per engine: its server batches them, and the rest wait for whichever
         # engine frees up first.
@@ -163,22 +159,20 @@ class RolloutManager:
                 return EngineCallFailed(index, error)
 
     def generate_groups(self, groups: list[GroupInFlight], needed: int, sampling: SamplingParams,
-                        recover: bool = True) -> None:
+                        recover: bool = True) -> int:
         """Partial rollouts: generate (or continue) the unfinished samples of `groups`, one request
         per group, all at once, until at least `needed` groups are finished; then abort what is
         still running on the engines, whose samples keep the tokens they have (finish reason
         "abort"). The groups are updated in place. A group whose engine died is sent again, as it
-        stood before, once the engine has been restarted (with `recover`)."""
+        stood before, once the engine has been restarted (with `recover`). Returns the samples aborted."""
         for group in groups:
-            try:
-                check_token_ids(group.prompt.token_ids, self.vocab_size)
-            except TokenIdOutOfVocabulary as error:
-                raise RunFailed(f"prompt {group.prompt.text!r}: {error}; the tokenizer (model.tokenizer_path) does "
-                                "not match the model (model.path)") from None
+            self._refuse_out_of_vocabulary(group.prompt.token_ids, f"prompt {group.prompt.text!r}")
         died_with: dict[int, int] = {}
+        aborted = 0
         while sum(group.finished for group in groups) < needed:
             pending = [i for i, group in enumerate(groups) if not group.finished]
-            results = self._loop.submit(self._groups_round(groups, pending, needed, sampling)).result()
+            results, round_aborted = self._loop.submit(self._groups_round(groups, pending, needed, sampling)).result()
+            aborted += round_aborted
             failed = {i: result for i, result in zip(pending, results, strict=True)
                       if isinstance(result, EngineCallFailed)}
             for result in results:
@@ -186,18 +180,26 @@ class RolloutManager:
                     raise result
             self._refuse_poison_requests(failed, died_with, lambda i: f"the group of prompt {groups[i].prompt.text!r}")
             self._recover_all(failed.values(), recover)
+        return aborted
+
+    def _refuse_out_of_vocabulary(self, token_ids: list[int], where: str) -> None:
+        try:
+            check_token_ids(token_ids, self.vocab_size)
+        except TokenIdOutOfVocabulary as error:
+            raise RunFailed(f"{where}: {error}; the tokenizer (model.tokenizer_path) does not match the model "
+                            "(model.path)") from None
 
     async def _groups_round(self, groups: list[GroupInFlight], pending: list[int], needed: int,
-                            sampling: SamplingParams) -> list:
+                            sampling: SamplingParams) -> tuple[list, int]:
         """One round of `generate_groups`: every pending group in flight; once `needed` groups are
         finished, abort_all on every engine (again every half second, for a request that reached
         its server after the abort) until every request has answered."""
-        finished = sum(group.finished for group in groups)
+        finished, aborted = sum(group.finished for group in groups), 0
         enough = asyncio.Event()
         aborting = False
 
         async def one(i: int):
-            nonlocal finished
+            nonlocal finished, aborted
             group = groups[i]
             positions, inputs, params = [], [], []
             for k in group.unfinished():
@@ -218,6 +220,7 @@ class RolloutManager:
                 if refused is not None:  # the engine aborted it by itself (e.g. longer than its context)
                     raise RunFailed(f"engine-{index} aborted a sample of prompt {group.prompt.text!r} before any "
                                     f"abort was sent: {refused.stop_reason or 'no reason given'}")
+                aborted += sum(answer.aborted for answer in answers)
                 for k, answer in zip(positions, answers, strict=True):
                     group.samples[k] = stitch(group.prompt.token_ids, group.samples[k], answer)
             if group.finished:
@@ -236,7 +239,7 @@ class RolloutManager:
             aborting = True
             await _gather([_answer(engine.abort_all.remote()) for engine in self.engines])  # a dead one: ignored
             await asyncio.wait([requests], timeout=0.5)
-        return requests.result()
+        return requests.result(), aborted
 
     def trajectories(self, prompts: list[EncodedPrompt], function: GenerateFunction, sampling: SamplingParams,
                      n: int, tokenizer, tool_timeout_s: float, recover: bool = True,

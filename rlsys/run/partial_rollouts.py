@@ -62,10 +62,9 @@ class PartialRollouts:
         carried groups, topped up with new prompts to wanted + rollout.oversample in flight."""
         lacking = wanted + self.oversample - len(self.groups)
         self.groups += [GroupInFlight.new(prompt, self.group_size) for prompt in sampler.next_prompts(max(0, lacking))]
-        rollout.generate_groups(self.groups, wanted, sampling, recover=recover)
+        self._step["aborted_samples"] += rollout.generate_groups(self.groups, wanted, sampling, recover=recover)
         taken = [group for group in self.groups if group.finished][:wanted]
         self.groups = [group for group in self.groups if not any(group is t for t in taken)]
-        self._step["aborted_samples"] += sum(len(group.unfinished()) for group in self.groups)  # all were in flight
         return [group.prompt for group in taken], [sample for group in taken for sample in group.samples]
 
     def step_metrics(self, trained: list[Generation], trainer_version: int) -> dict:
