@@ -271,6 +271,9 @@ def load_assets(config: RunConfig) -> RunAssets:
         raise ConfigError(
             f"no training prompt fits in {budget} tokens (context_length - max_new_tokens)"
         )
+    if config.eval.stop_at_reward is not None and not eval_:
+        raise ConfigError("invalid config: eval.stop_at_reward is set but the data has no eval prompt to reach it "
+                          "with (data.eval_fraction, data.eval_path or the synthetic task's num_eval)")
     return RunAssets(
         tokenizer=tokenizer, train=train, eval=eval_,
         stop_token_ids=_stop_token_ids(config, tokenizer),

@@ -182,8 +182,10 @@ class Checkpointer:
         # (they can hold many tokens: not every step)
         self.partial_groups = partial_groups
 
-    def due(self, finished_steps: int, requested: bool, stopping: bool) -> bool:
-        on_schedule = self.interval and (finished_steps % self.interval == 0 or finished_steps == self.total_steps)
+    def due(self, finished_steps: int, requested: bool, stopping: bool, last_step: bool = False) -> bool:
+        """`last_step`: the run ends with this step (its total, or eval.stop_at_reward reached)."""
+        on_schedule = self.interval and (finished_steps % self.interval == 0 or finished_steps == self.total_steps
+                                         or last_step)
         return bool(on_schedule or requested or stopping)
 
     def save(self, state: CoordinatorState) -> Path:

@@ -150,6 +150,7 @@ def train_loop(run: Run) -> None:
             if run.evaluator.due(step):  # the engines hold this step's weights (batches ahead may generate beside it)
                 with run.phase(row, "evaluating", "eval"):
                     row.update(run.evaluator.evaluate(step))
+            last_step = step + 1 == config.trainer.total_steps or _reached_eval_target(config, row, step)
             if ahead:
                 ahead.start(step + 1, step_start)  # the next steps' batches generate while this step trains
 
@@ -164,7 +165,8 @@ def train_loop(run: Run) -> None:
             if ahead:
                 row.update(_staleness(batch.generations, state.weight_version, config.rollout.max_staleness))
             state.finish_step(step, *batch.end)  # an in-flight next batch is generated again after a resume
-            if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested):
+            if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested,
+                                    last_step):
                 with run.phase(row, "checkpointing", "checkpoint"):
                     run.checkpointer.save(state)
             if parts.handoff.enabled:
@@ -176,7 +178,9 @@ def train_loop(run: Run) -> None:
             row["timestamp"] = time.time()  # wall clock when the step ended (unix seconds)
             row.update(_rollout_metrics(batch.generations, row["time_step_s"]), synced_weight_version=state.weight_version,
                        engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
-            _record(run, row, last_step=step + 1 == config.trainer.total_steps)
+            _record(run, row, last_step=last_step)
+            if last_step:
+                break
     finally:
         if ahead:
             ahead.close()
@@ -360,6 +364,16 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
             logger.info("trainer ranks are back, on node(s) %s", ", ".join(sorted(set(run.parts.trainer.nodes))))
             run.continue_from(checkpoint)
             run.trainer_restarts = resumes + 1
+
+
+def _reached_eval_target(config: RunConfig, row: dict, step: int) -> bool:
+    """eval.stop_at_reward: whether this step's eval reached it (the run then ends with this step)."""
+    target, reward = config.eval.stop_at_reward, row.get("eval_reward_mean")
+    if target is None or reward is None or reward < target:
+        return False
+    logger.info("eval reward %.3f at step %d reached eval.stop_at_reward %g: this is the last step",
+                reward, step, target)
+    return True
 
 
 def _train(config: RunConfig, parts: Components, scored: ScoredBatch) -> dict:

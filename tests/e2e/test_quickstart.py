@@ -23,9 +23,10 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir):
     leftovers = Leftovers()
     run_dir = tmp_path / "run"
     # The GPU's memory hand-off runs on CPU too when asked: its order of calls is checked.
-    result = subprocess.run(  # eval 1.0 by ~step 90
-        train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=130",
-                      "trainer.offload_between_steps=true"),
+    # eval 0.9 by ~step 80; eval.stop_at_reward ends the run there, with a checkpoint (checkpoint.interval set)
+    result = subprocess.run(
+        train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.offload_between_steps=true",
+                      "eval.stop_at_reward=0.9", "checkpoint.interval=1000"),
         capture_output=True, text=True, timeout=1200, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -41,7 +42,11 @@ def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir):
         assert REQUIRED_COLUMNS <= row.keys()
     evals = [r["eval_reward_mean"] for r in rows if r.get("eval_reward_mean") is not None]
     assert evals[0] < 0.3, "an untrained model must not solve the task"
-    assert evals[-1] >= 0.9, f"eval reward over the run: {evals}"
+    assert evals[-1] >= 0.9 and max(evals[:-1]) < 0.9, f"eval reward over the run: {evals}"
+    assert "eval_reward_mean" in rows[-1] and len(rows) < 200  # the run ended with the step whose eval reached 0.9
+    assert "reached eval.stop_at_reward 0.9" in result.stdout
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{len(rows):08d}"]
     # the engine's weights advance one version per step and match the trainer (fp32)
     assert [r["weight_version"] for r in rows] == list(range(len(rows)))
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3

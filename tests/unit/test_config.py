@@ -322,3 +322,17 @@ def test_an_architecture_transformers_cannot_build_as_a_causal_lm_is_refused_by_
     with pytest.raises(ConfigError, match=f"model type '{model_type}'.*{why}|{why}.*model type '{model_type}'"):
         load_assets(config)
     assert f"model type '{model_type}'" in refused_by_cli("plan", str(tmp_path / "c.yaml"))
+
+
+def test_stop_at_reward_needs_eval_prompts_to_reach_it(tmp_path, tiny_model_dir):
+    """eval.stop_at_reward with no eval prompt could never end the run early: refused before actors."""
+    from rlsys.run.assets import load_assets
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(f'{{"prompt": "{d} {d}>", "label": "{d}"}}\n' for d in range(10)))
+    eval_ = {"interval": 10, "stop_at_reward": 0.9}
+    with pytest.raises(ConfigError, match="eval.stop_at_reward is set but the data has no eval prompt"):
+        load_assets(load_config(write_config(tmp_path / "c.yaml", tiny_model_dir, data={"train_path": str(train)},
+                                             eval=eval_)))
+    held_out = {"train_path": str(train), "eval_fraction": 0.2}
+    assert load_assets(load_config(write_config(tmp_path / "c.yaml", tiny_model_dir, data=held_out, eval=eval_))).eval
