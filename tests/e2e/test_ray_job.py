@@ -45,7 +45,7 @@ def _stop_head(temp_dir: str) -> None:
             proc.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(victims, timeout=15)
+    _, alive = psutil.wait_procs(victims, timeout=3)  # some of them ignore SIGTERM: not what this test is about
     for proc in alive:
         try:
             proc.kill()
