@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import re
 import secrets
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rlsys.config import EngineConfig, ModelConfig
@@ -28,6 +29,10 @@ from rlsys.system.node import gloo_interface_env
 from rlsys.weight_sync import engine_loader
 
 # Shared-memory files SGLang's processes create (load slots, segments, multiprocessing semaphores).
+logger = logging.getLogger(__name__)
+
+# Launches of a server whose HTTP port another socket took before it could bind it (SGLangServer.start).
+PORT_ATTEMPTS = 3
 _SGLANG_SHM_PREFIXES = ("/dev/shm/sglang_", "/dev/shm/sgl_shm", "/dev/shm/sem.mp-")
 CPU_COMPAT_SITE = Path(__file__).resolve().parent / "cpu_compat" / "site"
 
@@ -263,6 +268,24 @@ class SGLangServer:
         return self.address.url
 
     def start(self, timeout_s: float) -> None:
+        """Launch the server and wait until it answers. The port was free when chosen, but the server
+        binds it only after its ~10 s of imports, and any socket on the node may take it meanwhile
+        (an outgoing connection's local port comes from the same ephemeral range): a server that
+        exits because its port is in use is launched again on a new one, up to PORT_ATTEMPTS times."""
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._launch()
+            try:
+                return self._wait_healthy(deadline - time.monotonic())
+            except RuntimeError:
+                if attempt == PORT_ATTEMPTS or not self._port_was_taken():
+                    raise
+            logger.warning("%s: port %d was taken while the server started; launching it again on another",
+                           self.address.name, self.port)
+            self.stop(grace_s=1.0)  # what is left of its process group
+            self._use_port(find_free_port(self.host))
+
+    def _launch(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
         self._log_start = log_file.tell()  # the log is appended to across restarts
@@ -274,7 +297,16 @@ class SGLangServer:
             preexec_fn=_die_with_parent,
         )
         log_file.close()
-        self._wait_healthy(timeout_s)
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.address = replace(self.address, url=f"http://{self.host}:{port}")
+        self.client.address = self.address  # the same client object: RolloutEngine holds it
+
+    def _port_was_taken(self) -> bool:
+        """Whether this launch's log says its HTTP port was in use (uvicorn's bind error)."""
+        bind_error = f"error while attempting to bind on address ('{self.host}', {self.port})"
+        return any(bind_error in line and "address already in use" in line for line in self._log_lines())
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -352,16 +384,19 @@ class SGLangServer:
     def log_tail(self, lines: int = 30) -> str:
         return read_log_tail(self.log_path, lines) or "(no log)"
 
-    def _cpu_layer_refusal(self) -> str | None:
-        """Why the CPU layer refused this SGLang, if it did: a refusal in the scheduler process is
-        followed by the server's own traceback, longer than the log tail."""
+    def _log_lines(self) -> list[str]:
+        """The lines this launch wrote to the log (it is appended to across restarts)."""
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(self._log_start)
-                lines = log.read().decode(errors="replace").splitlines()
+                return log.read().decode(errors="replace").splitlines()
         except OSError:
-            return None
-        refusals = [line[len(REFUSAL_MARK):] for line in lines if line.startswith(REFUSAL_MARK)]
+            return []
+
+    def _cpu_layer_refusal(self) -> str | None:
+        """Why the CPU layer refused this SGLang, if it did: a refusal in the scheduler process is
+        followed by the server's own traceback, longer than the log tail."""
+        refusals = [line[len(REFUSAL_MARK):] for line in self._log_lines() if line.startswith(REFUSAL_MARK)]
         return refusals[-1] if refusals else None
 
     def _shared_memory_files(self) -> set[str]:

@@ -172,6 +172,61 @@ def test_a_server_that_refuses_the_gc_freeze_still_starts_and_says_so_in_its_log
         server.stop()
 
 
+# An HTTP server on uvicorn, as SGLang's is: its error when the port is taken is uvicorn's (asyncio's
+# "error while attempting to bind on address ...: address already in use"), then it exits.
+UVICORN_STAND_IN = '''
+import json, sys, uvicorn
+async def app(scope, receive, send):
+    body = json.dumps({"weight_version": "0"}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+uvicorn.run(app, host=sys.argv[1], port=int(sys.argv[2]), lifespan="off")
+'''
+
+
+def test_a_server_whose_port_was_taken_while_it_started_is_launched_again_on_another(tmp_path, monkeypatch):
+    """The port is chosen free, but the server binds it only after its imports; whatever took it
+    meanwhile (an outgoing connection's local port, here a listening socket) would otherwise fail the
+    run at start-up (seen in a CI rehearsal: "[Errno 98] error while attempting to bind on address")."""
+    import socket
+
+    from rlsys.rollout.sglang import server as server_module
+
+    script = tmp_path / "uvicorn_stand_in.py"
+    script.write_text(UVICORN_STAND_IN)
+    monkeypatch.setattr(server_module, "build_command",
+                        lambda spec, backend, host, port, api_key=None: [sys.executable, str(script), host, str(port)])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], server_module.find_free_port()])
+        monkeypatch.setattr(server_module, "find_free_port", lambda host="127.0.0.1": next(ports))
+        server = server_module.SGLangServer(ServerSpec(ModelConfig(path="unused")), make_backend(False), "e0",
+                                            tmp_path / "engine.log")
+        first = server.port
+        try:
+            server.start(timeout_s=60)
+            assert server.port != first and server.url.endswith(f":{server.port}")
+            assert server.client.model_info()["weight_version"] == "0"  # the client follows the new port
+            log = (tmp_path / "engine.log").read_text()
+            assert f"error while attempting to bind on address ('127.0.0.1', {first}): address already in use" in log
+        finally:
+            server.stop()
+
+
+def test_a_server_that_fails_to_start_for_another_reason_is_not_launched_again(tmp_path, monkeypatch):
+    from rlsys.rollout.sglang import server as server_module
+
+    launches = tmp_path / "launches"
+    monkeypatch.setattr(server_module, "build_command", lambda spec, backend, host, port, api_key=None: [
+        sys.executable, "-c", f"open({str(launches)!r}, 'a').write('x'); raise SystemExit('no model here')"])
+    server = server_module.SGLangServer(ServerSpec(ModelConfig(path="unused")), make_backend(False), "e0",
+                                        tmp_path / "engine.log")
+    with pytest.raises(RuntimeError, match="exited with code 1 during start-up(.|\\n)*no model here"):
+        server.start(timeout_s=60)
+    assert launches.read_text() == "x"
+
+
 def test_the_files_a_process_maps_are_read_from_proc_and_an_exited_one_maps_none(tmp_path):
     # The launcher records the server's /dev/shm segments this way, to remove them after a crash.
     import mmap
