@@ -633,8 +633,8 @@ class EvalConfig(_Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of eval answers (0: greedy).")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first this many eval prompts.")
     stop_at_reward: float | None = Field(
-        None, description="Finish the run at the end of the first step whose eval of the data section's eval "
-        "prompts (eval_reward_mean) reaches this, as if it were trainer.total_steps' last (checkpointed when "
+        None, allow_inf_nan=False, description="Finish the run at the end of the first step whose eval of the data "
+        "section's eval prompts (eval_reward_mean) reaches this, as if it were trainer.total_steps' last (checkpointed when "
         "checkpoint.interval is set); None: run every step.",
     )
     datasets: list[EvalSetConfig] = Field(

@@ -28,11 +28,11 @@ from rlsys.system.interrupts import take_sigterm_again
 from rlsys.system.node import gloo_interface_env
 from rlsys.weight_sync import engine_loader
 
-# Shared-memory files SGLang's processes create (load slots, segments, multiprocessing semaphores).
 logger = logging.getLogger(__name__)
 
 # Launches of a server whose HTTP port another socket took before it could bind it (SGLangServer.start).
 PORT_ATTEMPTS = 3
+# Shared-memory files SGLang's processes create (load slots, segments, multiprocessing semaphores).
 _SGLANG_SHM_PREFIXES = ("/dev/shm/sglang_", "/dev/shm/sgl_shm", "/dev/shm/sem.mp-")
 CPU_COMPAT_SITE = Path(__file__).resolve().parent / "cpu_compat" / "site"
 

@@ -336,3 +336,8 @@ def test_stop_at_reward_needs_eval_prompts_to_reach_it(tmp_path, tiny_model_dir)
                                              eval=eval_)))
     held_out = {"train_path": str(train), "eval_fraction": 0.2}
     assert load_assets(load_config(write_config(tmp_path / "c.yaml", tiny_model_dir, data=held_out, eval=eval_))).eval
+
+
+def test_stop_at_reward_must_be_a_finite_number(tmp_path, tiny_model_dir):
+    with pytest.raises(ConfigError, match="eval.stop_at_reward"):
+        load_config(write_config(tmp_path / "c.yaml", tiny_model_dir, eval={"stop_at_reward": float("nan")}))
