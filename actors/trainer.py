@@ -46,6 +46,7 @@ from rlsys.system.reaper import start_actor_reaper, stop_reaper
 from rlsys.system.topology import Topology
 from rlsys.weight_sync.broadcast import BroadcastWeightSender
 from rlsys.weight_sync.colocated import ColocatedWeightSender, StagingBuffer
+from rlsys.weight_sync.shared_staging import SharedStaging, node_memory_identity
 from rlsys.weight_sync.sync import sync_weights
 
 
@@ -168,6 +169,7 @@ class TrainerWorker:
         # Set by connect_engines: this rank's weight transport (None: it only joins the gathers).
         self.transport: ColocatedWeightSender | BroadcastWeightSender | None = None
         self.gather_dst: int | None = None
+        self.shared_staging: SharedStaging | None = None  # set by connect_engines
         self.gather_scratch = StagingBuffer(share_memory=False)  # ranks that only join all-gathers
 
     # ---- set-up -------------------------------------------------------------------------
@@ -444,6 +446,8 @@ class TrainerWorker:
         report = self.offloader.sleep(trainer_state_tensors(self.model, self.optimizer))
         if self.transport is not None:
             self.transport.release_staging_buffer()
+        if self.shared_staging is not None:  # the feeding rank's buffers, freed once no rank maps them
+            self.shared_staging.release()
         self.gather_scratch.release()
         self.backend.empty_device_cache()
         report.held_bytes = self.backend.held_memory_bytes()
@@ -478,6 +482,7 @@ class TrainerWorker:
         none (the rank only joins the gathers). Replaces any earlier transport."""
         self._close_transport()
         self.gather_dst = topology.gather_dst
+        self.shared_staging = self._shared_staging(topology)
         me = f"trainer rank {self.rank} on node {node_address()}"
         if topology.transport == "broadcast":
             if self.rank == 0:
@@ -494,6 +499,18 @@ class TrainerWorker:
             check_reachable(client, me)
             self.transport = ColocatedWeightSender(client, engine.tp_size)
 
+    def _shared_staging(self, topology: Topology) -> SharedStaging | None:
+        """Whether this sync's shards are written straight into the feeding rank's staging buffers
+        (weight_sync/shared_staging.py): one colocated engine, a backend whose ranks share host
+        memory, and every rank in the same shared memory as that rank. Decided by every rank from
+        the same all-gathered facts (a collective), so all ranks take the same path."""
+        if (topology.transport != "ipc" or self.gather_dst is None or self.world_size < 2
+                or not self.backend.ranks_write_into_shared_staging):
+            return None
+        memories = [None] * self.world_size
+        dist.all_gather_object(memories, node_memory_identity(node_address()))
+        return SharedStaging() if len(set(memories)) == 1 else None
+
     def sync_weights(self, bucket_bytes: int, weight_version: int, pipelined: bool = True) -> dict:
         """Gather the weights bucket by bucket and hand them to this rank's transport. Collective."""
         named, merge = (merged_parameters(self.model) if self.spec.model.lora is not None
@@ -501,12 +518,14 @@ class TrainerWorker:
         return sync_weights(named, bucket_bytes, self.transport, str(weight_version),
                             self.backend, self.gather_scratch, self.gather_dst,
                             engine_dtype=getattr(torch, self.spec.model.dtype), pieces=self.checkpoint_pieces,
-                            materialize=merge, pipelined=pipelined).as_dict()
+                            materialize=merge, pipelined=pipelined, shared_staging=self.shared_staging).as_dict()
 
     def _close_transport(self) -> None:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        if self.shared_staging is not None:
+            self.shared_staging.release()
 
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)

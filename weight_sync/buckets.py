@@ -109,23 +109,52 @@ def gather_into(tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None 
         if out is not None:
             out.copy_(tensor)
         return []
-    from torch.distributed.tensor import Shard
-
-    mesh = tensor.device_mesh
-    placements = tensor.placements
-    even = tensor.shape[0] % mesh.size() == 0 if tensor.ndim else False
-    if not (mesh.ndim == 1 and len(placements) == 1 and placements[0] == Shard(0) and even):
+    if not _in_even_dim0_shards(tensor):
         full = tensor.full_tensor()  # the general (collective) path for any other layout
         if out is not None:
             out.copy_(full)
         return []
     import torch.distributed as dist
 
-    group = mesh.get_group()
+    group = tensor.device_mesh.get_group()
     local = tensor.to_local().to(dtype).contiguous()  # the works hold it until they are waited for
     if dst is None:
         return [dist.all_gather_into_tensor(out, local, group=group, async_op=True)]
     return gather_shards_to(local, out, dst, group, tag)
+
+
+def _in_even_dim0_shards(tensor: torch.Tensor) -> bool:
+    """A DTensor sharded as FSDP2 shards: dim 0 split evenly over a 1-D mesh, so rank i's shard is
+    the i-th contiguous chunk of the flattened full tensor."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = tensor.device_mesh, tensor.placements
+    even = tensor.shape[0] % mesh.size() == 0 if tensor.ndim else False
+    return mesh.ndim == 1 and len(placements) == 1 and placements[0] == Shard(0) and even
+
+
+def write_shard_into(tensor: torch.Tensor, out: torch.Tensor, receiver: bool) -> None:
+    """Each rank's part of `gather_into` when every rank can write into `out`, the receiver's
+    buffer mapped in each rank's memory (`weight_sync.shared_staging`): a rank copies its own
+    even dim-0 shard straight into its chunk of `out` (cast to `out`'s dtype), no message sent.
+    Other layouts are gathered by the collective `full_tensor` and a plain (replicated) tensor is
+    copied, by the receiver alone. A collective for such layouts: every rank calls it for the same
+    tensors in the same order; the caller orders the writes against the receiver's reads."""
+    tensor = tensor.detach()
+    if not hasattr(tensor, "full_tensor"):
+        if receiver:
+            out.copy_(tensor)
+        return
+    if not _in_even_dim0_shards(tensor):
+        full = tensor.full_tensor()
+        if receiver:
+            out.copy_(full)
+        return
+    import torch.distributed as dist
+
+    members = dist.get_process_group_ranks(tensor.device_mesh.get_group())
+    chunks = out.reshape(-1).chunk(len(members))  # contiguous: shard i is chunk i of the flat tensor
+    chunks[members.index(dist.get_rank())].copy_(tensor.to_local().reshape(-1))
 
 
 def gather_shards_to(local: torch.Tensor, out: torch.Tensor | None, dst: int, group, tag: int = 0) -> list:
@@ -190,6 +219,20 @@ def gather_bucket(named_tensors: list[tuple[str, torch.Tensor]], buffer: torch.T
         in_flight += gather_into(tensor, view, dst, tag=index)
     _wait_all(in_flight)
     return bucket
+
+
+def write_bucket_shards(named_tensors: list[tuple[str, torch.Tensor]], buffer: torch.Tensor, alignment: int,
+                        receiver: bool, engine_dtype: torch.dtype | None = None) -> WeightBucket | None:
+    """`gather_bucket` into a buffer every rank has mapped: each rank writes its shards into the
+    bucket laid out as `bucket_layout` (`write_shard_into`); the receiver gets the bucket back once
+    the caller has seen every rank finish (the others get None)."""
+    ordered, metas, total = bucket_layout(named_tensors, alignment, engine_dtype)
+    if buffer.numel() < total:
+        raise ValueError(f"staging buffer of {buffer.numel()} bytes is smaller than the bucket ({total})")
+    bucket = WeightBucket(buffer=buffer[:total], metas=metas)
+    for (_, tensor), (_, view) in zip(ordered, bucket.tensors(), strict=True):
+        write_shard_into(tensor, view, receiver)
+    return bucket if receiver else None
 
 
 def _wait_all(works: list) -> None:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from rlsys.system.backend import Backend
 from rlsys.weight_sync.buckets import (
@@ -22,8 +23,10 @@ from rlsys.weight_sync.buckets import (
     full_nbytes,
     gather_bucket,
     group_into_buckets,
+    write_bucket_shards,
 )
 from rlsys.weight_sync.colocated import COLOCATED_ALIGNMENT, StagingBuffer
+from rlsys.weight_sync.shared_staging import SharedStaging
 
 
 class WeightTransport(Protocol):
@@ -46,6 +49,9 @@ class SyncStats:
     engine_wait_s: float = 0.0  # waiting for the engine: its load of a bucket not hidden behind a gather
     total_s: float = 0.0
     pipelined: bool = True
+    # How shards reached the buffers: "all_gather", "point_to_point" (to the one receiving rank) or
+    # "shared_memory" (every rank wrote its own into the receiver's buffer), "none" (one rank).
+    gathered_by: str = "none"
 
     @property
     def gbps(self) -> float:
@@ -91,6 +97,7 @@ def sync_weights(
     pieces: dict[str, list[tuple[str, tuple[int, ...]]]] | None = None,
     materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     pipelined: bool = True,
+    shared_staging: SharedStaging | None = None,
 ) -> SyncStats:
     """Gather buckets of full tensors (a collective: every rank must call this) and, where a
     transport is given, send each one. Shards are gathered straight into reusable staging buffers:
@@ -105,6 +112,10 @@ def sync_weights(
     shard before they travel (fp32 master weights into a bf16 engine: half the bytes).
     `materialize(name, tensor)`: the tensor to send for each listed one, computed when its bucket is
     gathered (LoRA's merged weights, actors/lora.py; a collective where the listed tensors are).
+    `shared_staging`: with `gather_dst`, on every rank: the ranks share host memory, and each
+    writes its own shards straight into the receiver's staging buffers (which it maps) instead of
+    sending them; two barriers per bucket order the writes after the engine's load of what the
+    buffer held before, and the hand-over after every rank's writes.
     The engines flush their cache and take the new weight version once, with the last bucket.
     An engine that fails mid-sync does not stop this rank's gathers: the other ranks are in them,
     and leaving would hang them; the first failure is raised once every bucket has been gathered
@@ -118,6 +129,14 @@ def sync_weights(
     alignment = transport.alignment if transport is not None else 1
     named = [item for group in groups for item in group]
     staging = _staging_for(transport, scratch, gather_dst, named, bucket_bytes, alignment, engine_dtype, pipelined)
+    shared_slots = None
+    if shared_staging is not None:
+        if gather_dst is None:
+            raise ValueError("shards are written into shared staging buffers only for one receiving rank (gather_dst)")
+        # The receiver's buffers, mapped on every rank; as many as `staging_slot_bytes` sizes.
+        mine = [staging(i) for i in range(2 if pipelined and len(groups) > 1 else 1)] if staging is not None else None
+        shared_slots, alignment = shared_staging.exchange(mine, alignment, gather_dst)
+    stats.gathered_by = _gathered_by(shared_slots is not None, gather_dst, named)
     failure: Exception | None = None
     loading: dict[int, Future] = {}  # staging slot -> the engine call still reading it
     begun = transport.begin() if transport is not None else None
@@ -128,10 +147,16 @@ def sync_weights(
         if slot in loading:  # the engine still reads this buffer: wait for its load
             failure = failure or _wait(loading.pop(slot), stats)
         tick = time.perf_counter()
-        buffer = staging(index) if staging is not None else None
         if materialize is not None:
             group = [(name, materialize(name, tensor)) for name, tensor in group]
-        bucket = gather_bucket(group, buffer, alignment, gather_dst, engine_dtype)
+        if shared_slots is not None:
+            dist.barrier()  # the receiver may write: the engine is done with what this buffer held
+            bucket = write_bucket_shards(group, shared_slots[index % len(shared_slots)], alignment,
+                                         receiver=transport is not None, engine_dtype=engine_dtype)
+            dist.barrier()  # every rank's shards are in the bucket
+        else:
+            buffer = staging(index) if staging is not None else None
+            bucket = gather_bucket(group, buffer, alignment, gather_dst, engine_dtype)
         stats.gather_s += time.perf_counter() - tick
         stats.buckets += 1
         if transport is None or failure is not None:
@@ -171,6 +196,14 @@ def _staging_for(transport: WeightTransport | None, scratch: StagingBuffer | Non
     return None
 
 
+def _gathered_by(shared: bool, gather_dst: int | None, named: list[tuple[str, torch.Tensor]]) -> str:
+    if not any(hasattr(tensor, "full_tensor") for _, tensor in named):
+        return "none"  # one rank holds the whole model
+    if shared:
+        return "shared_memory"
+    return "all_gather" if gather_dst is None else "point_to_point"
+
+
 def _wait(future: Future, stats: SyncStats) -> Exception | None:
     """The engine call's outcome (its error, not raised: see `sync_weights`), the wait counted."""
     tick = time.perf_counter()
@@ -184,6 +217,4 @@ def _wait(future: Future, stats: SyncStats) -> Exception | None:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_initialized() else 0

@@ -57,6 +57,16 @@ class Backend:
         if not self.has_gpu:
             mp.set_sharing_strategy("file_system")
 
+    @property
+    def ranks_write_into_shared_staging(self) -> bool:
+        """Whether the trainer ranks of one node gather a bucket for the rank that feeds the engine
+        by writing their shards straight into its staging buffer (host shared memory on CPU, the
+        buffer the colocated transport already hands the engine by handle), each rank its own
+        shards at once, instead of sending them point-to-point. On CPU that replaces gloo's TCP
+        loopback (~5 GB/s here) with the ranks' parallel copies (~15 GB/s into a warm buffer,
+        measured on 2 cores); on GPU the shards keep travelling by NCCL."""
+        return not self.has_gpu
+
     def finish_device_writes(self) -> None:
         """Block until this thread's device stream has finished writing (a gathered bucket): another
         process is about to read the memory by IPC handle on a stream of its own, which nothing

@@ -82,6 +82,7 @@ def test_bucket_smaller_than_largest_tensor_still_syncs_pipelined_or_serial(two_
         assert min(_engines_match_trainer(rollout, trainer)) > 1e-2
         stats = trainer.sync_weights(4096, weight_version=version, pipelined=pipelined)
         assert stats[0]["buckets"] > 20  # every tensor (the largest is 64 KB) travelled on its own
+        assert [rank["gathered_by"] for rank in stats] == ["all_gather"] * 2  # each rank feeds an engine
         assert stats[0]["pipelined"] is pipelined
         assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
         assert rollout.weight_versions() == [version, version]
@@ -96,6 +97,7 @@ def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
         assert min(_engines_match_trainer(rollout, trainer)) > 1e-2
         stats = trainer.sync_weights(bucket_bytes, weight_version=version, pipelined=pipelined)
         assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # only rank 0 sends
+        assert [rank["gathered_by"] for rank in stats] == ["point_to_point"] * 2  # shards to rank 0 by gloo
         assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
         assert rollout.weight_versions() == [version, version]
 
@@ -103,15 +105,19 @@ def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
 @pytest.mark.slow
 def test_single_engine_sync_gathers_to_rank_zero_only(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
-    trainer.train_step(_batch(7))
-    before = _engines_match_trainer(rollout, trainer)
     trainer.connect_engines(_topology("colocated", rollout.addresses[:1]), timeout_s=60)  # engine 1 unfed
-    stats = trainer.sync_weights(4096, weight_version=7)
-    assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # rank 1 only sent its shards
-    after = _engines_match_trainer(rollout, trainer)
-    assert after[0] < 1e-3  # engine 0 got every tensor, bucket by bucket
-    assert after[1] == pytest.approx(before[1]) and after[1] > 1e-2  # engine 1 was not touched
-    assert rollout.weight_versions()[0] == 7
+    for version, pipelined in [(7, True), (8, False)]:
+        trainer.train_step(_batch(version))
+        before = _engines_match_trainer(rollout, trainer)
+        assert before[0] > 1e-2
+        stats = trainer.sync_weights(4096, weight_version=version, pipelined=pipelined)
+        # Rank 1 wrote its shards straight into rank 0's staging buffers, which rank 0 alone hands over.
+        assert [rank["gathered_by"] for rank in stats] == ["shared_memory"] * 2
+        assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0
+        after = _engines_match_trainer(rollout, trainer)
+        assert after[0] < 1e-3  # engine 0 got every tensor, bucket by bucket
+        assert after[1] == pytest.approx(before[1]) and after[1] > 1e-2  # engine 1 was not touched
+        assert rollout.weight_versions()[0] == version
 
 
 @pytest.mark.slow
