@@ -25,17 +25,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray cluster for the tests that drive actors; shut down (with its workers) at the end."""
+def ray_cluster() -> str:
+    """A local Ray cluster for the tests that drive actors, and for `rlsys train` runs that join it
+    (`ray_address`); shut down (with its workers) at the end. Yields its address. Its logical CPUs
+    are more than any one test's placement asks for (a run's actors and a test's own at once)."""
     import ray
 
     from rlsys.system.cluster import ACTOR_ENV
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=12, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": ACTOR_ENV})
-    yield
+    yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_cluster) -> str:
+    """`placement.ray_address=...`: a `rlsys train` run joins the session's cluster, as a job submitted
+    to a running cluster does, instead of starting (and stopping) a local one, ~4 s of a 2-core
+    machine a run. Only for runs whose test does not look at what a run leaves behind or kill its
+    driver: those keep a cluster of their own, as a local run has."""
+    return f"placement.ray_address={ray_cluster}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -71,7 +71,7 @@ def test_tis_weights_each_sequence_by_its_capped_engine_ratio(groups):
 
 
 @pytest.mark.slow
-def test_truncation_options_and_tis_run_end_to_end_against_a_bf16_engine(tmp_path, tiny_model_dir):
+def test_truncation_options_and_tis_run_end_to_end_against_a_bf16_engine(tmp_path, tiny_model_dir, ray_address):
     """Responses of up to 3 tokens from an untrained model nearly all run to max_new_tokens: the
     engine's finish reason masks them (mask_truncated) and the overlong penalty scores them. The
     engine runs in bf16 against the fp32 trainer, so its log-probs differ (a deliberately
@@ -85,7 +85,7 @@ def test_truncation_options_and_tis_run_end_to_end_against_a_bf16_engine(tmp_pat
     result = subprocess.run(train_command(
         "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=4", "rollout.max_new_tokens=3",
         "algorithm.mask_truncated=true", "algorithm.overlong_penalty={buffer_tokens: 1, factor: 0.5}",
-        "algorithm.tis.enabled=true", "rollout.engine.extra_args=[--dtype, bfloat16]"),
+        "algorithm.tis.enabled=true", "rollout.engine.extra_args=[--dtype, bfloat16]", ray_address),
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")

@@ -74,7 +74,7 @@ def test_one_engine_serves_what_two_sharded_ranks_hold_through_both_transports(a
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", DENSE)
-def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_path):
+def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_path, ray_address):
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -86,7 +86,7 @@ def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_p
     # The CISPO recipe (two optimizer steps per batch): the quickstart's task and model size, learning in
     # fewer steps; this is also the recipe's own learning test.
     result = subprocess.run(train_command("recipes/cispo.yaml", model_dir, run_dir, "trainer.total_steps=100",
-                                          "checkpoint.interval=100", "eval.stop_at_reward=0.9"),
+                                          "checkpoint.interval=100", "eval.stop_at_reward=0.9", ray_address),
                             cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

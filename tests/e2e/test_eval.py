@@ -20,7 +20,7 @@ def half_credit(prompt, response, label, metadata):
 
 
 @pytest.mark.slow
-def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoint(tmp_path, tiny_model_dir):
+def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoint(tmp_path, tiny_model_dir, ray_address):
     _, held_out = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800, num_eval=100))
     set_file = tmp_path / "held_out.jsonl"
     set_file.write_text("".join(json.dumps({"question": r.prompt, "answer": r.label}) + "\n" for r in held_out[:40]))
@@ -31,7 +31,7 @@ def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoin
     run_dir = tmp_path / "run"
     # eval.interval 3 and 4 steps: the data section's set at steps 0 and 3, the held-out set at 0, 2 and 3
     result = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=4",
-                                          "eval.interval=3", "checkpoint.interval=3", eval_set),
+                                          "eval.interval=3", "checkpoint.interval=3", eval_set, ray_address),
                             cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rlsys: data: 800 train and 100 eval prompts; eval sets: held_out (40 prompts)" in result.stdout

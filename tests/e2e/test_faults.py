@@ -46,14 +46,14 @@ def hangs_or_lies(prompt, response, label, metadata):
 
 
 @pytest.mark.slow
-def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_path, tiny_model_dir):
+def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_path, tiny_model_dir, ray_address):
     (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
     run_dir = tmp_path / "run"
     # The hanging call sleeps 60 s a time (several per step): the run finishing within the
     # subprocess timeout at all needs every such call stopped at reward.timeout_s.
     result = subprocess.run(
         train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=3", "eval.interval=2",
-                      "reward.function=bad_rewards.py:hangs_or_lies", "reward.timeout_s=0.2"),
+                      "reward.function=bad_rewards.py:hangs_or_lies", "reward.timeout_s=0.2", ray_address),
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -33,12 +33,12 @@ def _check_prompts_trained_once_or_in_flight(rows: list[dict], per_step: int, tr
 
 
 @pytest.mark.slow
-def test_partial_rollouts_learn_the_quickstart_task(tmp_path, tiny_model_dir):
+def test_partial_rollouts_learn_the_quickstart_task(tmp_path, tiny_model_dir, ray_address):
     run_dir = tmp_path / "run"
     result = subprocess.run(train_command("quickstart_disaggregated.yaml", tiny_model_dir, run_dir,
                                           "trainer.num_ranks=1", "rollout.num_engines=1", "trainer.total_steps=150",
                                           "eval.stop_at_reward=0.9", "rollout.partial_rollouts=true", "rollout.oversample=8",
-                                          "weight_sync.verify=false"),
+                                          "weight_sync.verify=false", ray_address),
                             cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -60,7 +60,7 @@ def _long_tail_bench():
 
 
 @pytest.mark.slow
-def test_a_checkpoint_with_aborted_samples_in_flight_resumes_them_exactly(tmp_path):
+def test_a_checkpoint_with_aborted_samples_in_flight_resumes_them_exactly(tmp_path, ray_address):
     """The bench's long-tailed copy task (most answers 2-4 tokens, a few up to 256): steps stop
     before their slowest groups, whose samples are aborted part-way and continued later."""
     bench = _long_tail_bench()
@@ -73,7 +73,8 @@ def test_a_checkpoint_with_aborted_samples_in_flight_resumes_them_exactly(tmp_pa
     def train_run(run_dir, *overrides):
         return subprocess.run([sys.executable, "-m", "rlsys.cli", "train", str(config), f"run_dir={run_dir}",
                                "logging.progress_bar=false", "status.port=0", "rollout.partial_rollouts=true",
-                               "trainer.total_steps=12", "checkpoint.interval=6", "eval.interval=100", *overrides],
+                               "trainer.total_steps=12", "checkpoint.interval=6", "eval.interval=100", ray_address,
+                               *overrides],
                               cwd=REPO, capture_output=True, text=True, timeout=1200)
 
     run_dir = tmp_path / "run"

@@ -13,10 +13,11 @@ from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO, RewardService, train_command
 
 
-def _run(recipe: str, tiny_model_dir, run_dir, *overrides) -> list[dict]:
-    """The recipe's run, ended by its first eval at 0.9 or more (the asserts check the last eval)."""
+def _run(recipe: str, tiny_model_dir, run_dir, ray_address, *overrides) -> list[dict]:
+    """The recipe's run in the session's Ray cluster, ended by its first eval at 0.9 or more (the
+    asserts check the last eval)."""
     result = subprocess.run(train_command(f"recipes/{recipe}", tiny_model_dir, run_dir, "eval.stop_at_reward=0.9",
-                                          *overrides),
+                                          ray_address, *overrides),
                             capture_output=True, text=True, timeout=1500, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     return read_metrics(run_dir / "metrics.jsonl")
@@ -27,8 +28,8 @@ def _evals(rows):
 
 
 @pytest.mark.slow
-def test_dapo_recipe_learns_with_dynamic_sampling(tmp_path, tiny_model_dir):
-    rows = _run("dapo.yaml", tiny_model_dir, tmp_path / "run")
+def test_dapo_recipe_learns_with_dynamic_sampling(tmp_path, tiny_model_dir, ray_address):
+    rows = _run("dapo.yaml", tiny_model_dir, tmp_path / "run", ray_address)
     evals = _evals(rows)
     assert evals[0] < 0.3 and evals[-1] >= 0.9, f"eval reward over the run: {evals}"
     # Dynamic sampling: at first most groups score all alike and are dropped, so more rounds run;
@@ -39,10 +40,10 @@ def test_dapo_recipe_learns_with_dynamic_sampling(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_dr_grpo_recipe_learns_with_rewards_from_a_reward_service(tmp_path, tiny_model_dir):
+def test_dr_grpo_recipe_learns_with_rewards_from_a_reward_service(tmp_path, tiny_model_dir, ray_address):
     service = RewardService()
     try:
-        rows = _run("dr_grpo.yaml", tiny_model_dir, tmp_path / "run", f"reward.url={service.url}")
+        rows = _run("dr_grpo.yaml", tiny_model_dir, tmp_path / "run", ray_address, f"reward.url={service.url}")
     finally:
         service.close()
     evals = _evals(rows)
@@ -55,8 +56,8 @@ def test_dr_grpo_recipe_learns_with_rewards_from_a_reward_service(tmp_path, tiny
 
 
 @pytest.mark.slow
-def test_gspo_recipe_learns_clipping_whole_responses(tmp_path, tiny_model_dir):
-    rows = _run("gspo.yaml", tiny_model_dir, tmp_path / "run")
+def test_gspo_recipe_learns_clipping_whole_responses(tmp_path, tiny_model_dir, ray_address):
+    rows = _run("gspo.yaml", tiny_model_dir, tmp_path / "run", ray_address)
     evals = _evals(rows)
     assert evals[0] < 0.3 and evals[-1] >= 0.9, f"eval reward over the run: {evals}"
     # the second mini-batch of each step is off-policy: some of its responses leave the narrow
