@@ -63,13 +63,13 @@ def test_rlsys_plan_reads_the_shapes_of_a_hub_model(hub_cache, tmp_path):
 
 def test_a_hub_id_in_no_cache_while_offline_is_refused_naming_the_cache(hub_cache, tmp_path):
     config = write_config(tmp_path / "c.yaml", Path("x"), model={"path": "tiny-org/not-downloaded"})
-    error = refused_by_cli("plan", str(config))
+    error = refused_by_cli("plan", str(config), new_process=True)
     assert "tiny-org/not-downloaded" in error and "HF_HUB_OFFLINE" in error and str(hub_cache) in error
 
 
 def test_an_unknown_revision_offline_is_refused(hub_cache, tmp_path):
     config = write_config(tmp_path / "c.yaml", Path("x"), model={"path": "tiny-org/tiny-qwen", "revision": "v9"})
-    error = refused_by_cli("plan", str(config))
+    error = refused_by_cli("plan", str(config), new_process=True)
     assert "revision v9" in error and "no hub cache" in error
 
 
