@@ -55,7 +55,7 @@ def _chromium(*args: str) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
                     reason="Debian's chromium is not installed (make test installs it)")
-def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir):
+def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address):
     assert CHROMIUM, "CI must have Debian's chromium: `make test` installs it with apt-get"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -69,7 +69,8 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir):
     run = subprocess.Popen(
         [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
          f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "logging.progress_bar=false",
-         "trainer.total_steps=400", "eval.interval=5", f"status.port={port}", "status.token=let-me-in", eval_set],
+         "trainer.total_steps=400", "eval.interval=5", f"status.port={port}", "status.token=let-me-in", eval_set,
+         ray_address],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "RLSYS_STATUS_TOKEN": ""},
     )
