@@ -74,7 +74,7 @@ def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, tiny_model_dir):
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, tiny_model_dir, ray_address):
     """Ctrl-C in a terminal: SIGINT to the run's whole process group, the local Ray cluster's
     processes and the reward workers included (SIGTERM to the driver alone takes the same path:
     tests/e2e/test_stop_signals.py)."""
@@ -100,7 +100,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_
     assert leftovers.processes() == [] and leftovers.shm_files() == []
 
     resumed = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir,
-                                           f"trainer.total_steps={len(steps) + 2}", "--resume"),
+                                           f"trainer.total_steps={len(steps) + 2}", ray_address, "--resume"),
                              cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
