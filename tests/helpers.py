@@ -30,6 +30,25 @@ def trainer_spec(model_dir: Path, *, dtype: str = "float32", lora=None, **fields
                        AlgorithmConfig(**algorithm))
 
 
+def trainer_groups(*groups: tuple) -> list:
+    """TrainerGroups for (spec, num_ranks) pairs, started at once. A rank's start-up is one process
+    importing torch and transformers, single-threaded and CPU-bound (~5 s here): one 1-rank group
+    after another leaves the second core idle. If any fails to start, the others are shut down."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlsys.actors.group import TrainerGroup
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        starting = [pool.submit(TrainerGroup, spec, num_ranks) for spec, num_ranks in groups]
+    started = [future.result() for future in starting if future.exception() is None]
+    failed = [future.exception() for future in starting if future.exception() is not None]
+    if failed:
+        for group in started:
+            group.shutdown()
+        raise failed[0]
+    return started
+
+
 def random_sequences(seed: int, count: int, prompt_lens: tuple[int, int] = (2, 9),
                      response_lens: tuple[int, int] = (1, 12), vocab: int = 80) -> list:
     """`count` TrainSequences of random tokens (ids 3..vocab-1), lengths drawn from the inclusive

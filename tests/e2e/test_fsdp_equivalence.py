@@ -24,7 +24,7 @@ import torch
 from rlsys.actors.group import TrainerGroup
 from rlsys.actors.parallelize import uses_fsdp
 from rlsys.records import TrainSequence
-from tests.helpers import random_sequences, trainer_spec
+from tests.helpers import random_sequences, trainer_groups, trainer_spec
 
 GRADIENT_RTOL = 1e-4  # of the gradient's scale (max |g| over the model); see the module docstring
 METRIC_ATOL = 1e-4  # token means of O(1) values, from states equal up to Adam's noise steps
@@ -42,8 +42,7 @@ def trainers(ray_cluster, tiny_model_dir):
         tiny_model_dir, lr=1e-3, max_tokens_per_microbatch=24, mini_batches_per_step=2,
         use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, clip_eps_low=0.01, clip_eps_high=0.01,
     )
-    sharded = TrainerGroup(spec, num_ranks=2)
-    single = TrainerGroup(spec, num_ranks=1)
+    sharded, single = trainer_groups((spec, 2), (spec, 1))
     yield sharded, single, spec
     sharded.shutdown()
     single.shutdown()

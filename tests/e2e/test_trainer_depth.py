@@ -6,7 +6,7 @@ import torch
 
 from rlsys.actors.group import TrainerGroup
 from rlsys.records import TrainSequence
-from tests.helpers import random_sequences, trainer_spec
+from tests.helpers import random_sequences, trainer_groups, trainer_spec
 
 
 def _batch(seed: int, count: int = 12) -> list[TrainSequence]:
@@ -24,8 +24,7 @@ def _spec(model_dir, **overrides):
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2], ids=["whole model", "FSDP2"])
 def test_training_after_sleep_and_wake_up_is_bit_identical(ray_cluster, tiny_model_dir, ranks):
-    plain = TrainerGroup(_spec(tiny_model_dir), ranks)
-    cycled = TrainerGroup(_spec(tiny_model_dir), ranks)
+    plain, cycled = trainer_groups((_spec(tiny_model_dir), ranks), (_spec(tiny_model_dir), ranks))
     try:
         for step in range(3):
             plain.train_step(_batch(step))
@@ -66,8 +65,8 @@ def test_twenty_sleep_cycles_do_not_leak_host_memory(ray_cluster, medium_model_d
 
 @pytest.mark.slow
 def test_packed_logprobs_equal_unpacked_per_sequence(ray_cluster, tiny_model_dir):
-    packed = TrainerGroup(_spec(tiny_model_dir, packing=True, max_tokens_per_microbatch=64), 2)
-    one_by_one = TrainerGroup(_spec(tiny_model_dir, packing=False, micro_batch_size=1), 1)
+    packed, one_by_one = trainer_groups((_spec(tiny_model_dir, packing=True, max_tokens_per_microbatch=64), 2),
+                                        (_spec(tiny_model_dir, packing=False, micro_batch_size=1), 1))
     try:
         batch = _batch(7, count=15)
         a, b = packed.compute_log_probs(batch), one_by_one.compute_log_probs(batch)
@@ -83,9 +82,9 @@ def test_packed_logprobs_equal_unpacked_per_sequence(ray_cluster, tiny_model_dir
 def test_one_or_four_micro_batches_give_the_same_gradient(ray_cluster, tiny_model_dir):
     batch = _batch(3, count=16)
     tokens = sum(len(s.token_ids) for s in batch)
-    whole = TrainerGroup(_spec(tiny_model_dir, max_tokens_per_microbatch=tokens), 1)
-    quarters = TrainerGroup(_spec(tiny_model_dir, max_tokens_per_microbatch=tokens // 4 + 1), 1)
-    padded = TrainerGroup(_spec(tiny_model_dir, packing=False, micro_batch_size=4), 1)
+    whole, quarters, padded = trainer_groups((_spec(tiny_model_dir, max_tokens_per_microbatch=tokens), 1),
+                                             (_spec(tiny_model_dir, max_tokens_per_microbatch=tokens // 4 + 1), 1),
+                                             (_spec(tiny_model_dir, packing=False, micro_batch_size=4), 1))
     try:
         g1, g4, gp = whole.loss_gradients(batch), quarters.loss_gradients(batch), padded.loss_gradients(batch)
         for name in g1:
@@ -115,33 +114,31 @@ def test_kl_is_zero_at_start_and_positive_once_the_policy_moves(ray_cluster, tin
 def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny_model_dir, tmp_path, ranks):
     spec = _spec(tiny_model_dir, lr_schedule="cosine", warmup_steps=2, total_steps=4,
                  mini_batches_per_step=2)
-    straight = TrainerGroup(spec, ranks)
-    first_half = TrainerGroup(spec, ranks)
+    # Three groups of the same spec, started at once; `resumed` has no state until it loads the
+    # checkpoint, written after it started by a group killed before it loads it.
+    straight, first_half, resumed = trainer_groups((spec, ranks), (spec, ranks), (spec, ranks))
     try:
         for step in range(4):
             straight_last = straight.train_step(_batch(step))
         for step in range(2):
             first_half.train_step(_batch(step))
         first_half.save_checkpoint(str(tmp_path))
-    finally:
         first_half.shutdown()  # the ranks are killed; only the checkpoint survives
-    resumed = TrainerGroup(spec, ranks)
-    try:
         resumed.load_checkpoint(str(tmp_path))
         for step in range(2, 4):
             last = resumed.train_step(_batch(step))
         assert _identical(straight.full_state_dict(), resumed.full_state_dict())
         assert last["lr"] == straight_last["lr"] < spec.trainer.lr  # the cosine schedule was restored too
     finally:
-        straight.shutdown()
-        resumed.shutdown()
+        for group in (straight, first_half, resumed):
+            group.shutdown()  # (a group shut down already has no ranks left to stop)
 
 
 @pytest.mark.slow
 def test_gradient_checkpointing_and_lr_warmup_behave(ray_cluster, tiny_model_dir):
     batch = _batch(5)
-    plain = TrainerGroup(_spec(tiny_model_dir, warmup_steps=4), 1)
-    checkpointed = TrainerGroup(_spec(tiny_model_dir, gradient_checkpointing=True), 1)
+    plain, checkpointed = trainer_groups((_spec(tiny_model_dir, warmup_steps=4), 1),
+                                         (_spec(tiny_model_dir, gradient_checkpointing=True), 1))
     try:
         g_plain, g_ckpt = plain.loss_gradients(batch), checkpointed.loss_gradients(batch)
         for name in g_plain:
