@@ -248,30 +248,43 @@ def test_the_speedups_can_be_switched_off_and_the_required_patches_stay(speedups
 
 # --- a real engine -------------------------------------------------------------------------------
 
-def _greedy(model_dir: Path, log_path: Path) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy tokens and their log-probs for ragged prompts from a CPU engine."""
-    spec = ServerSpec(ModelConfig(path=str(model_dir)), EngineConfig(context_length=128, max_total_tokens=4096))
-    server = SGLangServer(spec, make_backend(False), "e0", log_path)
-    server.start(timeout_s=600)
-    try:
-        prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
-        answers = server.client.generate({
-            "input_ids": prompts,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True},
-            "return_logprob": True,
-        })
-    finally:
-        server.stop()
+def _greedy(server: SGLangServer) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and their log-probs for ragged prompts from a started CPU engine."""
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
+    answers = server.client.generate({
+        "input_ids": prompts,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True},
+        "return_logprob": True,
+    })
     pairs = [answer["meta_info"]["output_token_logprobs"] for answer in answers]
     return [[token for _, token, *_ in p] for p in pairs], [[lp for lp, *_ in p] for p in pairs]
 
 
 @pytest.mark.slow
 def test_an_engine_without_the_speedups_generates_the_same_greedy_tokens(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv(rlsys_fence.SPEEDUPS_ENV, "1")
-    fast_tokens, fast_logprobs = _greedy(tiny_model_dir, tmp_path / "fast.log")
-    monkeypatch.setenv(rlsys_fence.SPEEDUPS_ENV, "0")
-    plain_tokens, plain_logprobs = _greedy(tiny_model_dir, tmp_path / "plain.log")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlsys.rollout.sglang import server as server_module
+
+    # Both engines start at once (each start-up is mostly one single-threaded process importing
+    # SGLang), each with its own RLSYS_SGLANG_CPU_SPEEDUPS in its environment.
+    specs = {speedups: ServerSpec(ModelConfig(path=str(tiny_model_dir)),
+                                  EngineConfig(context_length=128, max_total_tokens=4096)) for speedups in "10"}
+    speedups_of = {id(spec): speedups for speedups, spec in specs.items()}
+    monkeypatch.setattr(server_module, "build_env", lambda spec, backend, host="127.0.0.1": {
+        **build_env(spec, backend, host), rlsys_fence.SPEEDUPS_ENV: speedups_of[id(spec)]})
+    fast, plain = (SGLangServer(specs[speedups], make_backend(False), "e0", tmp_path / f"{name}.log")
+                   for speedups, name in (("1", "fast"), ("0", "plain")))
+    # The pool's threads outlive the servers: a server is launched with PR_SET_PDEATHSIG, which
+    # fires when the *thread* that started it exits (prctl(2)), not only its process.
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            for started in [pool.submit(server.start, 600) for server in (fast, plain)]:
+                started.result()
+            (fast_tokens, fast_logprobs), (plain_tokens, plain_logprobs) = _greedy(fast), _greedy(plain)
+        finally:
+            fast.stop()
+            plain.stop()
     # (Which start method the children got is not read from their command lines: SGLang renames
     # its processes ("sglang::scheduler") as they start, so that would race. That speed-ups off
     # leaves SGLang's spawn in place is test_the_speedups_can_be_switched_off_and_the_required_patches_stay.)
