@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -27,6 +28,9 @@ from rlsys.errors import RunFailed
 from rlsys.records import RewardCall, RewardOutcome
 from rlsys.rewards.loading import RewardFn, load_reward_function, score
 from rlsys.system.interrupts import children_shielded_from_stop_signals
+
+# How long idle workers get to take the executor's exit request at close before they are killed.
+CLOSE_GRACE_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -232,9 +236,25 @@ class RewardPool:
         return {process.pid: process.exitcode for process in processes}
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        """Let idle workers exit on the executor's request, then kill any left. Not the executor's
+        shutdown(wait=True) alone: once a worker has died (the OOM killer, a kill -9 while idle), the
+        executor SIGTERMs the others and waits for them to exit (CPython 3.11's
+        concurrent/futures/process.py, terminate_broken -> join_executor_internals), and these
+        workers block SIGTERM (children_shielded_from_stop_signals): it waited forever, and the
+        driver with it, at the end of the run."""
+        if self._executor is None:
+            return
+        processes = list({**self._workers, **(getattr(self._executor, "_processes", None) or {})}.values())
+        broken = bool(getattr(self._executor, "_broken", False))  # then no exit request reaches them
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + (0.0 if broken else CLOSE_GRACE_S)
+        for process in processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+        self._executor, self._workers = None, {}
 
 
 def _describe_exit(exit_code: int | None) -> str:

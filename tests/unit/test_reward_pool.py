@@ -116,6 +116,28 @@ def test_workers_killed_between_steps_are_replaced_for_the_next_step(pool):
     assert [o.value for o in pool.score(_calls("8", "7", "7"))] == [0.0, 1.0, 1.0]
 
 
+def test_closing_a_pool_whose_idle_worker_was_killed_returns_and_leaves_no_worker(pool):
+    """The end of a run after the OOM killer took an idle reward worker: the executor SIGTERMs the
+    other, which blocks SIGTERM, and its own shutdown then waited for it forever."""
+    import os
+    import signal
+    import threading
+
+    import psutil
+
+    assert [o.value for o in pool.score(_calls("7", "8"))] == [1.0, 0.0]  # both workers are up
+    workers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    os.kill(workers[0].pid, signal.SIGKILL)
+    psutil.wait_procs(workers[:1])
+    closing = threading.Thread(target=pool.close, daemon=True)
+    closing.start()
+    closing.join(timeout=60)
+    assert not closing.is_alive(), "RewardPool.close did not return"
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert alive == []
+
+
 def test_workers_that_die_while_loading_the_reward_stop_the_run_naming_it(tmp_path, monkeypatch):
     (tmp_path / "exits_on_import.py").write_text("import os\nos._exit(4)\n\ndef score(p, r, l, m):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
