@@ -225,14 +225,10 @@ class RewardPool:
         """Stop the workers (a stuck call ignores anything gentler than SIGKILL); their exit codes by pid."""
         if self._executor is None:
             return {}
-        processes = list({**self._workers, **(getattr(self._executor, "_processes", None) or {})}.values())
-        self._workers = {}
-        for process in processes:
-            process.kill()
-        for process in processes:
-            process.join(timeout=10)
+        processes = self._known_workers()
+        _kill_and_join(processes)
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._executor = None
+        self._executor, self._workers = None, {}
         return {process.pid: process.exitcode for process in processes}
 
     def close(self) -> None:
@@ -244,17 +240,27 @@ class RewardPool:
         driver with it, at the end of the run."""
         if self._executor is None:
             return
-        processes = list({**self._workers, **(getattr(self._executor, "_processes", None) or {})}.values())
+        processes = self._known_workers()  # before shutdown, which forgets them
         broken = bool(getattr(self._executor, "_broken", False))  # then no exit request reaches them
         self._executor.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + (0.0 if broken else CLOSE_GRACE_S)
         for process in processes:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+        _kill_and_join(processes)
         self._executor, self._workers = None, {}
+
+    def _known_workers(self) -> list:
+        """The workers as started (the executor forgets one once its manager thread has seen it
+        die) and as the executor holds them now."""
+        return list({**self._workers, **(getattr(self._executor, "_processes", None) or {})}.values())
+
+
+def _kill_and_join(processes: list) -> None:
+    """SIGKILL each worker still running (a no-op for one already reaped) and wait for them all."""
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.join(timeout=10)
 
 
 def _describe_exit(exit_code: int | None) -> str:
