@@ -50,6 +50,19 @@ def ray_address(ray_cluster) -> str:
     return f"placement.ray_address={ray_cluster}"
 
 
+@pytest.fixture
+def leftovers(monkeypatch):
+    """A Leftovers check (tests/helpers.py) started now: after the session's fixtures (a function
+    fixture comes after them), with its mark in the environment of everything the test starts."""
+    import uuid
+
+    from tests.helpers import LEFTOVERS_MARK, Leftovers
+
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(LEFTOVERS_MARK, mark)
+    return Leftovers(mark)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu`-marked tests run only where CUDA is available (they are skipped on the CPU machines)."""
     import torch

@@ -125,13 +125,25 @@ def started_run(config: str, model_dir: Path, run_dir: Path, *overrides: str, ow
 RUN_SHM_PREFIXES = ("torch_", "sglang_", "sgl_shm", "sem.mp-")
 
 
+# The environment variable that marks the processes a leftovers check watches (see Leftovers).
+LEFTOVERS_MARK = "RLSYS_TEST_LEFTOVERS"
+
+
 class Leftovers:
     """What a run leaves behind: new SGLang/Ray processes outside this pytest's own tree, and new
-    shared-memory files of torch, SGLang or multiprocessing. Snapshot before, check after."""
+    shared-memory files of torch, SGLang or multiprocessing. Snapshot before, check after.
 
-    def __init__(self):
+    Only the test's own count: the `leftovers` fixture puts `mark` in this process's environment
+    (LEFTOVERS_MARK) for the test, so every process the test starts inherits it, through a local
+    Ray cluster's raylet and an engine's SGLang server too. Ray's agents get an environment of their
+    own: they count while their parent is marked, and once orphaned (whoever left them). A live
+    process of anyone else on the machine (a developer's own run, another pytest), and the files it
+    made or holds, are neither reported nor returned by `new_pids` to be killed."""
+
+    def __init__(self, mark: str):
         import psutil
 
+        self.mark = mark
         self._pids = {p.pid for p in psutil.process_iter()}
         self._shm = set(os.listdir("/dev/shm"))
 
@@ -144,19 +156,81 @@ class Leftovers:
             if proc.pid in self._pids or proc.pid in mine:
                 continue
             cmdline = " ".join(proc.info["cmdline"] or [])
-            if "sglang" in cmdline or "ray::" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline:
+            if ("sglang" in cmdline or "ray::" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline) \
+                    and self._is_the_tests(proc):
                 found.append(f"{proc.pid}: {cmdline[:120]}")
         return found
 
     def shm_files(self) -> list[str]:
-        return sorted(n for n in set(os.listdir("/dev/shm")) - self._shm if n.startswith(RUN_SHM_PREFIXES))
+        from rlsys.system.shm_sweep import creator_pid
+
+        new = sorted(n for n in set(os.listdir("/dev/shm")) - self._shm if n.startswith(RUN_SHM_PREFIXES))
+        holders = _holders(f"/dev/shm/{n}" for n in new if creator_pid(n) is None)
+        found = []
+        for name in new:
+            pid = creator_pid(name)
+            owners = [pid] if pid is not None else holders.get(f"/dev/shm/{name}", [])
+            if not any(self._someone_elses(owner) for owner in owners):
+                found.append(name)
+        return found
 
     def new_pids(self, substring: str) -> list:
-        """New processes whose command line contains `substring` (e.g. to kill one)."""
+        """The test's new processes whose command line contains `substring` (e.g. to kill one)."""
         import psutil
 
         return [p for p in psutil.process_iter(["pid", "cmdline"])
-                if substring in " ".join(p.info["cmdline"] or []) and p.pid not in self._pids]
+                if substring in " ".join(p.info["cmdline"] or []) and p.pid not in self._pids
+                and _mark_of(p) == self.mark]
+
+    def _is_the_tests(self, proc) -> bool:
+        import psutil
+
+        mark = _mark_of(proc)
+        if mark is not None:
+            return mark == self.mark
+        try:
+            parent = proc.ppid()
+            return parent == 1 or _mark_of(psutil.Process(parent)) == self.mark
+        except psutil.Error:
+            return True  # gone meanwhile: it was new, so it counts
+
+    def _someone_elses(self, pid: int) -> bool:
+        """A live process of someone else's (a dead one's files count: they are what is left)."""
+        import psutil
+
+        try:
+            return not self._is_the_tests(psutil.Process(pid))
+        except psutil.Error:
+            return False
+
+
+def _mark_of(proc) -> str | None:
+    """The process's LEFTOVERS_MARK, or None (unset, or its environment cannot be read)."""
+    import psutil
+
+    try:
+        return proc.environ().get(LEFTOVERS_MARK)
+    except psutil.Error:
+        return None
+
+
+def _holders(paths) -> dict[str, list[int]]:
+    """The pids that map or hold open each of `paths`."""
+    wanted, holders = set(paths), {}
+    if not wanted:
+        return holders
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            maps = [line.split(maxsplit=5) for line in (entry / "maps").read_text().splitlines()]
+            held = {fields[5].removesuffix(" (deleted)") for fields in maps if len(fields) == 6}
+            held |= {os.readlink(fd) for fd in (entry / "fd").iterdir()}
+        except OSError:
+            continue  # exited meanwhile, or not ours to inspect
+        for path in wanted & held:
+            holders.setdefault(path, []).append(int(entry.name))
+    return holders
 
 
 def write_config(path: Path, model_dir: Path, **sections) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, Leftovers
+from tests.helpers import REPO
 
 
 def walkthrough_script() -> str:
@@ -21,8 +21,7 @@ def walkthrough_script() -> str:
 
 
 @pytest.mark.slow
-def test_the_byo_task_walkthrough_runs_as_written(tmp_path):
-    leftovers = Leftovers()
+def test_the_byo_task_walkthrough_runs_as_written(leftovers, tmp_path):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     result = subprocess.run(["bash", "-c", walkthrough_script()], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=900)

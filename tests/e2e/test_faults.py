@@ -9,14 +9,13 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, Leftovers, started_run, train_command
+from tests.helpers import REPO, started_run, train_command
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("config", "engines"), [("quickstart.yaml", 1)])
-def test_engine_killed_with_no_restarts_left_fails_the_run_with_a_clear_message(tmp_path, tiny_model_dir, config,
-                                                                                 engines):
-    leftovers = Leftovers()
+def test_engine_killed_with_no_restarts_left_fails_the_run_with_a_clear_message(leftovers, tmp_path, tiny_model_dir,
+                                                                                 config, engines):
     run_dir = tmp_path / "run"
     with started_run(config, tiny_model_dir, run_dir, "trainer.total_steps=2000", "rollout.engine.max_restarts=0") as run:
         _wait_for_steps(run, run_dir, 3)
@@ -74,11 +73,11 @@ def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, tiny_model_dir, ray_address):
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(leftovers, tmp_path, tiny_model_dir,
+                                                                           ray_address):
     """Ctrl-C in a terminal: SIGINT to the run's whole process group, the local Ray cluster's
     processes and the reward workers included (SIGTERM to the driver alone takes the same path:
     tests/e2e/test_stop_signals.py)."""
-    leftovers = Leftovers()
     run_dir = tmp_path / "run"
     with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000",
                      own_process_group=True) as run:
@@ -108,14 +107,13 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_
     assert [r["weight_version"] for r in rows] == list(range(len(steps) + 2))
 
 
-def _engine_servers(leftovers: Leftovers, model_dir) -> list:
+def _engine_servers(leftovers, model_dir) -> list:
     return [p for p in leftovers.new_pids("sglang.launch_server") if str(model_dir) in " ".join(p.info["cmdline"] or [])]
 
 
 @pytest.mark.slow
-def test_a_silent_engine_in_the_broadcast_group_is_restarted_and_the_run_goes_on(tmp_path, tiny_model_dir):
+def test_a_silent_engine_in_the_broadcast_group_is_restarted_and_the_run_goes_on(leftovers, tmp_path, tiny_model_dir):
     """One of two engines in the broadcast group, alive but silent past rollout.engine.health_timeout_s."""
-    leftovers = Leftovers()
     run_dir = tmp_path / "run"
     total = 8
     with started_run("quickstart_disaggregated.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={total}",
@@ -133,12 +131,11 @@ def test_a_silent_engine_in_the_broadcast_group_is_restarted_and_the_run_goes_on
 
 
 @pytest.mark.slow
-def test_a_killed_engine_then_a_killed_trainer_rank_are_recovered_and_the_run_goes_on(tmp_path, tiny_model_dir):
+def test_a_killed_engine_then_a_killed_trainer_rank_are_recovered_and_the_run_goes_on(leftovers, tmp_path, tiny_model_dir):
     """Colocated (IPC transport), in one run: the engine's server is killed, restarted and brought up to
     date; later a trainer rank is killed and the trainers restart from the latest checkpoint, the
     steps after it trained again. The restarted engine serves the trainer's policy from then on
     (logprob_mismatch on every later step); that the run then learns is test_quickstart's."""
-    leftovers = Leftovers()
     run_dir = tmp_path / "run"
     total = 16
     with started_run("quickstart.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={total}", "eval.interval=100",

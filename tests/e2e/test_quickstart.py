@@ -7,7 +7,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlsys.observability.metrics import read_metrics
-from tests.helpers import REPO, Leftovers, train_command
+from tests.helpers import REPO, train_command
 
 REQUIRED_COLUMNS = {
     "step", "reward_mean", "reward_std", "loss", "kl", "clip_fraction", "entropy",
@@ -17,10 +17,9 @@ REQUIRED_COLUMNS = {
 
 
 @pytest.mark.slow
-def test_quickstart_learns_and_cleans_up(tmp_path, tiny_model_dir):
+def test_quickstart_learns_and_cleans_up(leftovers, tmp_path, tiny_model_dir):
     """The README's command, colocated. (The disaggregated layout learns in tests/e2e/test_multinode.py,
     its engine on another node, and logs to every tracking backend there.)"""
-    leftovers = Leftovers()
     run_dir = tmp_path / "run"
     # The GPU's memory hand-off runs on CPU too when asked: its order of calls is checked.
     # eval 0.9 by ~step 80; eval.stop_at_reward ends the run there, with a checkpoint (checkpoint.interval set)

@@ -10,7 +10,7 @@ import torch
 
 from rlsys.observability.metrics import read_metrics
 from rlsys.system.run_lock import owner_is_alive
-from tests.helpers import REPO, Leftovers
+from tests.helpers import REPO
 
 
 def _command(run_dir, model_dir, *extra):
@@ -23,12 +23,11 @@ def _command(run_dir, model_dir, *extra):
 
 
 @pytest.mark.slow
-def test_a_killed_driver_leaves_nothing_and_the_run_resumes_where_its_checkpoint_left_off(tmp_path, tiny_model_dir,
-                                                                                          ray_address):
+def test_a_killed_driver_leaves_nothing_and_the_run_resumes_where_its_checkpoint_left_off(leftovers, tmp_path,
+                                                                                          tiny_model_dir, ray_address):
     """The driver alone dies without warning (SIGKILL) after its step-4 checkpoint: its reaper stops
     the engines, trainers and Ray, the status says failed, the lock is stale; `--resume` then
     continues from step 4 as if nothing had happened."""
-    leftovers = Leftovers()
     run_dir = tmp_path / "run"
     crashed = subprocess.Popen(_command(run_dir, tiny_model_dir), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

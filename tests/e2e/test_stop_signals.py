@@ -19,7 +19,7 @@ from rlsys.rollout.sglang.server import _die_with_parent
 from rlsys.run.coordinator import StoppedAtOnce, _stop_on_signals
 from rlsys.system.interrupts import children_in_process_groups_of_their_own, children_shielded_from_stop_signals
 from tests.e2e.test_faults import _wait_for_steps
-from tests.helpers import REPO, Leftovers, started_run
+from tests.helpers import REPO, started_run
 
 REPORT_BLOCKED = "import signal; print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -189,10 +189,9 @@ def test_the_first_signal_requests_a_stop_and_the_second_stops_at_once(restored_
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_whole_process_group_stops_as_sigterm_to_the_driver_does(tmp_path, tiny_model_dir):
+def test_sigterm_to_the_whole_process_group_stops_as_sigterm_to_the_driver_does(leftovers, tmp_path, tiny_model_dir):
     """What Kubernetes, SLURM's scancel, `timeout` and job runners send: it also reaches the local
     Ray cluster's processes and the reward workers, which must leave the stop to the driver."""
-    leftovers = Leftovers()
     run_dir = tmp_path / "run"
     with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000",
                      own_process_group=True) as run:
