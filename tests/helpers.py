@@ -162,14 +162,14 @@ class Leftovers:
         return found
 
     def shm_files(self) -> list[str]:
-        from rlsys.system.shm_sweep import creator_pid
+        from rlsys.system.shm_sweep import creator_pid, holders
 
         new = sorted(n for n in set(os.listdir("/dev/shm")) - self._shm if n.startswith(RUN_SHM_PREFIXES))
-        holders = _holders(f"/dev/shm/{n}" for n in new if creator_pid(n) is None)
+        held = holders() if any(creator_pid(n) is None for n in new) else {}
         found = []
         for name in new:
             pid = creator_pid(name)
-            owners = [pid] if pid is not None else holders.get(f"/dev/shm/{name}", [])
+            owners = [pid] if pid is not None else held.get(f"/dev/shm/{name}", set())
             if not any(self._someone_elses(owner) for owner in owners):
                 found.append(name)
         return found
@@ -212,25 +212,6 @@ def _mark_of(proc) -> str | None:
         return proc.environ().get(LEFTOVERS_MARK)
     except psutil.Error:
         return None
-
-
-def _holders(paths) -> dict[str, list[int]]:
-    """The pids that map or hold open each of `paths`."""
-    wanted, holders = set(paths), {}
-    if not wanted:
-        return holders
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            maps = [line.split(maxsplit=5) for line in (entry / "maps").read_text().splitlines()]
-            held = {fields[5].removesuffix(" (deleted)") for fields in maps if len(fields) == 6}
-            held |= {os.readlink(fd) for fd in (entry / "fd").iterdir()}
-        except OSError:
-            continue  # exited meanwhile, or not ours to inspect
-        for path in wanted & held:
-            holders.setdefault(path, []).append(int(entry.name))
-    return holders
 
 
 def write_config(path: Path, model_dir: Path, **sections) -> Path:

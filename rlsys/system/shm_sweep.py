@@ -37,24 +37,28 @@ def _alive(pid: int) -> bool:
         return True  # someone else's process
 
 
-def _held_paths(shm_dir: Path) -> set[str]:
-    """Paths any process we may inspect maps or has open. Processes we may not inspect (init,
-    other users') are skipped: they do not hold a run's load slots."""
+def holders(shm_dir: Path = SHM_DIR) -> dict[str, set[int]]:
+    """Each path in `shm_dir` that a process we may inspect maps or has open, with those processes'
+    pids. Processes we may not inspect (init, other users') are skipped: they do not hold a run's
+    load slots."""
     prefix = f"{shm_dir}/"
-    held: set[str] = set()
+    held: dict[str, set[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            held.update(line.split(maxsplit=5)[5].strip() for line in (entry / "maps").read_text().splitlines()
-                        if line.count(" ") >= 5 and prefix in line)
+        pid, paths = int(entry.name), set()
+        try:  # what is found is kept even when the process exits (or an fd closes) midway
+            paths.update(line.split(maxsplit=5)[5].strip() for line in (entry / "maps").read_text().splitlines()
+                         if line.count(" ") >= 5 and prefix in line)
             for fd in (entry / "fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith(prefix):
-                    held.add(target)
+                    paths.add(target)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue  # exited meanwhile, or not ours to inspect
-    return {path.removesuffix(" (deleted)") for path in held}
+            pass  # exited meanwhile, or not ours to inspect
+        for path in paths:
+            held.setdefault(path.removesuffix(" (deleted)"), set()).add(pid)
+    return held
 
 
 def sweep_shared_memory(shm_dir: Path = SHM_DIR) -> list[str]:
@@ -69,7 +73,7 @@ def sweep_shared_memory(shm_dir: Path = SHM_DIR) -> list[str]:
         if pid is not None:
             stale = not _alive(pid)
         elif name.startswith(_UNOWNED_PREFIXES):
-            held = _held_paths(shm_dir) if held is None else held
+            held = holders(shm_dir) if held is None else held
             stale = str(shm_dir / name) not in held
         else:
             continue
