@@ -124,8 +124,19 @@ def wait_for_collective(work, calls: _Calls, timeout_s: float, what: str, abort:
             raise WeightSyncTimeout(f"{what} did not complete within {timeout_s:.0f}s (weight_sync.timeout_s); "
                                     f"no answer from {calls.unanswered() or 'any engine'}")
         time.sleep(poll_s)
-    if not work.is_success():
-        raise WeightSyncError(f"{what} failed: {work.exception()}")
+    raise_if_failed(work, what)
+
+
+def raise_if_failed(work, what: str) -> None:
+    """Raise if a completed collective failed. `Work.wait()` is the one check every backend
+    implements: on a completed work it returns at once, or raises the collective's error (gloo
+    rethrows it; NCCL's WorkNCCL::wait handles the exception its isCompleted recorded).
+    `Work.is_success()` is not: ProcessGroupNCCL's WorkNCCL::isSuccess() throws
+    NotImplementedError("WorkNCCL::isSuccess() is deprecated"), so it failed every NCCL sync."""
+    try:
+        work.wait()
+    except Exception as error:  # noqa: BLE001 - the backend's own error type
+        raise WeightSyncError(f"{what} failed: {error}") from error
 
 
 class BroadcastWeightSender:
