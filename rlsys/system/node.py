@@ -20,11 +20,21 @@ import socket
 GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
 
 
+def connected_ray():
+    """Ray's module when this process is connected to a Ray cluster, else None, also where Ray is
+    not installed: the trainer runs without it in the GPU proof kit (bench/gpu_proof.py), on a
+    machine that has torch and no Ray."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray if ray.is_initialized() else None
+
+
 def node_address() -> str:
     """This node's address as Ray reports it (what other nodes reach it at); loopback outside Ray."""
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    ray = connected_ray()
+    return ray.util.get_node_ip_address() if ray is not None else "127.0.0.1"
 
 
 def interface_with_address(address: str) -> str | None:

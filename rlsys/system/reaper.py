@@ -157,9 +157,10 @@ def start_actor_reaper() -> psutil.Process | None:
     default), which is exactly when this reaper has its work to do."""
     import subprocess
 
-    import ray
+    from rlsys.system.node import connected_ray
 
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+    ray = connected_ray()
+    if ray is None or ray.get_runtime_context().get_actor_id() is None:
         return None
     launcher = subprocess.Popen([sys.executable, "-m", "rlsys.system.reaper", "--detach", str(os.getpid())],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

@@ -1,0 +1,639 @@
+"""GPU proof kit: the GPU half of rlsys run for real on one GPU in a few minutes, one JSON line per
+check as soon as it ends (a run cut off still reports what it reached).
+
+    python bench/gpu_proof.py --out $OUT/gpu_proof.jsonl            # one CUDA GPU: Qwen2.5-1.5B's shape
+    python bench/gpu_proof.py --device cpu --out /tmp/proof.jsonl   # the CPU twin (CI): a tiny model
+
+It runs rlsys's own functions, not copies, without Ray or SGLang (neither is on the lent GPU
+machine): a `TrainerWorker` of world size 1 built in this process, the weight sync's real senders,
+and a second process on the same device that takes CUDA-IPC buckets as SGLang 0.5.23 does
+(bench/gpu_proof_receiver.py). Checks, in order:
+  environment       GPU, compute mode (colocation needs Default), versions, what make_backend chose
+  trainer_steps     setup + two train steps (bf16, packing, gradient checkpointing, the log-prob head,
+                    the CPU-offloaded reference, fused AdamW) on a random model of the chosen shape
+  memory_train      the memory plan's trainer terms against torch.cuda.max_memory_allocated over a step
+  packed_attention  log-probs of a packed micro-batch against per-sequence forwards and fp32
+  varlen_attention  torch.nn.attention.varlen, when present: against per-sequence SDPA
+  nccl_broadcast    the disaggregated transport (BroadcastWeightSender over a one-rank NCCL group)
+  ipc_sync          CUDA-IPC sync into the receiver: bit-equal, pipelined and serial, small and
+                    large buckets, staging freed once the receiver lets go
+  memory_sync       the plan's sync terms against the peak over a sync
+  sleep_wake        device bytes after sleep, state bit-identical after wake, a step after wake,
+                    host bytes taken against bytes moved
+  speed             step tokens/s and MFU against a bf16 matmul's TFLOP/s; sync GB/s against a copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import multiprocessing
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_proof_receiver as receiver_module  # noqa: E402 - after its folder is on the path
+
+receiver_module.import_rlsys_from_checkout()
+
+# Qwen2.5-1.5B's architecture (its public config.json), with random weights: 1,543,714,304 parameters.
+QWEN25_1_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+    "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151643, "pad_token_id": 151643,
+}
+TINY = {**QWEN25_1_5B, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048, "bos_token_id": 1,
+        "eos_token_id": 1, "pad_token_id": 0}
+MODELS = {"qwen2.5-1.5b": QWEN25_1_5B, "tiny": TINY}
+BF16_SPACING = 2.0**-8  # the gap between 1 and the next bfloat16
+
+
+@dataclass
+class Workload:
+    """What the checks run, sized per device: a real step on a GPU, seconds on CI's CPUs."""
+
+    sequences: int
+    prompt_len: int
+    response_len: int
+    tokens_per_microbatch: int
+    packed_lengths: tuple[int, ...]
+    bucket_mb: tuple[float, float]  # small, large
+    matmul_n: int
+    copy_mb: int
+
+    @classmethod
+    def for_device(cls, gpu: bool) -> Workload:
+        if gpu:
+            return cls(16, 256, 768, 8192, (1024, 700, 300, 37), (64.0, 1024.0), 8192, 1024)
+        return cls(4, 8, 24, 64, (20, 13, 7), (0.01, 1.0), 256, 64)
+
+
+class Report:
+    """One JSON line per check, flushed at once to stdout and the output file."""
+
+    def __init__(self, path: Path | None):
+        self.started = time.monotonic()
+        self.file = path.open("a") if path is not None else None
+        self.results: dict[str, bool] = {}
+
+    def emit(self, check: str, ok: bool | None, **fields) -> None:
+        self.results[check] = ok is not False
+        line = json.dumps({"check": check, "ok": ok, "at_s": round(time.monotonic() - self.started, 1), **fields},
+                          default=str)
+        print(line, flush=True)
+        if self.file is not None:
+            self.file.write(line + "\n")
+            self.file.flush()
+
+    @contextmanager
+    def check(self, name: str):
+        """Runs a check's body; its dict becomes the line (`ok` in it: the verdict, else True)."""
+        fields: dict = {}
+        tick = time.monotonic()
+        try:
+            yield fields
+        except Exception as error:  # noqa: BLE001 - a failed check is reported and the next one runs
+            fields.update(ok=False, error=f"{type(error).__name__}: {error}"[:2000],
+                          traceback=traceback.format_exc()[-3000:])
+        fields["seconds"] = round(time.monotonic() - tick, 2)
+        self.emit(name, fields.pop("ok", True), **fields)
+
+
+@dataclass
+class Proof:
+    """What the checks share: the device, the model, the trainer rank, measured figures."""
+
+    device: torch.device
+    model_fields: dict
+    model_dir: Path
+    work: Workload
+    worker: object = None
+    sequences: list = field(default_factory=list)
+    figures: dict = field(default_factory=dict)
+
+    @property
+    def gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def synchronize(self) -> None:
+        if self.gpu:
+            torch.cuda.synchronize()
+
+
+# ---- building blocks ------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_random_model(directory: Path, fields: dict, device: torch.device) -> Path:
+    """A random-init model of `fields`' architecture saved in bf16 (initialised on the device: a
+    1.5B model's init takes seconds there, minutes on a CPU)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
+    config.architectures = fields["architectures"]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    del model
+    return directory
+
+
+def parameter_count(fields: dict) -> int:
+    h, i, layers, v = fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"], fields["vocab_size"]
+    kv = fields["num_key_value_heads"] * h // fields["num_attention_heads"]
+    layer = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+    return layers * layer + v * h * (1 if fields["tie_word_embeddings"] else 2) + h
+
+
+def random_sequences(proof: Proof, seed: int = 0) -> list:
+    from rlsys.algorithms.losses import sequence_loss_weights
+    from rlsys.records import TrainSequence
+
+    work, vocab = proof.work, proof.model_fields["vocab_size"]
+    generator = torch.Generator().manual_seed(seed)
+    sequences = []
+    for index in range(work.sequences):
+        length = work.prompt_len + work.response_len
+        tokens = torch.randint(2, vocab, (length,), generator=generator).tolist()
+        engine = (-torch.rand(work.response_len, generator=generator) * 3 - 0.05).tolist()
+        sequences.append(TrainSequence(tokens, work.prompt_len, advantage=1.0 if index % 2 else -1.0,
+                                       engine_logprobs=engine))
+    spec = proof.worker.spec
+    weights = sequence_loss_weights([s.loss_tokens for s in sequences], spec.algorithm.aggregation,
+                                    spec.loss_norm_tokens)
+    return [TrainSequence(s.token_ids, s.prompt_len, s.advantage, s.engine_logprobs, loss_weight=w)
+            for s, w in zip(sequences, weights, strict=True)]
+
+
+def run_config(proof: Proof):
+    """The RunConfig the kit's trainer corresponds to (what the memory plan reads)."""
+    from rlsys.config import RunConfig
+
+    work = proof.work
+    return RunConfig.model_validate({
+        "model": {"path": str(proof.model_dir), "dtype": "bfloat16"},
+        "data": {"train_path": str(proof.model_dir / "config.json")},
+        "rollout": {"max_new_tokens": work.response_len, "num_engines": 1,
+                    "engine": {"context_length": work.prompt_len + work.response_len}},
+        "trainer": {"num_ranks": 1, "packing": True, "max_tokens_per_microbatch": work.tokens_per_microbatch,
+                    "gradient_checkpointing": True, "total_steps": 10, "lr": 1e-5},
+        "algorithm": {"use_kl_loss": True, "kl_coef": 0.001},
+        "weight_sync": {"bucket_size_mb": work.bucket_mb[1]},
+        "placement": {"mode": "colocated", "device": "cuda" if proof.gpu else "cpu"},
+    })
+
+
+def state_fingerprint(worker) -> list[tuple[int, int]]:
+    from rlsys.actors.offload import trainer_state_tensors
+
+    return [receiver_module.fingerprint(t) for t in trainer_state_tensors(worker.model, worker.optimizer)]
+
+
+def engine_fingerprints(worker, engine_dtype: torch.dtype) -> dict[str, tuple[int, int]]:
+    """What the engine must hold after a sync: each full parameter cast to the engine's dtype."""
+    from rlsys.weight_sync.buckets import gather_full_tensor
+
+    return {name: receiver_module.fingerprint(gather_full_tensor(param).to(engine_dtype))
+            for name, param in worker.model.named_parameters()}
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+class EngineLikeReceiver:
+    """The colocated transport's endpoints (TensorUpdateEndpoints), answered by the receiver process."""
+
+    def __init__(self, model_dir: Path, device: torch.device):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=receiver_module.serve, daemon=True,
+                                       args=(child, str(model_dir), str(device), "bfloat16"))
+        self.process.start()
+        self._answer(600)
+
+    def _answer(self, timeout_s: float = 300):
+        if not self.connection.poll(timeout_s):
+            raise TimeoutError(f"the receiver process did not answer within {timeout_s:.0f}s")
+        status, result = self.connection.recv()
+        if status != "ok":
+            raise RuntimeError(f"receiver: {result}")
+        return result
+
+    def call(self, *request):
+        self.connection.send(request)
+        return self._answer()
+
+    # TensorUpdateEndpoints
+    def begin_weight_update(self) -> None:
+        pass
+
+    def end_weight_update(self) -> None:
+        pass
+
+    def update_weights_from_tensor(self, serialized_named_tensors, load_format, flush_cache=False,
+                                   weight_version=None) -> None:
+        self.call("update", serialized_named_tensors, load_format)
+
+    def close(self) -> None:
+        try:
+            self.call("exit")
+        finally:
+            self.process.join(30)
+
+
+# ---- the checks -----------------------------------------------------------------------------
+def check_environment(proof: Proof, fields: dict) -> None:
+    import transformers
+
+    from rlsys.system.backend import engine_attention_backend, make_backend
+
+    backend = make_backend(proof.gpu, "bfloat16")
+    fields.update(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+                  transformers=transformers.__version__, backend=backend.__dict__,
+                  engine_attention_backend=engine_attention_backend(proof.gpu, "bfloat16", backend.gpu_capability),
+                  varlen_in_torch=_has_varlen())
+    if not proof.gpu:
+        return
+    props = torch.cuda.get_device_properties(proof.device)
+    fields.update(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}",
+                  nccl=".".join(map(str, torch.cuda.nccl.version())))
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+        mode, driver = (part.strip() for part in line.split(","))
+        fields.update(compute_mode=mode, driver=driver, ok=mode == "Default")
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError) as error:
+        fields.update(compute_mode=f"unknown ({error})")
+
+
+def _has_varlen() -> bool:
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_trainer_steps(proof: Proof, fields: dict) -> None:
+    from rlsys.actors.trainer import TrainerSpec, TrainerWorker
+
+    config = run_config(proof)
+    spec = TrainerSpec.from_config(config, has_gpu=proof.gpu)
+    tick = time.perf_counter()
+    worker = TrainerWorker(spec, rank=0, world_size=1)
+    worker.setup("127.0.0.1", free_port())
+    proof.worker = worker
+    fields["setup_s"] = round(time.perf_counter() - tick, 2)
+    fields["describe"] = worker.describe()
+    proof.sequences = random_sequences(proof)
+    steps = []
+    for step in range(2):
+        if proof.gpu:
+            torch.cuda.reset_peak_memory_stats()
+        proof.synchronize()
+        tick = time.perf_counter()
+        metrics = worker.train_step([proof.sequences])
+        proof.synchronize()
+        seconds = time.perf_counter() - tick
+        steps.append({"seconds": round(seconds, 3), "loss": metrics["loss"], "kl": metrics["kl"],
+                      "grad_norm": metrics["grad_norm"], "entropy": metrics["entropy"]})
+        if step == 1:
+            proof.figures["step_s"] = seconds
+            proof.figures["step_peak_allocated"] = torch.cuda.max_memory_allocated() if proof.gpu else None
+    tokens = sum(len(s.token_ids) for s in proof.sequences)
+    proof.figures["step_tokens"] = tokens
+    fields.update(steps=steps, tokens_per_step=tokens, params=sum(p.numel() for p in worker.model.parameters()),
+                  ok=all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in steps))
+
+
+def plan_terms(proof: Proof):
+    from rlsys.run.memory_plan import ModelShape, plan_memory
+
+    config = run_config(proof)
+    total = torch.cuda.get_device_properties(proof.device).total_memory if proof.gpu else 0
+    return plan_memory(config, ModelShape.from_model_dir(proof.model_dir), total or 2**40, on_gpu=proof.gpu,
+                       flash_attention=proof.worker.backend.attn_implementation == "flash_attention_2").terms
+
+
+def _compare(fields: dict, predicted: int, measured: int | None) -> None:
+    fields.update(predicted_bytes=predicted, measured_bytes=measured)
+    if measured is None:
+        fields.update(ok=None, note="no device allocator on CPU: the plan is computed, not compared")
+        return
+    fields.update(over_prediction=round(predicted / max(measured, 1), 3), ok=predicted >= measured)
+
+
+def check_memory_train(proof: Proof, fields: dict) -> None:
+    terms = plan_terms(proof)
+    transient = max(terms["logprob_head_backward"], terms["gradient_reduce"])
+    names = ("trainer_params", "trainer_grads", "optimizer_states", "unsharded_layers", "unsharded_root",
+             "activations", "attention_scores", "logits_chunk", "reference_model")
+    fields["terms"] = {name: terms[name] for name in names} | {"transient": transient}
+    _compare(fields, sum(terms[name] for name in names) + transient, proof.figures.get("step_peak_allocated"))
+
+
+def check_packed_attention(proof: Proof, fields: dict) -> None:
+    """Packed bf16 log-probs against each sequence alone (bf16) and against fp32 weights.
+
+    Bound: each of a layer's two residual additions rounds to bf16 (relative error up to half the
+    spacing, 2^-9), independent over 2 x layers roundings, so the final hidden state's relative
+    error is about 2^-9 x sqrt(2 x layers); a logit's absolute error is that times its magnitude,
+    and a log-softmax moves by at most twice the largest logit error. 4x margin for the
+    matmuls' own accumulation differences: bound = 4 x 2 x 2^-9 x sqrt(2L) x (1 + max|logit|)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlsys.actors.batching import build_micro_batch
+    from rlsys.records import TrainSequence
+
+    worker, work = proof.worker, proof.work
+    generator = torch.Generator().manual_seed(1)
+    sequences = [TrainSequence(torch.randint(2, proof.model_fields["vocab_size"], (n,), generator=generator).tolist(),
+                               prompt_len=1) for n in work.packed_lengths]
+    pad = worker._pad_id
+    with torch.no_grad(), worker._forward_only(worker.model):
+        batch = build_micro_batch(sequences, list(range(len(sequences))), pad, worker.device, packed=True)
+        packed, _ = worker._forward(worker.model, batch, with_entropy=False)
+        packed = [packed[row, first:end].float() for row, first, end in batch.spans]
+        alone = []
+        for index, sequence in enumerate(sequences):
+            single = build_micro_batch([sequence], [index], pad, worker.device, packed=True)
+            values, _ = worker._forward(worker.model, single, with_entropy=False)
+            alone.append(values[0, single.spans[0][1]:single.spans[0][2]].float())
+    state = worker.full_state_dict()  # the fp32 master weights
+    with torch.device(proof.device):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(proof.model_dir), dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+    reference.load_state_dict(state, strict=False)
+    reference.eval()
+    fp32, max_logit = [], 0.0
+    with torch.no_grad():
+        for sequence in sequences:
+            ids = torch.tensor([sequence.token_ids], device=proof.device)
+            logits = reference(input_ids=ids).logits[0, :-1].float()
+            max_logit = max(max_logit, float(logits.abs().max()))
+            fp32.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0][sequence.prompt_len - 1:])
+    del reference, state
+    layers = proof.model_fields["num_hidden_layers"]
+    bound = 4 * 2 * BF16_SPACING / 2 * math.sqrt(2 * layers) * (1 + max_logit)
+    vs_alone = max(float((p - a).abs().max()) for p, a in zip(packed, alone, strict=True))
+    vs_fp32 = max(float((p - f).abs().max()) for p, f in zip(packed, fp32, strict=True))
+    fields.update(lengths=list(work.packed_lengths), attention=worker.backend.attn_implementation,
+                  max_abs_vs_alone=vs_alone, max_abs_vs_fp32=vs_fp32, max_abs_logit=max_logit, bound=bound,
+                  ok=vs_alone <= bound and vs_fp32 <= bound)
+
+
+def check_varlen_attention(proof: Proof, fields: dict) -> None:
+    """torch's own varlen attention (a candidate for the packed GPU path without flash-attn) against
+    SDPA sequence by sequence, bf16, causal."""
+    if not _has_varlen():
+        fields.update(ok=None, available=False)
+        return
+    from torch.nn.attention.varlen import varlen_attn
+
+    heads, head_dim = proof.model_fields["num_attention_heads"], 128 if proof.gpu else 16
+    lengths = list(proof.work.packed_lengths)
+    total = sum(lengths)
+    generator = torch.Generator(device=proof.device).manual_seed(2)
+    q, k, v = (torch.randn(total, heads, head_dim, device=proof.device, dtype=torch.bfloat16, generator=generator)
+               for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=proof.device, dtype=torch.int32)
+    fields["available"] = True
+    # torch 2.14 spells causal as window_size=(-1, 0); earlier releases (the GPU machine's 2.11) is_causal.
+    causal = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
+              else {"window_size": (-1, 0)})
+    try:
+        out = varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), **causal)
+    except (RuntimeError, NotImplementedError) as error:
+        if proof.gpu:
+            raise
+        fields.update(ok=None, note=f"not on CPU: {error}"[:300])
+        return
+    worst = 0.0
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(t[start:end].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)[0].transpose(0, 1)
+        worst = max(worst, float((out[start:end].float() - ref.float()).abs().max()))
+    fields.update(max_abs_vs_sdpa=worst, bound=4 * BF16_SPACING, ok=worst <= 4 * BF16_SPACING)
+
+
+def check_nccl_broadcast(proof: Proof, fields: dict) -> None:
+    from rlsys.system.topology import Topology
+
+    worker = proof.worker
+    topology = Topology(mode="disaggregated", num_ranks=1, num_engines=0, engine_tp_size=1, has_gpu=proof.gpu,
+                        trainers_sleep=False)
+    worker.connect_engines(topology, timeout_s=120)
+    try:
+        stats = worker.sync_weights(int(proof.work.bucket_mb[0] * 2**20), weight_version=1)
+    finally:
+        worker._close_transport()
+    fields.update(dist_backend=worker.backend.dist_backend, buckets=stats["buckets"], bytes=stats["bytes"],
+                  ok=stats["buckets"] > 0 and stats["bytes"] > 0)
+
+
+def _torch_shm_files() -> set[str]:
+    try:
+        return {name for name in os.listdir("/dev/shm") if name.startswith("torch_")}
+    except OSError:
+        return set()
+
+
+def check_ipc_sync(proof: Proof, report: Report) -> None:
+    """Four syncs (small and large buckets, pipelined and serial), one line each; then the plan's
+    sync terms against the peak of the large pipelined one."""
+    from rlsys.weight_sync.colocated import ColocatedWeightSender
+
+    worker = proof.worker
+    receiver = EngineLikeReceiver(proof.model_dir, proof.device)
+    try:
+        worker.transport, worker.gather_dst = ColocatedWeightSender(receiver, tp_size=1), 0
+        expected = engine_fingerprints(worker, torch.bfloat16)
+        version = 10
+        for bucket_mb in proof.work.bucket_mb:
+            for pipelined in (True, False):
+                version += 1
+                with report.check(f"ipc_sync_{'large' if bucket_mb == max(proof.work.bucket_mb) else 'small'}"
+                                  f"_{'pipelined' if pipelined else 'serial'}") as fields:
+                    _one_ipc_sync(proof, receiver, expected, int(bucket_mb * 2**20), version, pipelined, fields)
+        with report.check("memory_sync") as fields:
+            terms = plan_terms(proof)
+            names = ("trainer_params", "optimizer_states", "unsharded_layers", "weight_sync_staging")
+            fields["terms"] = {name: terms[name] for name in names}
+            _compare(fields, sum(terms[name] for name in names), proof.figures.get("sync_peak_allocated"))
+    finally:
+        worker._close_transport()
+        receiver.close()
+
+
+def _one_ipc_sync(proof: Proof, receiver: EngineLikeReceiver, expected: dict, bucket_bytes: int, version: int,
+                  pipelined: bool, fields: dict) -> None:
+    worker = proof.worker
+    worker.backend.empty_device_cache()
+    before_reserved = torch.cuda.memory_reserved() if proof.gpu else 0
+    shm_before = _torch_shm_files()
+    if proof.gpu:
+        torch.cuda.reset_peak_memory_stats()
+    stats = worker.sync_weights(bucket_bytes, version, pipelined)
+    if proof.gpu and pipelined and bucket_bytes == int(max(proof.work.bucket_mb) * 2**20):
+        proof.figures["sync_peak_allocated"] = torch.cuda.max_memory_allocated()
+        proof.figures["sync_gbps"] = stats["gbps"]
+    got = receiver.call("fingerprints")
+    mismatched = sorted(name for name in expected if got.get(name) != expected[name])
+    worker.transport.release_staging_buffer()
+    worker.backend.empty_device_cache()  # ipc_collect: blocks the receiver has let go of
+    after_reserved = torch.cuda.memory_reserved() if proof.gpu else 0
+    leftover_shm = sorted(_torch_shm_files() - shm_before)
+    fields.update(bucket_bytes=bucket_bytes, pipelined=pipelined, buckets=stats["buckets"], bytes=stats["bytes"],
+                  gbps=round(stats["gbps"], 3), total_s=round(stats["total_s"], 3), tensors=len(expected),
+                  mismatched=mismatched[:10], reserved_before=before_reserved, reserved_after_release=after_reserved,
+                  leftover_shm_files=leftover_shm,
+                  ok=not mismatched and len(got) == len(expected) and after_reserved <= before_reserved
+                  and not leftover_shm)
+
+
+def check_sleep_wake(proof: Proof, fields: dict) -> None:
+    worker = proof.worker
+    before = state_fingerprint(worker)
+    awake = allocated()
+    slept = worker.sleep()
+    asleep = allocated()
+    host_stats = torch.cuda.host_memory_stats() if proof.gpu and hasattr(torch.cuda, "host_memory_stats") else {}
+    woke = worker.wake_up()
+    same = state_fingerprint(worker) == before
+    metrics = worker.train_step([proof.sequences])
+    moved = slept["bytes"]
+    host = slept.get("host_bytes")
+    fields.update(bytes_moved=moved, allocated_awake=awake, allocated_asleep=asleep, held_asleep=slept["held_bytes"],
+                  host_bytes=host, caching_host_allocator={k: v for k, v in host_stats.items()
+                                                           if k.startswith(("allocated_bytes", "reserved_bytes"))
+                                                           and k.endswith((".current", ".peak"))},
+                  sleep_s=round(slept["seconds"], 3), wake_s=round(woke["seconds"], 3), state_bit_identical=same,
+                  loss_after_wake=metrics["loss"])
+    # What stays allocated: module buffers (rotary tables), never the state moved (within 1% + 64 MiB).
+    device_freed = not proof.gpu or asleep <= awake - moved + moved // 100 + 64 * 2**20
+    host_exact = host is None or not proof.gpu or host <= moved + moved // 100 + 2**20
+    fields.update(ok=same and device_freed and host_exact and math.isfinite(metrics["loss"]))
+
+
+def check_speed(proof: Proof, fields: dict) -> None:
+    n, device = proof.work.matmul_n, proof.device
+    dtype = torch.bfloat16 if proof.gpu else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    proof.synchronize()
+    repeats = 20 if proof.gpu else 3
+    tick = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    proof.synchronize()
+    tflops = 2 * n**3 * repeats / (time.perf_counter() - tick) / 1e12
+    del a, b
+    nbytes = proof.work.copy_mb * 2**20
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src)
+    proof.synchronize()
+    tick = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    proof.synchronize()
+    copy_gbps = nbytes * 10 / (time.perf_counter() - tick) / 1e9
+    del src, dst
+    fields.update(matmul_tflops=round(tflops, 1), matmul=f"{n}^3 {dtype}", copy_gbps=round(copy_gbps, 1))
+    if "step_s" in proof.figures:
+        params, tokens = parameter_count(proof.model_fields), proof.figures["step_tokens"]
+        f = proof.model_fields
+        context = proof.work.prompt_len + proof.work.response_len
+        # Model FLOPs of a step: 6N per token, plus causal attention's 6 x layers x hidden x context / 2 x 2.
+        model_flops = tokens * (6 * params + 6 * f["num_hidden_layers"] * f["hidden_size"] * context)
+        step_s = proof.figures["step_s"]
+        fields.update(step_tokens_per_s=round(tokens / step_s, 1), step_model_tflops=round(model_flops / step_s / 1e12, 2),
+                      mfu_vs_measured_matmul=round(model_flops / step_s / 1e12 / tflops, 4))
+    if "sync_gbps" in proof.figures:
+        fields.update(sync_gbps=round(proof.figures["sync_gbps"], 2),
+                      sync_vs_copy=round(proof.figures["sync_gbps"] / copy_gbps, 3))
+
+
+# ---- the run --------------------------------------------------------------------------------
+def run(device: torch.device, model: str, out: Path | None, budget_s: float, workdir: Path) -> bool:
+    report = Report(out)
+    proof = Proof(device, MODELS[model], workdir / "model", Workload.for_device(device.type == "cuda"))
+    deadline = time.monotonic() + budget_s
+
+    def within_budget(name: str) -> bool:
+        if time.monotonic() < deadline:
+            return True
+        report.emit(name, None, skipped=f"past --budget-s {budget_s:.0f}")
+        return False
+
+    with report.check("environment") as fields:
+        check_environment(proof, fields)
+    with report.check("model") as fields:
+        tick = time.perf_counter()
+        build_random_model(proof.model_dir, proof.model_fields, device)
+        fields.update(name=model, params=parameter_count(proof.model_fields), build_s=round(time.perf_counter() - tick, 1))
+    with report.check("trainer_steps") as fields:
+        check_trainer_steps(proof, fields)
+    if proof.worker is None:
+        report.emit("summary", False, reason="no trainer rank: the later checks need one", checks=report.results)
+        return False
+    for name, body in (("memory_train", check_memory_train), ("packed_attention", check_packed_attention),
+                       ("varlen_attention", check_varlen_attention), ("nccl_broadcast", check_nccl_broadcast)):
+        if within_budget(name):
+            with report.check(name) as fields:
+                body(proof, fields)
+    if within_budget("ipc_sync"):
+        try:
+            check_ipc_sync(proof, report)
+        except Exception as error:  # noqa: BLE001 - e.g. the receiver did not start
+            report.emit("ipc_sync", False, error=f"{type(error).__name__}: {error}"[:2000])
+    for name, body in (("sleep_wake", check_sleep_wake), ("speed", check_speed)):
+        if within_budget(name):
+            with report.check(name) as fields:
+                body(proof, fields)
+    proof.worker.shutdown()
+    ok = all(report.results.values())
+    report.emit("summary", ok, device=str(device), model=model, checks=report.results)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", choices=sorted(MODELS), help="qwen2.5-1.5b on cuda, tiny on cpu by default")
+    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    parser.add_argument("--budget-s", type=float, default=330.0,
+                        help="checks not started by then are reported as skipped (default 330)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device (use --device cpu for the CPU twin)")
+    model = args.model or ("qwen2.5-1.5b" if args.device == "cuda" else "tiny")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    with tempfile.TemporaryDirectory(prefix="rlsys-gpu-proof-") as workdir:
+        return 0 if run(device, model, args.out, args.budget_s, Path(workdir)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
