@@ -30,12 +30,13 @@ def uses_fsdp(world_size: int, dtype: str, trainable: bool) -> bool:
 
 
 def parallelize(model: torch.nn.Module, mesh, dtype: str, trainable: bool, gradient_checkpointing: bool,
-                pin_memory: bool, trains: Callable[[str], bool] | None = None) -> torch.nn.Module:
+                trains: Callable[[str], bool] | None = None) -> torch.nn.Module:
     """Shard `model` over `mesh` in place (or leave it whole when `mesh` is None).
 
     bfloat16: parameters are cast to bf16 for compute and gradients reduced in fp32, while the
     sharded master weights stay fp32. A frozen model (the reference) lives on the host and
-    streams to the device layer by layer (`CPUOffloadPolicy`); pinned buffers need an accelerator.
+    streams to the device layer by layer (`CPUOffloadPolicy`); on a GPU host `pin_host_shards`
+    page-locks its shards once they hold the weights.
     `trains(name)`: which parameters of a trainable model learn (LoRA: the adapters only); set
     before sharding, since FSDP2 gives each sharded parameter its original's requires_grad.
     """
@@ -51,7 +52,12 @@ def parallelize(model: torch.nn.Module, mesh, dtype: str, trainable: bool, gradi
         if dtype == "bfloat16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if not trainable:
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+            # Not FSDP's pinning: with pin_memory=True, FSDPParam.reset_sharded_param
+            # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py) copies every shard through
+            # `.cpu().pin_memory()` into torch's caching host allocator, which rounds each up to a
+            # power of two and keeps it (~1.9x the model's bytes). `pin_host_shards` page-locks them
+            # in place instead, at exactly their bytes.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
         # Left to FSDP, the root is never resharded after forward (FSDPState._lazy_init in
@@ -73,3 +79,26 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()  # FSDPModule.reshard is not recursive
+
+
+def pin_host_shards(model: torch.nn.Module, pin_memory: bool) -> int:
+    """Page-lock, in place and at exactly their bytes, the host shards that FSDP streams a frozen
+    model from (CPUOffloadPolicy); call it once they hold the weights (`fill_from_checkpoint`'s
+    `to_empty` gives them new storage). Each storage is a parameter's dim-0-padded flat shard.
+    Registered memory is pinned to torch (`Tensor.is_pinned`), so FSDP's `.to(device,
+    non_blocking=True)` of a shard before its all-gather (FSDPParam.all_gather_inputs) is an
+    asynchronous DMA, as from FSDP's own pinned copies. Returns the bytes locked (0 without a GPU:
+    `page_locker` decides)."""
+    from rlsys.actors.offload import page_lock, page_locker
+
+    locker = page_locker(pin_memory)
+    if locker is None:
+        return 0
+    locked: dict[int, int] = {}
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        storage = local.untyped_storage()
+        if local.device.type == "cpu" and storage.data_ptr() not in locked and storage.nbytes():
+            page_lock(local, locker)
+            locked[storage.data_ptr()] = storage.nbytes()
+    return sum(locked.values())

@@ -33,7 +33,7 @@ from rlsys.actors.lora import (
     merged_parameters,
 )
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
-from rlsys.actors.parallelize import parallelize, reshard, uses_fsdp
+from rlsys.actors.parallelize import parallelize, pin_host_shards, reshard, uses_fsdp
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import kl_estimate, masked_sum
 from rlsys.algorithms.losses import SEQUENCE_RATIO_LOSSES, flagged_sequences, micro_batch_loss
@@ -226,12 +226,14 @@ class TrainerWorker:
 
             mesh = init_device_mesh(self.backend.device_type, (self.world_size,))
         model = parallelize(model, mesh, self.spec.model.dtype, trainable, self.spec.trainer.gradient_checkpointing,
-                            pin_memory=self.backend.has_gpu, trains=is_adapter_parameter if lora else None)
+                            trains=is_adapter_parameter if lora else None)
         # The frozen reference stays on the host: FSDP streams it to the device layer by layer.
         seed = self.spec.seed
         fill_from_checkpoint(model, self.spec.model.path, self.device if trainable else "cpu", stored_as=checkpoint_name,
                              initial=(lambda name, shape: initial_adapter(name, shape, seed)
                                       if is_adapter_parameter(name) else None) if lora else None)
+        if not trainable:
+            pin_host_shards(model, self.backend.has_gpu)  # in place, at exactly their bytes
         return model
 
     @contextmanager
