@@ -46,11 +46,39 @@ def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Ten
     if weights:
         first = weights[0][1]
         _keep_host_staging_mapped(model, first)
-        # Host copies scale with threads; a device copy does not need (or want) a big host pool.
-        with _intra_op_threads(_load_threads() if first.device.type == "cpu" else None):
-            model.load_weights(weights)
+        try:
+            # Host copies scale with threads; a device copy does not need (or want) a big host pool.
+            with _intra_op_threads(_load_threads() if first.device.type == "cpu" else None):
+                model.load_weights(weights)
+        finally:  # a failed load may have queued copies too
+            _finish_device_reads(first.device)
     if ends_sync:
         setattr(model, _KEPT_STORAGE_ATTR, None)
+
+
+def _finish_device_reads(device: torch.device) -> None:
+    """Wait until the copies `load_weights` queued on this thread's stream have read the trainer's
+    buffer: SGLang answers the request once the loader returns, and the trainer then gathers the
+    next bucket into that same staging buffer. Host copies are done when they return.
+
+    SGLang 0.5.23 does not wait for them itself: the scheduler's
+    `update_weights_from_tensor` (managers/scheduler_components/weight_updater.py) unpickles, calls
+    the runner's `update_weights_from_tensor` (model_executor/model_runner_components/
+    weight_updater.py: `_unwrap_tensor(...).to(device)`, then this loader), flushes the cache,
+    meets the other TP ranks at a barrier of the CPU group (`tp_cpu_group`) and answers; nothing on
+    that path synchronizes a device. The only wait is torch's: the deleter of a tensor opened by
+    CUDA IPC synchronizes the current stream before it returns the sender's reference count
+    (torch/csrc/StorageSharing.cpp, THPStorage_newSharedCuda), and it runs only when the engine
+    drops the last reference to the mapped tensors: on TP rank 0 as the handler returns, on the
+    other ranks after the barrier, perhaps after rank 0 has answered. Waiting here, before the
+    barrier, orders every rank's reads before the answer. A copy from another GPU (`.to(device)`)
+    runs on that GPU's current stream, which this device's current stream is made to wait on
+    (aten/src/ATen/native/cuda/Copy.cu, copy_device_to_device), so this wait covers it too."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
 
 
 def _keep_host_staging_mapped(model: torch.nn.Module, tensor: torch.Tensor) -> None:
