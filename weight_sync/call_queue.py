@@ -23,8 +23,14 @@ class EngineCallQueue:
 
     def reset(self) -> None:
         """A new sync: earlier failures no longer skip calls."""
+        self.take_failure()
+
+    def take_failure(self) -> BaseException | None:
+        """The first failure since the last reset, forgotten here (as by `reset`): an error keeps
+        the frames of its traceback alive, and with them whatever the failed call referenced."""
         with self._lock:
-            self._failure = None
+            failure, self._failure = self._failure, None
+        return failure
 
     def submit(self, call: Callable[[], None], always: bool = False) -> Future:
         def run():

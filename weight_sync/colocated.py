@@ -5,13 +5,28 @@ multiprocessing reductions: a CUDA IPC handle for GPU memory, a shared-memory fi
 memory (`Backend.prepare_ipc`), plus each view's offset and shape. The engine maps the same memory
 instead of receiving bytes and loads it with `weight_sync.engine_loader` (why not SGLang's own
 `flattened_bucket` loader: see that module). The handle must stay alive until the engine has
-loaded it: `/update_weights_from_tensor` answers only after the load, and only then is the
-buffer gathered into again.
+loaded it: `/update_weights_from_tensor` answers only after the load (the loader waits for its
+device copies), and only then is the buffer gathered into again.
+
+Pickling shares the memory. Each pickle of a CUDA tensor puts its storage behind a new counter
+set to 1 (torch/csrc/StorageSharing.cpp `THPStorage_shareCuda`, CudaIPCTypes.cpp
+`GetNewRefCountedSentData`); the receiver takes it back to 0 when it unpickles a block it already
+maps (reductions.py `rebuild_cuda_tensor`: `_release_ipc_counter`) or frees the tensor it mapped
+(the deleter of `THPStorage_newSharedCuda`). The sender's storage, once dropped, waits in torch's
+"limbo" while its counter is above 0 (`CudaIPCSentDataDelete`), and only `torch.cuda.ipc_collect`
+frees it after that. Each pickle of a shared-memory tensor likewise takes a reference on its file
+(reductions.py `reduce_storage`: `_shared_incref`) that `rebuild_storage_filename` returns. A
+payload pickled and never opened therefore pins its buffer for the life of the trainer process.
+So a bucket is pickled only as it is handed to the engine, never while it waits in the queue: a
+hand-over skipped after a failure shares nothing. (A payload sent to an engine that dies before
+opening it still pins its buffer: only the receiver can return the reference, and the sender
+cannot tell whether it did.)
 """
 
 from __future__ import annotations
 
 import base64
+import gc
 import io
 from concurrent.futures import Future
 from multiprocessing.reduction import ForkingPickler
@@ -86,7 +101,8 @@ class StagingSlots:
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     """A base64 payload of (name, tensor) pairs as IPC handles and offsets, ~100 bytes per tensor
-    whatever its size. Views of one storage (a bucket) share a handle the receiver opens once."""
+    whatever its size. Views of one storage (a bucket) share a handle the receiver opens once.
+    Shares the tensors' memory until the receiver opens the payload (see the module's docstring)."""
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(named_tensors)
     return base64.b64encode(buffer.getvalue()).decode()
@@ -108,6 +124,7 @@ class ColocatedWeightSender:
         self._staging = StagingSlots(share_memory=True)
         self._queue = EngineCallQueue("rlsys-colocated-sync")
         self._engine_maps_staging = False  # the engine's loader still holds a staging buffer (queue thread only)
+        self._sync_failed = False  # the last sync's session closed after a failure
 
     def staging_buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         return self._staging.get(slot, nbytes, device)
@@ -118,8 +135,19 @@ class ColocatedWeightSender:
 
     def release_staging_buffer(self) -> None:
         """Drop the buffers between syncs (the next sync allocates them again). The engine's loader
-        has let go of them with the sync's last bucket (`END_OF_SYNC`)."""
+        has let go of them with the sync's last bucket (`END_OF_SYNC`), or with the empty bucket
+        that closes a failed sync.
+
+        After a failed sync its error holds views of the buffers: its traceback keeps the frames of
+        the failed and the skipped hand-overs and of `sync_weights`, which holds the error in turn (a
+        reference cycle). Collect it, so that the buffers are freed now, where the trainer's sleep
+        then returns them to the device (`Backend.empty_device_cache`: `torch.cuda.ipc_collect`
+        frees a CUDA block the engine mapped once the engine has let go of it), not whenever
+        Python's collector next runs."""
         self._staging.release()
+        if self._sync_failed:
+            self._sync_failed = False
+            gc.collect()
 
     def close(self) -> None:
         self._queue.close()
@@ -135,11 +163,13 @@ class ColocatedWeightSender:
         it also tells the engine's loader to let go of the staging buffers' mappings once loaded
         (`END_OF_SYNC`, an empty view of the buffer)."""
         tensors = bucket.tensors() + ([(END_OF_SYNC, bucket.buffer[:0])] if flush_cache else [])
-        # One payload per TP rank: each rank maps the same full tensors and keeps its shard. Each
-        # is pickled separately: pickling takes a reference on the handle that unpickling returns.
-        payloads = [serialize_named_tensors(tensors) for _ in range(self.tp_size)]
 
         def hand_over():
+            # Pickled here, not when queued: pickling shares the buffer until the engine opens the
+            # payload, and a hand-over skipped after a failure never reaches the engine. One payload
+            # per TP rank: each rank maps the same full tensors and keeps its shard, and each
+            # unpickling returns the reference of one pickle.
+            payloads = [serialize_named_tensors(tensors) for _ in range(self.tp_size)]
             self._engine_maps_staging = True
             self.engine.update_weights_from_tensor(payloads, LOAD_FORMAT, flush_cache, weight_version)
             self._engine_maps_staging = not flush_cache
@@ -148,6 +178,9 @@ class ColocatedWeightSender:
 
     def end(self) -> Future:
         def close_session():
+            # The queue lets go of the sync's error: its traceback's frames hold the buckets' views.
+            if self._queue.take_failure() is not None:
+                self._sync_failed = True
             if self._engine_maps_staging:  # the sync failed before its last bucket was loaded
                 self.engine.update_weights_from_tensor([serialize_named_tensors([])] * self.tp_size, LOAD_FORMAT)
                 self._engine_maps_staging = False
