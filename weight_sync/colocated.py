@@ -21,6 +21,10 @@ So a bucket is pickled only as it is handed to the engine, never while it waits 
 hand-over skipped after a failure shares nothing. (A payload sent to an engine that dies before
 opening it still pins its buffer: only the receiver can return the reference, and the sender
 cannot tell whether it did.)
+
+A CUDA payload names its device by the GPU's UUID, not by the trainer's index of it (which the
+engine's process, with its own CUDA_VISIBLE_DEVICES and one GPU per TP rank, may not share):
+SGLang's receiver maps the UUID back to its own index (`serialize_named_tensors`).
 """
 
 from __future__ import annotations
@@ -28,18 +32,23 @@ from __future__ import annotations
 import base64
 import gc
 import io
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.reduction import ForkingPickler
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
+from torch.multiprocessing import reductions
 
 from rlsys.weight_sync.buckets import WeightBucket
 from rlsys.weight_sync.call_queue import EngineCallQueue
 from rlsys.weight_sync.engine_loader import END_OF_SYNC, LOAD_FORMAT
 
 COLOCATED_ALIGNMENT = 16  # bytes: every tensor's view in a bucket starts aligned for its dtype
+# Position of the device in the arguments torch's `reduce_tensor` gives `rebuild_cuda_tensor`
+# (`storage_device`); SGLang's receiver reads the same slot (patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX).
+DEVICE_ARG_INDEX = 6
 
 
 class TensorUpdateEndpoints(Protocol):
@@ -102,10 +111,50 @@ class StagingSlots:
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     """A base64 payload of (name, tensor) pairs as IPC handles and offsets, ~100 bytes per tensor
     whatever its size. Views of one storage (a bucket) share a handle the receiver opens once.
-    Shares the tensors' memory until the receiver opens the payload (see the module's docstring)."""
+    Shares the tensors' memory until the receiver opens the payload (see the module's docstring).
+    A CUDA tensor's device travels as its GPU's UUID (`with_device_uuid`); host tensors travel as
+    torch's reductions make them."""
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(named_tensors)
+    _EnginePickler(buffer).dump(named_tensors)
     return base64.b64encode(buffer.getvalue()).decode()
+
+
+def cuda_device_uuid(index: int) -> str:
+    """A GPU's UUID, spelled as SGLang's receiver compares it: `str(torch.cuda.get_device_properties(i)
+    .uuid)` (sglang/srt/utils/patch_torch.py, `_device_to_uuid` and `_device_from_maybe_uuid`)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def with_device_uuid(reduced: tuple[Callable, tuple], device_uuid: Callable[[int], str] = cuda_device_uuid,
+                     ) -> tuple[Callable, tuple]:
+    """torch's reduction of a CUDA tensor, `(rebuild_cuda_tensor, args)`, with the device index in
+    `args[DEVICE_ARG_INDEX]` replaced by that GPU's UUID.
+
+    The index is the sender's; the engine's process numbers its GPUs by its own CUDA_VISIBLE_DEVICES
+    (and a TP engine's ranks each sit on another GPU). SGLang patches torch's `rebuild_cuda_tensor`
+    in the engine (patch_torch.monkey_patch_torch_reductions, called by
+    tp_worker.deserialize_own_rank before it unpickles) so that a string in this slot is looked up
+    among its own GPUs' UUIDs (`_device_from_maybe_uuid`). The callable stays torch's own
+    `rebuild_cuda_tensor`: SGLang's SafeUnpickler admits no other."""
+    rebuild, args = reduced
+    device = args[DEVICE_ARG_INDEX]
+    if isinstance(device, str):  # already a UUID (a process where SGLang patched torch's reductions)
+        return reduced
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"torch's CUDA tensor reduction no longer has the device index at argument "
+                        f"{DEVICE_ARG_INDEX} (found {device!r}); update DEVICE_ARG_INDEX with SGLang's "
+                        "patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX")
+    return rebuild, (*args[:DEVICE_ARG_INDEX], device_uuid(device), *args[DEVICE_ARG_INDEX + 1:])
+
+
+class _EnginePickler(ForkingPickler):
+    """torch's multiprocessing reductions (registered with ForkingPickler), with CUDA tensors' devices
+    named by UUID. Looks `reduce_tensor` up at each call, as ForkingPickler's table would."""
+
+    def reducer_override(self, obj: Any):
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            return with_device_uuid(reductions.reduce_tensor(obj))
+        return NotImplemented
 
 
 class ColocatedWeightSender:

@@ -1,23 +1,27 @@
-"""The colocated transport's GPU decisions, checked on CPU: what a failed sync shares, and when the
-engine's loader waits for its device copies.
+"""The colocated transport's GPU decisions, checked on CPU: what a failed sync shares, when the
+engine's loader waits for its device copies, and how a CUDA payload names its device.
 
-The GPU calls themselves (torch's `_share_cuda_`, a stream's synchronize) stand in as fakes here;
-the decisions around them are real.
+The GPU calls themselves (torch's `_share_cuda_`, a stream's synchronize, a device's UUID) stand in
+as fakes here; the decisions around them, and the wire format SGLang's receiver reads, are real.
 """
 
 from __future__ import annotations
 
 import base64
+import inspect
+import io
 import os
 import pickle
+import uuid
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.multiprocessing import reductions
 
 from rlsys.system.backend import make_backend
 from rlsys.weight_sync import colocated
-from rlsys.weight_sync.colocated import ColocatedWeightSender
+from rlsys.weight_sync.colocated import DEVICE_ARG_INDEX, ColocatedWeightSender, serialize_named_tensors, with_device_uuid
 from rlsys.weight_sync.engine_loader import END_OF_SYNC, load_bucket
 from rlsys.weight_sync.sync import sync_weights
 
@@ -160,3 +164,96 @@ def test_the_engine_loader_does_not_touch_cuda_for_host_tensors(stream_syncs):
     load_bucket(_RecordingModel(events), [("a", staging[:4]), (END_OF_SYNC, staging[:0])])
     load_bucket(_RecordingModel(events), [])  # an empty bucket (a failed sync's last) loads nothing
     assert events == [("load", ["a"])]
+
+
+# ---------------------------------------------------------------- (c) a CUDA payload names its device by UUID
+
+# Two GPUs as the trainer and the engine each see them: the trainer's CUDA_VISIBLE_DEVICES shows only
+# physical GPU 1 (its cuda:0); the engine's shows both (physical GPU 1 is its cuda:1).
+_GPU0, _GPU1 = uuid.UUID(int=0xA0), uuid.UUID(int=0xB1)
+
+
+def _see_gpus(monkeypatch, uuids: list[uuid.UUID]) -> None:
+    """The CUDA queries a device's UUID comes from, as a process with these visible GPUs answers them."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid=uuids[index]))
+
+
+def _cuda_reduction(device_index: int):
+    """A tuple shaped like `reduce_tensor`'s output for a CUDA tensor (`storage._share_cuda_()`'s
+    fields: device, IPC handle, storage bytes and offset, ref counter handle and offset, event)."""
+    return (reductions.rebuild_cuda_tensor,
+            (torch.Tensor, torch.Size([4]), (1,), 0, torch.storage.TypedStorage, torch.float32,
+             device_index, b"\x01" * 64, 16, 0, False, b"/torch_1_2", 3, b"\x02" * 64, True))
+
+
+def test_the_device_slot_is_rebuild_cuda_tensors_device_argument_as_in_sglang():
+    from sglang.srt.utils.patch_torch import _REDUCE_TENSOR_ARG_DEVICE_INDEX
+
+    parameters = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
+    assert parameters[DEVICE_ARG_INDEX] == "storage_device"
+    assert DEVICE_ARG_INDEX == _REDUCE_TENSOR_ARG_DEVICE_INDEX
+
+
+def test_with_device_uuid_replaces_only_the_device_index_by_the_gpus_uuid():
+    rebuild, args = _cuda_reduction(0)
+    new_rebuild, new_args = with_device_uuid((rebuild, args), device_uuid={0: "gpu-b"}.__getitem__)
+    assert new_rebuild is reductions.rebuild_cuda_tensor  # torch's own: SGLang's unpickler admits no other
+    assert new_args[DEVICE_ARG_INDEX] == "gpu-b"
+    assert new_args[:DEVICE_ARG_INDEX] == args[:DEVICE_ARG_INDEX]
+    assert new_args[DEVICE_ARG_INDEX + 1:] == args[DEVICE_ARG_INDEX + 1:]
+    # already a UUID (a process where SGLang patched torch's reductions): left as it is
+    assert with_device_uuid((new_rebuild, new_args), device_uuid=None) == (new_rebuild, new_args)
+    with pytest.raises(TypeError, match="DEVICE_ARG_INDEX"):  # torch moved the device: say so, do not guess
+        with_device_uuid((rebuild, (*args[:DEVICE_ARG_INDEX], b"x", *args[DEVICE_ARG_INDEX + 1:])))
+
+
+def test_sglangs_receiver_maps_the_uuid_to_its_own_index_of_the_trainers_gpu(monkeypatch):
+    from sglang.srt.utils.patch_torch import _device_from_maybe_uuid
+
+    _see_gpus(monkeypatch, [_GPU1])  # the trainer
+    _, args = with_device_uuid(_cuda_reduction(0))  # the real lookup: str(get_device_properties(0).uuid)
+    assert args[DEVICE_ARG_INDEX] == str(_GPU1)
+    _see_gpus(monkeypatch, [_GPU0, _GPU1])  # the engine
+    assert _device_from_maybe_uuid(args[DEVICE_ARG_INDEX]) == 1
+
+
+class _LooksLikeCuda(torch.Tensor):
+    """A host tensor the serializer takes for a CUDA one (torch's CUDA reduction is faked below)."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def test_a_cuda_payload_opens_in_sglangs_unpickler_on_the_engines_index_of_the_gpu(monkeypatch):
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import _rebuild_cuda_tensor_modified
+
+    _see_gpus(monkeypatch, [_GPU1])  # the trainer
+    fake = torch.zeros(4).as_subclass(_LooksLikeCuda)
+    # torch's reduce_tensor as it answers for a CUDA tensor (needs a GPU: `storage._share_cuda_()`)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda tensor: _cuda_reduction(0))
+    payload = serialize_named_tensors([("w", fake)])
+    # The engine: SGLang's monkey_patch_torch_reductions swaps torch's rebuild_cuda_tensor for its own,
+    # which maps the device slot and calls the original (here: records what it would rebuild on).
+    _see_gpus(monkeypatch, [_GPU0, _GPU1])
+    rebuilt_on: list = []
+    monkeypatch.setattr(reductions, "_rebuild_cuda_tensor_original",
+                        lambda *args: rebuilt_on.append(args[DEVICE_ARG_INDEX]) or "mapped", raising=False)
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", _rebuild_cuda_tensor_modified)
+    assert MultiprocessingSerializer.deserialize(payload) == [("w", "mapped")]  # SafeUnpickler admits it
+    assert rebuilt_on == [1]
+
+
+def test_a_host_payload_is_torchs_own_and_opens_in_sglangs_unpickler():
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    make_backend(False).prepare_ipc()
+    staging = torch.arange(8, dtype=torch.float32).share_memory_()
+    payload = serialize_named_tensors([("a", staging[:4]), ("b", staging[4:])])
+    # the pickler leaves host tensors to torch's reductions (registered with ForkingPickler)
+    assert colocated._EnginePickler(io.BytesIO()).reducer_override(staging) is NotImplemented
+    opened = MultiprocessingSerializer.deserialize(payload)
+    assert [name for name, _ in opened] == ["a", "b"]
+    assert torch.equal(opened[0][1], staging[:4]) and torch.equal(opened[1][1], staging[4:])
