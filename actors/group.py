@@ -35,9 +35,10 @@ class TrainerGroup:
     def _shares(self, sequences: list[TrainSequence]) -> list[list[TrainSequence]]:
         return split_evenly(sequences, self.num_ranks)
 
-    def compute_log_probs(self, sequences: list[TrainSequence], reference: bool = False) -> list[list[float]]:
+    def compute_log_probs(self, sequences: list[TrainSequence], reference: bool = False,
+                          temperature: float | None = None) -> list[list[float]]:
         shares = self._shares(sequences)
-        results = ray.get([w.compute_log_probs.remote(s, reference)
+        results = ray.get([w.compute_log_probs.remote(s, reference, temperature)
                            for w, s in zip(self.workers, shares, strict=False)])
         return [logprobs for share in results for logprobs in share]
 

@@ -273,12 +273,13 @@ class TrainerWorker:
             for group in groups
         ]
 
-    def _forward(self, model, batch: MicroBatch, with_entropy: bool):
-        """fp32 log-probs of the next tokens (and their distributions' entropy), [B, T-1] each,
-        computed by the output layer in chunks (actors/logprob_head.py)."""
+    def _forward(self, model, batch: MicroBatch, with_entropy: bool, temperature: float | None = None):
+        """fp32 log-probs of the next tokens (and their distributions' entropy), [B, T-1] each, at
+        `temperature` (None: the rollout's), computed by the output layer in chunks (actors/logprob_head.py)."""
         targets = torch.nn.functional.pad(batch.targets, (0, 1))  # the last position predicts nothing
         head = model.get_output_embeddings()
-        with head.computing(targets, self.spec.temperature, with_entropy, self.spec.trainer.logprob_chunk_tokens):
+        temperature = self.spec.temperature if temperature is None else temperature
+        with head.computing(targets, temperature, with_entropy, self.spec.trainer.logprob_chunk_tokens):
             per_position = model(**batch.model_inputs()).logits[:, :-1]
         return per_position[..., 0], (per_position[..., 1] if with_entropy else None)
 
@@ -301,17 +302,19 @@ class TrainerWorker:
             into[index] = values[row, first:end].tolist()
 
     @torch.no_grad()
-    def compute_log_probs(self, sequences: list[TrainSequence], reference: bool = False) -> list[list[float]]:
+    def compute_log_probs(self, sequences: list[TrainSequence], reference: bool = False,
+                          temperature: float | None = None) -> list[list[float]]:
         """Trainer log-probs of each sequence's response tokens (collective: all ranks call);
-        `reference`: the KL terms' reference policy's instead of the policy's."""
+        `reference`: the KL terms' reference policy's instead of the policy's; `temperature`: of
+        the distribution (None: the rollout's; the weight check's probes take the engine's score's)."""
         result: list[list[float]] = [[] for _ in sequences]
         with self._forward_only(self.model, self.ref_model):
             for batch in self._micro_batches(sequences, list(range(len(sequences)))):
                 if reference:
                     with self._reference() as model:
-                        logprobs, _ = self._forward(model, batch, with_entropy=False)
+                        logprobs, _ = self._forward(model, batch, with_entropy=False, temperature=temperature)
                 else:
-                    logprobs, _ = self._forward(self.model, batch, with_entropy=False)
+                    logprobs, _ = self._forward(self.model, batch, with_entropy=False, temperature=temperature)
                 self._per_sequence(batch, logprobs, result)
         return result
 

@@ -16,6 +16,10 @@ from rlsys.system.shm_sweep import sweep_shared_memory
 
 # SGLang's answer to /end_weight_update when no session is open (scheduler weight_updater.py).
 NO_OPEN_SESSION = "no weight-update session is open"
+# The temperature of `score`'s log-probs: SGLang computes input-token log-probs as log_softmax of
+# the raw logits whatever the request's temperature (sglang/srt/layers/logprob_processor.py,
+# _forward_by_chunk; only sampled tokens' log-probs are divided by it, in layers/sampler.py).
+SCORE_TEMPERATURE = 1.0
 
 
 class RolloutEngine:
@@ -114,10 +118,11 @@ class RolloutEngine:
         )
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Engine log-probs of tokens 1..L-1 of each fixed sequence (prefill, nothing sampled)."""
+        """Engine log-probs of tokens 1..L-1 of each fixed sequence (prefill, nothing sampled), at
+        SCORE_TEMPERATURE."""
         answers = self._call(lambda: self.client.generate({
             "input_ids": [list(s) for s in sequences],
-            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "sampling_params": {"max_new_tokens": 1, "temperature": SCORE_TEMPERATURE},
             "return_logprob": True,
             "logprob_start_len": 0,
         }))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlsys.records import TrainSequence
+from rlsys.rollout.engine import SCORE_TEMPERATURE
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +92,17 @@ def probe_sequences(vocab_size: int, seed: int, count: int = 4, length: int = 24
 def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: float | None, seed: int,
                           dtype: str = "float32", num_layers: int = 1) -> float:
     """Returns the largest mean |engine - trainer| probe log-prob over the engines; raises
-    WeightSyncMismatch above `tolerance` (None: `rounding_tolerance` for `dtype` and `num_layers`)."""
+    WeightSyncMismatch above `tolerance` (None: `rounding_tolerance` for `dtype` and `num_layers`).
+
+    Both sides score the probes at the engine's score temperature (SCORE_TEMPERATURE: SGLang's
+    prefill log-probs ignore the request's temperature), not at rollout.temperature."""
     versions = rollout.weight_versions()
     stale = [i for i, version in enumerate(versions) if version != weight_version]
     if stale:
         raise WeightSyncMismatch(f"engine(s) {stale} report weight versions {versions}, expected {weight_version}")
     probes = probe_sequences(trainer.vocab_size(), seed)
-    expected = trainer.compute_log_probs([TrainSequence(p, prompt_len=1) for p in probes])
+    expected = trainer.compute_log_probs([TrainSequence(p, prompt_len=1) for p in probes],
+                                         temperature=SCORE_TEMPERATURE)
     worst = 0.0
     for index in range(len(rollout.engines)):
         agreement = compare_logprobs(rollout.score(probes, engine_index=index), expected)
