@@ -40,7 +40,7 @@ from rlsys.algorithms.losses import SEQUENCE_RATIO_LOSSES, flagged_sequences, mi
 from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from rlsys.records import TrainSequence
 from rlsys.rollout.sglang.client import SGLangClient, check_reachable
-from rlsys.system.backend import make_backend
+from rlsys.system.backend import engine_dtype, make_backend
 from rlsys.system.node import bind_gloo_to_node_address, node_address
 from rlsys.system.reaper import start_actor_reaper, stop_reaper
 from rlsys.system.topology import Topology
@@ -522,7 +522,8 @@ class TrainerWorker:
                         else (self.model.named_parameters(), None))
         return sync_weights(named, bucket_bytes, self.transport, str(weight_version),
                             self.backend, self.gather_scratch, self.gather_dst,
-                            engine_dtype=getattr(torch, self.spec.model.dtype), pieces=self.checkpoint_pieces,
+                            engine_dtype=getattr(torch, engine_dtype(self.spec.has_gpu, self.spec.model.dtype)),
+                            pieces=self.checkpoint_pieces,
                             materialize=merge, pipelined=pipelined, shared_staging=self.shared_staging).as_dict()
 
     def _close_transport(self) -> None:

@@ -89,7 +89,9 @@ class ModelConfig(_Section):
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype of the trainer ranks and the engines. bfloat16: FSDP2 mixed precision "
-        "(bf16 params, fp32 reduce; master weights stay fp32) and flash-attn 2 on GPU when installed.",
+        "(bf16 params, fp32 reduce; master weights stay fp32) and flash-attn 2 on GPU when installed. Engines on GPUs "
+        "always serve bfloat16 (SGLang's CUDA RMSNorm kernel takes 16-bit only): an fp32 trainer's weights are cast "
+        "to bf16 at every sync, and weight_sync.verify bounds them by bf16 rounding.",
     )
     tokenizer_path: str | None = Field(
         None, description="Local directory (or hub id) of the tokenizer when it is not model.path's (the engine gets "
@@ -551,8 +553,9 @@ class WeightSyncConfig(_Section):
     timeout_s: float = Field(120.0, gt=0.0, description="Disaggregated: group set-up and per-bucket timeout.")
     verify: bool = Field(False, description="After each sync, check every engine against the trainer (logprob probes).")
     verify_tolerance: float | None = Field(
-        None, gt=0.0, description="Max mean |engine - trainer| probe logprob; default 1e-3 (fp32), or in bf16 "
-        "2^-8 * sqrt(layers) * mean |probe logprob| (what bf16 rounding explains; rlsys/run/verify.py).",
+        None, gt=0.0, description="Max mean |engine - trainer| probe logprob; default 1e-3 for an fp32 engine (CPU), "
+        "or for a bf16 one (every GPU engine) 2^-8 * sqrt(layers) * mean |probe logprob| (what bf16 rounding "
+        "explains; rlsys/run/verify.py).",
     )
 
 

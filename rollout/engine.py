@@ -27,7 +27,7 @@ class RolloutEngine:
 
     def __init__(self, spec: ServerSpec, name: str, log_path: str):
         # Its node's address, not loopback: trainer ranks on other nodes post weights to it.
-        self.server = SGLangServer(spec, make_backend(spec.has_gpu, spec.model.dtype), name, Path(log_path),
+        self.server = SGLangServer(spec, make_backend(spec.has_gpu, spec.dtype), name, Path(log_path),
                                    host=node_address())
         self.client = self.server.client
         self._reaper = start_actor_reaper()  # if this actor is killed: its server tree and /dev/shm files, on its node

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rlsys.records import TrainSequence
 from rlsys.rollout.engine import SCORE_TEMPERATURE
+from rlsys.system.backend import engine_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +93,12 @@ def probe_sequences(vocab_size: int, seed: int, count: int = 4, length: int = 24
 def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: float | None, seed: int,
                           dtype: str = "float32", num_layers: int = 1) -> float:
     """Returns the largest mean |engine - trainer| probe log-prob over the engines; raises
-    WeightSyncMismatch above `tolerance` (None: `rounding_tolerance` for `dtype` and `num_layers`).
+    WeightSyncMismatch above `tolerance` (None: `rounding_tolerance` for `num_layers` and the dtype
+    the engines serve model.dtype `dtype` in: bf16 on GPUs, rlsys/system/backend.py engine_dtype).
 
     Both sides score the probes at the engine's score temperature (SCORE_TEMPERATURE: SGLang's
     prefill log-probs ignore the request's temperature), not at rollout.temperature."""
+    served = engine_dtype(rollout.spec.has_gpu, dtype)
     versions = rollout.weight_versions()
     stale = [i for i, version in enumerate(versions) if version != weight_version]
     if stale:
@@ -106,7 +109,7 @@ def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: floa
     worst = 0.0
     for index in range(len(rollout.engines)):
         agreement = compare_logprobs(rollout.score(probes, engine_index=index), expected)
-        bound = tolerance if tolerance is not None else rounding_tolerance(dtype, num_layers,
+        bound = tolerance if tolerance is not None else rounding_tolerance(served, num_layers,
                                                                            agreement.mean_abs_logprob)
         logger.info("weight version %d, engine %d: mean |logprob diff| %.3g (max %.3g) over %d probe tokens, "
                     "bound %.3g", weight_version, index, agreement.mean_abs_diff, agreement.max_abs_diff,
@@ -115,7 +118,7 @@ def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: floa
             raise WeightSyncMismatch(
                 f"engine {index} ({rollout.addresses[index].url}) disagrees with the trainer after syncing weight version "
                 f"{weight_version}: mean |logprob diff| {agreement.mean_abs_diff:.3g} over {agreement.tokens} probe "
-                f"tokens (max {agreement.max_abs_diff:.3g}) > {bound:.3g}, more than {dtype} rounding over "
+                f"tokens (max {agreement.max_abs_diff:.3g}) > {bound:.3g}, more than {served} rounding over "
                 f"{num_layers} layers explains: a weight tensor is missing, stale, transposed or cast wrong on "
                 "the engine (weight_sync.verify_tolerance sets the bound)"
             )

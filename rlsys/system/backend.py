@@ -137,8 +137,28 @@ def choose_attention(has_gpu: bool, compute_dtype: str, flash_attn_available: bo
 SDPA_ENGINE_ATTENTION = "torch_native"
 
 
+def engine_dtype(has_gpu: bool, model_dtype: str) -> str:
+    """The dtype an engine serves in (its --dtype), and so the dtype the weight sync casts to and
+    the weight check's rounding bound: the engine launcher and the trainer's sync both ask this.
+
+    | GPU | model.dtype | engine dtype                                                      |
+    |-----|-------------|-------------------------------------------------------------------|
+    | no  | float32     | float32 (SGLang's CPU kernels take it; the tests' exact checks)   |
+    | no  | bfloat16    | bfloat16                                                          |
+    | yes | float32     | bfloat16: an fp32 trainer feeds a bf16 engine (as verl and slime) |
+    | yes | bfloat16    | bfloat16                                                          |
+
+    Why no fp32 engine on a GPU: SGLang 0.5.23's CUDA RMSNorm (sglang/srt/layers/layernorm.py,
+    RMSNorm.forward_cuda) calls sgl_kernel's `rmsnorm` for a norm without residual (every decoder's
+    first input norm), and that kernel (flashinfer's norm.cu) dispatches fp16/bf16 only
+    (DISPATCH_*_DTYPE_TO_CTYPE_FP16): an fp32 engine fails at its first forward. The trainer keeps
+    its fp32 master weights and compute; the sync casts each bucket to bf16.
+    """
+    return "bfloat16" if has_gpu else model_dtype
+
+
 def engine_attention_backend(has_gpu: bool, dtype: str, gpu_capability: tuple[int, int] | None) -> str | None:
-    """The engine's --attention-backend; None leaves SGLang's own choice for the GPU.
+    """The engine's --attention-backend for its `engine_dtype`; None leaves SGLang's own choice.
 
     | GPU           | engine dtype | attention backend                                         |
     |---------------|--------------|-----------------------------------------------------------|
@@ -146,6 +166,8 @@ def engine_attention_backend(has_gpu: bool, dtype: str, gpu_capability: tuple[in
     | any           | float32      | torch_native (every GPU default is 16-bit only, or tf32)  |
     | sm80 or newer | bfloat16     | SGLang's default (fa3 on sm90, trtllm_mha on sm100, ...)  |
     | before sm80   | bfloat16     | torch_native (flashinfer's and triton's bf16 need sm80)   |
+
+    (`engine_dtype` never gives a GPU engine float32; the row stays for an engine launched by hand.)
     """
     if not has_gpu or dtype == "float32":
         return SDPA_ENGINE_ATTENTION

@@ -23,7 +23,7 @@ from pathlib import Path
 from rlsys.config import EngineConfig, ModelConfig
 from rlsys.rollout.sglang.client import EngineAddress, EngineError, SGLangClient, read_log_tail
 from rlsys.rollout.sglang.cpu_compat.site.rlsys_fence import REFUSAL_MARK
-from rlsys.system.backend import Backend, engine_attention_backend
+from rlsys.system.backend import Backend, engine_attention_backend, engine_dtype
 from rlsys.system.interrupts import take_sigterm_again
 from rlsys.system.node import gloo_interface_env
 from rlsys.weight_sync import engine_loader
@@ -51,6 +51,11 @@ class ServerSpec:
     # its threads are the node's cores over this. None (standalone engines): one thread.
     cpu_sharers: int | None = None
     pipelined_sync: bool = True  # weight_sync.pipelined: the trainers gather the next bucket during a load
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the server runs in (rlsys/system/backend.py: engine_dtype; bf16 on a GPU)."""
+        return engine_dtype(self.has_gpu, self.model.dtype)
 
     def threads(self, node_cores: int) -> int:
         if self.engine.threads is not None:
@@ -130,7 +135,7 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int, api_
         "--model-path", spec.model.path,
         "--host", host,
         "--port", str(port),
-        "--dtype", spec.model.dtype,  # always explicit: `auto` gave an fp16 KV cache on fp32 weights
+        "--dtype", spec.dtype,  # always explicit: `auto` gave an fp16 KV cache on fp32 weights
         "--tp-size", str(engine.tp_size),
         "--mem-fraction-static", str(engine.mem_fraction_static),
         "--max-total-tokens", str(engine.max_total_tokens),
@@ -169,7 +174,7 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int, api_
             "--sleep-on-idle",
             "--disable-overlap-schedule",
         ]
-    attention = engine_attention_backend(backend.has_gpu, spec.model.dtype, backend.gpu_capability)
+    attention = engine_attention_backend(backend.has_gpu, spec.dtype, backend.gpu_capability)
     if attention is not None:  # else SGLang's default for the GPU, which takes this dtype
         command += ["--attention-backend", attention]
     return command + list(engine.extra_args)

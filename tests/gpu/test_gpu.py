@@ -11,6 +11,10 @@ import torch
 from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO
 
+# Mean |engine - trainer| log-prob of the sampled tokens that bf16 rounding explains on the small test
+# models: a GPU engine serves bf16 whatever model.dtype (rlsys/system/backend.py: engine_dtype).
+BF16_LOGPROB_MISMATCH = 5e-2
+
 
 @pytest.mark.gpu
 @pytest.mark.slow
@@ -30,8 +34,8 @@ def test_gpu_run_syncs_weights_every_step(tmp_path, tiny_model_dir, mode, gpus_n
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["weight_version"] for r in rows] == list(range(20))
-    # fp32 weights; the engine's attention kernels differ from the trainer's SDPA/flash-attn
-    assert max(r["logprob_mismatch"] for r in rows) < 1e-2
+    # an fp32 trainer (quickstart) feeds a bf16 engine on GPUs: the bf16 cast bounds the agreement
+    assert max(r["logprob_mismatch"] for r in rows) < BF16_LOGPROB_MISMATCH
 
 
 @pytest.mark.gpu

@@ -6,10 +6,12 @@ import pytest
 from rlsys.actors.packed_attention import PACKED_SDPA
 from rlsys.config import ConfigError, RunConfig
 from rlsys.system.backend import (
+    Backend,
     BackendError,
     choose_attention,
     decide_has_gpu,
     engine_attention_backend,
+    engine_dtype,
     make_backend,
 )
 from rlsys.system.topology import Topology
@@ -124,3 +126,68 @@ def test_load_config_reports_colocated_tp_as_a_config_error(tmp_path):
     path.write_text("model: {path: m}\ndata: {synthetic: {task: max_digit}}\nrollout: {engine: {tp_size: 2}}\n")
     with pytest.raises(ConfigError, match="use placement.mode=disaggregated for tensor-parallel engines"):
         load_config(path)
+
+
+# (GPU, model.dtype) -> the dtype the engine serves. SGLang's CUDA RMSNorm calls sgl_kernel's rmsnorm,
+# which dispatches fp16/bf16 only: a GPU engine never runs fp32, an fp32 trainer feeds it bf16.
+@pytest.mark.parametrize(("has_gpu", "model_dtype", "expected"), [
+    (False, "float32", "float32"),
+    (False, "bfloat16", "bfloat16"),
+    (True, "float32", "bfloat16"),
+    (True, "bfloat16", "bfloat16"),
+])
+def test_a_gpu_engine_serves_bf16_whatever_the_model_dtype(has_gpu, model_dtype, expected):
+    assert engine_dtype(has_gpu, model_dtype) == expected
+
+
+def _gpu_backend(capability=(9, 0)) -> Backend:
+    """A GPU actor's backend as make_backend(True) builds it, without CUDA (nothing here touches the device)."""
+    return Backend(True, "cuda", "nccl", PACKED_SDPA, gpu_capability=capability)
+
+
+def _launch_dtype(command: list[str]) -> str:
+    return command[command.index("--dtype") + 1]
+
+
+def _sync_dtype(spec, monkeypatch):
+    """The engine dtype TrainerWorker.sync_weights hands the weight sync (the sync itself stubbed)."""
+    import types
+
+    import torch
+
+    import rlsys.actors.trainer as trainer_module
+
+    seen = {}
+
+    def fake_sync_weights(named, *args, engine_dtype=None, **kwargs):
+        seen["engine_dtype"] = engine_dtype
+        return types.SimpleNamespace(as_dict=dict)
+
+    monkeypatch.setattr(trainer_module, "sync_weights", fake_sync_weights)
+    worker = types.SimpleNamespace(spec=spec, model=torch.nn.Linear(2, 2), transport=None, backend=_gpu_backend(),
+                                   gather_scratch=None, gather_dst=None, checkpoint_pieces=None, shared_staging=None)
+    trainer_module.TrainerWorker.sync_weights(worker, 2**20, weight_version=1)
+    return seen["engine_dtype"]
+
+
+@pytest.mark.parametrize(("has_gpu", "model_dtype", "expected"), [
+    (True, "float32", "bfloat16"),  # make quickstart on a GPU host: fp32 trainer, bf16 engine
+    (True, "bfloat16", "bfloat16"),
+    (False, "float32", "float32"),
+])
+def test_the_engine_launch_and_the_trainer_sync_agree_on_the_engine_dtype(has_gpu, model_dtype, expected, monkeypatch):
+    import torch
+
+    from rlsys.actors.trainer import TrainerSpec
+    from rlsys.rollout.sglang.server import ServerSpec, build_command
+
+    config = _config()
+    config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": model_dtype})})
+    server = ServerSpec(config.model, config.rollout.engine, has_gpu=has_gpu)
+    backend = _gpu_backend() if has_gpu else make_backend(False)
+    command = build_command(server, backend, "127.0.0.1", 1)
+    assert _launch_dtype(command) == server.dtype == expected
+    # the attention backend follows the served dtype: SGLang's own fa3 for bf16 on an H100
+    assert ("--attention-backend" in command) == (not has_gpu)
+    trainer = TrainerSpec.from_config(config, has_gpu=has_gpu)
+    assert _sync_dtype(trainer, monkeypatch) == getattr(torch, expected)

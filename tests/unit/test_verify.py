@@ -15,7 +15,7 @@ import pytest
 from rlsys.config import ModelConfig
 from rlsys.rollout.engine import SCORE_TEMPERATURE
 from rlsys.rollout.sglang.server import ServerSpec
-from rlsys.run.verify import verify_engine_weights
+from rlsys.run.verify import FP32_TOLERANCE, WeightSyncMismatch, rounding_tolerance, verify_engine_weights
 
 VOCAB = 50
 
@@ -72,3 +72,18 @@ def test_trainer_and_engine_score_the_probes_at_the_same_temperature(rollout_tem
     trainer = _Trainer(rollout_temperature)
     assert verify_engine_weights(trainer, _Rollout(), 1, None, seed=0) < 1e-9
     assert trainer.temperatures == [SCORE_TEMPERATURE]
+
+
+def test_an_fp32_run_on_gpus_is_bounded_by_bf16_rounding_its_engines_serve():
+    """model.dtype float32 on a GPU: the engine serves bf16 (rlsys/system/backend.py: engine_dtype), so
+    bf16 rounding is no mismatch there, while on CPU (an fp32 engine) the same difference is."""
+    layers = 4
+    bf16_bound = rounding_tolerance("bfloat16", layers, mean_abs_logprob=2.0)
+    error = (FP32_TOLERANCE + bf16_bound) / 2  # above fp32's bound, below bf16's for |log p| >= 2
+    assert FP32_TOLERANCE < error < bf16_bound
+    gpu = _Rollout(has_gpu=True, dtype="float32", error=error)
+    assert verify_engine_weights(_Trainer(1.0), gpu, 1, None, seed=0, dtype="float32", num_layers=layers) == \
+        pytest.approx(error)
+    cpu = _Rollout(has_gpu=False, dtype="float32", error=error)
+    with pytest.raises(WeightSyncMismatch, match="more than float32 rounding"):
+        verify_engine_weights(_Trainer(1.0), cpu, 1, None, seed=0, dtype="float32", num_layers=layers)
