@@ -22,6 +22,18 @@ NO_OPEN_SESSION = "no weight-update session is open"
 SCORE_TEMPERATURE = 1.0
 
 
+def releasable_bytes(server_info: dict) -> int | None:
+    """Bytes of the weights and the KV cache that SGLang reports in /server_info (each data-parallel
+    rank's `internal_states[i].memory_usage`, in GiB: `weight`, measured as the device memory its load
+    took, and `kvcache`, the pool's K and V buffers): what releasing both must give back to the
+    device. None when the server reports no such figures."""
+    try:
+        usages = [state["memory_usage"] for state in server_info["internal_states"]]
+        return max(int((float(u["weight"]) + float(u["kvcache"])) * 2**30) for u in usages)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 class RolloutEngine:
     """Plain class, wrapped with `ray.remote` at the call site."""
 
@@ -34,6 +46,7 @@ class RolloutEngine:
         self.health_timeout_s = spec.engine.health_timeout_s
         self._watching = threading.Event()
         self._released: list[str] = []  # memory regions given back to the device, in release order
+        self._releasable: int | None = None  # weights + KV cache bytes, read once from a GPU server
 
     def start(self, timeout_s: float) -> EngineAddress:
         sweep_shared_memory()  # what engines killed without warning left on this node
@@ -159,9 +172,15 @@ class RolloutEngine:
 
     def memory(self) -> dict:
         """What the engine holds: device bytes (GPU, NVML; None on CPU), host RSS of its process
-        tree, and which regions are released."""
-        return {"device_bytes": self.server.device_memory_bytes(), "host_bytes": self.server.memory_bytes(),
-                "released": list(self._released)}
+        tree, which regions are released, and the bytes its weights and KV cache take on the device
+        (`releasable_bytes`; None on CPU, where a release frees nothing)."""
+        device_bytes = self.server.device_memory_bytes()
+        if device_bytes is not None and self._releasable is None:
+            # The scheduler's figures, fixed from start-up on: read at the first report on a GPU.
+            # (The client has no method for /server_info yet; _call is its one HTTP path.)
+            self._releasable = releasable_bytes(self._call(lambda: self.client._call("/server_info", timeout_s=30.0)))
+        return {"device_bytes": device_bytes, "host_bytes": self.server.memory_bytes(),
+                "released": list(self._released), "releasable_bytes": self._releasable}
 
     def weight_version(self) -> int:
         return int(self._call(self.client.model_info)["weight_version"])

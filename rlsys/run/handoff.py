@@ -22,12 +22,27 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlsys.actors.group import TrainerGroup
-from rlsys.rollout.manager import RolloutManager
+if TYPE_CHECKING:  # the checks below run without Ray (deploy/gpu_smoke.sh reads a finished run's metrics)
+    from rlsys.actors.group import TrainerGroup
+    from rlsys.rollout.manager import RolloutManager
 
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags
 ALL_REGIONS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
+
+# Share of its weights + KV cache that a released engine must have given back. The engine's figures
+# are the GPU's memory in use, device-wide (rollout/engine.py: memory), so CUDA contexts, cuBLAS and
+# NCCL workspaces and the sleeping trainer stay in both: with a ~0.2 GB model they outweigh what the
+# engine frees, and no ratio of the two totals tells a working release from a failed one. What the
+# release must free is known (the engine reports it); 0.9 of it leaves room for the allocator's
+# granularity and SGLang's GiB figures rounded to 1 MB.
+ENGINE_RELEASE_SHARE = 0.9
+# A sleeping trainer rank's reservation against its awake one. Both are its own process's caching
+# allocator (torch.cuda.memory_reserved), which holds no CUDA context and no other process's memory:
+# asleep, only what the offload leaves (buffers, workspaces) stays, far below half of an awake rank's
+# parameters, gradients and optimizer state.
+TRAINER_SLEEP_SHARE = 0.5
 
 
 def _engines_held(reports: list[dict]) -> int | None:
@@ -35,6 +50,31 @@ def _engines_held(reports: list[dict]) -> int | None:
     held = [r["device_bytes"] if r.get("device_bytes") is not None else r.get("host_bytes") for r in reports]
     held = [h for h in held if h is not None]
     return max(held) if held else None
+
+
+def _engines_releasable(reports: list[dict]) -> int | None:
+    """The least any engine must give back at a release (the engines of a run are alike), or None."""
+    releasable = [r["releasable_bytes"] for r in reports if r.get("releasable_bytes") is not None]
+    return min(releasable) if releasable else None
+
+
+def engine_gave_memory_back(row: dict) -> bool:
+    """A colocated GPU step's engine release freed its weights and KV cache, from its metrics row:
+    serving - released >= ENGINE_RELEASE_SHARE x (weights + KV cache), all device bytes."""
+    serving, released = row.get("memory_engine_serving_bytes"), row.get("memory_engine_released_bytes")
+    releasable = row.get("memory_engine_releasable_bytes")
+    if serving is None or released is None or not releasable:
+        return False
+    return serving - released >= ENGINE_RELEASE_SHARE * releasable
+
+
+def trainer_gave_memory_back(row: dict) -> bool:
+    """A colocated GPU step's trainer sleep freed its state, from its metrics row:
+    asleep < TRAINER_SLEEP_SHARE x awake (the rank's own reservations)."""
+    awake, asleep = row.get("memory_trainer_awake_bytes"), row.get("memory_trainer_asleep_bytes")
+    if not awake or asleep is None:
+        return False
+    return asleep < TRAINER_SLEEP_SHARE * awake
 
 
 @dataclass
@@ -51,7 +91,9 @@ class DeviceHandoff:
         if not self.enabled:
             return
         self.step = row.get("step", self.step)  # the later turns of this step are recorded under it
-        row["memory_engine_serving_bytes"] = _engines_held(self.rollout.memory())
+        serving = self.rollout.memory()
+        row["memory_engine_serving_bytes"] = _engines_held(serving)
+        row["memory_engine_releasable_bytes"] = _engines_releasable(serving)
         released = self.rollout.release_memory(list(ALL_REGIONS))
         row["memory_engine_released_bytes"] = _engines_held(released)
         self._record("engines_release", row, engines=released)
