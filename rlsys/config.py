@@ -181,6 +181,14 @@ class RewardConfig(_Section):
         return self
 
 
+# Default rollout.engine.startup_timeout_s. CPU: the tiny test models start in well under a minute, and
+# a hung start should fail the test fast. GPU: eight engines each reading a 7B checkpoint (15 GB) from
+# shared storage at once, then capturing CUDA graphs and JIT-compiling kernels on first use, can take
+# more than 300 s (issue 47); 30 min still ends a start that hangs.
+CPU_STARTUP_TIMEOUT_S = 300.0
+GPU_STARTUP_TIMEOUT_S = 1800.0
+
+
 class EngineConfig(_Section):
     tp_size: int = Field(1, ge=1, description="Tensor-parallel GPUs per engine (colocated: 1).")
     mem_fraction_static: float = Field(
@@ -195,7 +203,12 @@ class EngineConfig(_Section):
         "than context_length - max_new_tokens are dropped and counted.",
     )
     skip_tokenizer_init: bool = Field(False, description="Engine works on token ids only.")
-    startup_timeout_s: float = Field(300.0, gt=0, description="Seconds an engine's server may take to start.")
+    startup_timeout_s: float | None = Field(
+        None, gt=0, description=f"Seconds an engine's server may take to start. Default: {CPU_STARTUP_TIMEOUT_S:g} on "
+        f"CPU (where a hung start should fail fast), {GPU_STARTUP_TIMEOUT_S:g} with GPUs, where a cold start reads the "
+        "checkpoint from shared storage (often several engines at once), captures CUDA graphs and JIT-compiles kernels "
+        "on first use.",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="Seconds one HTTP request to an engine may take.")
     health_timeout_s: float = Field(
         60.0, gt=0, description="An engine that does not answer for this long is stopped and restarted.",
@@ -223,6 +236,12 @@ class EngineConfig(_Section):
     extra_args: list[str] = Field(
         default_factory=list, description="Extra SGLang server arguments, appended to the launch command.",
     )
+
+    def startup_timeout(self, has_gpu: bool) -> float:
+        """startup_timeout_s, or its default for the run's hardware."""
+        if self.startup_timeout_s is not None:
+            return self.startup_timeout_s
+        return GPU_STARTUP_TIMEOUT_S if has_gpu else CPU_STARTUP_TIMEOUT_S
 
 
 class SamplingConfig(_Section):

@@ -48,9 +48,11 @@ class RolloutEngine:
         self._released: list[str] = []  # memory regions given back to the device, in release order
         self._releasable: int | None = None  # weights + KV cache bytes, read once from a GPU server
 
-    def start(self, timeout_s: float) -> EngineAddress:
+    def start(self, timeout_s: float | None = None) -> EngineAddress:
+        """Launch the server; `timeout_s` None: rollout.engine.startup_timeout_s or its default for
+        the hardware (EngineConfig.startup_timeout)."""
         sweep_shared_memory()  # what engines killed without warning left on this node
-        self.server.start(timeout_s)
+        self.server.start(timeout_s if timeout_s is not None else self.server.spec.startup_timeout_s)
         self._watching.set()
         threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
         return self.server.address

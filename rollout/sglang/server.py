@@ -57,6 +57,10 @@ class ServerSpec:
         """The dtype the server runs in (rlsys/system/backend.py: engine_dtype; bf16 on a GPU)."""
         return engine_dtype(self.has_gpu, self.model.dtype)
 
+    @property
+    def startup_timeout_s(self) -> float:
+        return self.engine.startup_timeout(self.has_gpu)
+
     def threads(self, node_cores: int) -> int:
         if self.engine.threads is not None:
             return self.engine.threads

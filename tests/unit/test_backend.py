@@ -191,3 +191,14 @@ def test_the_engine_launch_and_the_trainer_sync_agree_on_the_engine_dtype(has_gp
     assert ("--attention-backend" in command) == (not has_gpu)
     trainer = TrainerSpec.from_config(config, has_gpu=has_gpu)
     assert _sync_dtype(trainer, monkeypatch) == getattr(torch, expected)
+
+
+def test_an_engine_start_may_take_longer_on_gpus_unless_set():
+    from rlsys.config import CPU_STARTUP_TIMEOUT_S, GPU_STARTUP_TIMEOUT_S, EngineConfig, ModelConfig
+    from rlsys.rollout.sglang.server import ServerSpec
+
+    model = ModelConfig(path="unused")
+    assert ServerSpec(model, has_gpu=False).startup_timeout_s == CPU_STARTUP_TIMEOUT_S == 300
+    assert ServerSpec(model, has_gpu=True).startup_timeout_s == GPU_STARTUP_TIMEOUT_S == 1800
+    for has_gpu in (False, True):
+        assert ServerSpec(model, EngineConfig(startup_timeout_s=42), has_gpu=has_gpu).startup_timeout_s == 42
