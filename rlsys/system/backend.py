@@ -177,6 +177,10 @@ def engine_attention_backend(has_gpu: bool, dtype: str, gpu_capability: tuple[in
 
 
 def flash_attn_available() -> bool:
+    """Whether transformers will run flash_attention_2 in this process: its own check (the
+    `flash-attn` distribution, version >= 2.3.3, and a CUDA device), which the trainer ranks' attention
+    choice, the memory plan and each node's check (rlsys/system/node_checks.py) all ask, so that
+    they cannot disagree with the model load."""
     from transformers.utils import is_flash_attn_2_available
 
     return bool(is_flash_attn_2_available())

@@ -12,8 +12,9 @@
   must land at the driver's path.
 - **Device memory**, the memory plan's budget: the smallest GPU (NVML: every GPU of the node,
   whatever CUDA_VISIBLE_DEVICES says) of the nodes holding the run's bundles, or their RAM on a
-  CPU run; and whether flash-attn is installed there. Never the driver's own devices: under
-  `ray job submit` the driver usually sits on a head without GPUs.
+  CPU run; and whether flash-attn can run there, asked as the trainer ranks ask it
+  (rlsys/system/backend.py: flash_attn_available; False on a node without GPUs). Never the driver's
+  own devices: under `ray job submit` the driver usually sits on a head without GPUs.
 
 Nodes other than the driver's run their part in a zero-CPU Ray task pinned to the node (it fits
 on any node, busy or not); the driver's own node answers in-process.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlsys.config import ConfigError
+from rlsys.system.backend import flash_attn_available
 
 MARKER_PREFIX = ".rlsys-shared-check-"
 
@@ -68,13 +70,16 @@ def probe_this_node(run_dir: str, marker: str, token: str, model_paths: tuple[st
 
     from rlsys.system.node import node_address
 
+    gpu_memory_bytes = _smallest_gpu_bytes()
     return NodeReport(
         node_id=node_id, address=node_address(), hostname=socket.gethostname(), roles=roles,
         run_dir_problem=_run_dir_problem(Path(run_dir), marker, token),
         model_problem=_model_problem(model_paths, hub),
         host_memory_bytes=int(psutil.virtual_memory().total),
-        gpu_memory_bytes=_smallest_gpu_bytes(),
-        flash_attn_installed=_installed("flash_attn"),
+        gpu_memory_bytes=gpu_memory_bytes,
+        # Ray (2.60) leaves a zero-GPU task's CUDA_VISIBLE_DEVICES alone, so this probe sees the node's
+        # GPUs as a rank would; a node without GPUs runs no flash-attn (nor imports torch to say so).
+        flash_attn_installed=gpu_memory_bytes is not None and flash_attn_available(),
     )
 
 
@@ -139,12 +144,6 @@ def _smallest_gpu_bytes() -> int | None:
         return None
     finally:
         pynvml.nvmlShutdown()
-
-
-def _installed(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 @dataclass

@@ -202,3 +202,39 @@ def test_an_engine_start_may_take_longer_on_gpus_unless_set():
     assert ServerSpec(model, has_gpu=True).startup_timeout_s == GPU_STARTUP_TIMEOUT_S == 1800
     for has_gpu in (False, True):
         assert ServerSpec(model, EngineConfig(startup_timeout_s=42), has_gpu=has_gpu).startup_timeout_s == 42
+
+
+def _probe_node(tmp_path):
+    from rlsys.system.node_checks import probe_this_node
+
+    run_dir, model = tmp_path / "run", tmp_path / "model"
+    run_dir.mkdir()
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (run_dir / "marker").write_text("token")
+    return probe_this_node(str(run_dir), "marker", "token", (str(model),), "node", ("trainer rank 0",))
+
+
+@pytest.mark.parametrize("transformers_says", [True, False])
+def test_a_gpu_node_reports_flash_attn_as_transformers_decides_it(tmp_path, monkeypatch, transformers_says):
+    """The memory plan counts flash-attn only where the trainer ranks will run it: both ask one function."""
+    import transformers.utils
+
+    import rlsys.system.node_checks as node_checks
+    from rlsys.system.backend import flash_attn_available
+
+    monkeypatch.setattr(node_checks, "_smallest_gpu_bytes", lambda: 80 * 2**30)
+    # e.g. a flash_attn package older than transformers accepts, or none at all while transformers finds one
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: transformers_says)
+    assert flash_attn_available() is transformers_says
+    assert _probe_node(tmp_path).flash_attn_installed is transformers_says
+
+
+def test_a_node_without_gpus_runs_no_flash_attn(tmp_path, monkeypatch):
+    import transformers.utils
+
+    import rlsys.system.node_checks as node_checks
+
+    monkeypatch.setattr(node_checks, "_smallest_gpu_bytes", lambda: None)
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    assert _probe_node(tmp_path).flash_attn_installed is False
