@@ -265,12 +265,13 @@ class EngineLikeReceiver:
 def check_environment(proof: Proof, fields: dict) -> None:
     import transformers
 
-    from rlsys.system.backend import engine_attention_backend, make_backend
+    from rlsys.system.backend import engine_attention_backend, engine_dtype, make_backend
 
     backend = make_backend(proof.gpu, "bfloat16")
     fields.update(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
                   transformers=transformers.__version__, backend=backend.__dict__,
                   engine_attention_backend=engine_attention_backend(proof.gpu, "bfloat16", backend.gpu_capability),
+                  engine_dtype_of_an_fp32_model=engine_dtype(proof.gpu, "float32"),
                   varlen_in_torch=_has_varlen())
     if not proof.gpu:
         return
