@@ -179,8 +179,7 @@ class RolloutEngine:
         device_bytes = self.server.device_memory_bytes()
         if device_bytes is not None and self._releasable is None:
             # The scheduler's figures, fixed from start-up on: read at the first report on a GPU.
-            # (The client has no method for /server_info yet; _call is its one HTTP path.)
-            self._releasable = releasable_bytes(self._call(lambda: self.client._call("/server_info", timeout_s=30.0)))
+            self._releasable = releasable_bytes(self._call(lambda: self.client.server_info(timeout_s=30.0)))
         return {"device_bytes": device_bytes, "host_bytes": self.server.memory_bytes(),
                 "released": list(self._released), "releasable_bytes": self._releasable}
 

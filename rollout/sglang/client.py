@@ -120,6 +120,11 @@ class SGLangClient:
         """Cheap liveness and the engine's weight version (`/health` takes a full second)."""
         return self._call("/model_info", timeout_s=timeout_s)
 
+    def server_info(self, timeout_s: float | None = None) -> dict:
+        """`/server_info`: the server's arguments and its schedulers' internal states (memory_usage per
+        scheduler: weight and kvcache GiB, sglang/srt/managers/scheduler_components/internal_state.py)."""
+        return self._call("/server_info", timeout_s=timeout_s)
+
     def freeze_gc(self) -> None:
         """Move every object the server holds now (model, tokenizer, imports) out of Python's
         garbage collector in its processes (`gc.freeze`). Otherwise a full collection walks those
