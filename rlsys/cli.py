@@ -49,7 +49,9 @@ def _plan(args: argparse.Namespace) -> int:
     from rlsys.config import load_config
     from rlsys.run.memory_plan import memory_plan, print_plan
 
-    plan = memory_plan(load_config(args.config, list(args.overrides)))
+    if args.gpus_per_node < 1:
+        raise UsageError(f"--gpus-per-node must be >= 1 (got {args.gpus_per_node})")
+    plan = memory_plan(load_config(args.config, list(args.overrides)), args.gpus_per_node)
     print_plan(plan, args.json)
     return 0 if plan.fits else 1
 
@@ -310,10 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     evaluate.set_defaults(handler=_eval)
 
-    plan = commands.add_parser("plan", help="print the memory each GPU will hold, per phase, and whether it fits")
+    plan = commands.add_parser("plan", help="print the memory each GPU will hold, per phase, and whether it fits; "
+                               "and the host memory per trainer rank and per node")
     plan.add_argument("config", help="YAML config, e.g. configs/gpu_colocated.yaml")
     plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. placement.gpu_memory_gb=80")
-    plan.add_argument("--json", action="store_true", help="one JSON object (fits, per_gpu_bytes, terms, ...)")
+    plan.add_argument("--json", action="store_true", help="one JSON object (fits, per_gpu_bytes, terms, host_terms, "
+                      "host_per_node_bytes, ...)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+                      help="GPUs of a node, for the host memory per node (default 8)")
     plan.set_defaults(handler=_plan)
 
     tiny = commands.add_parser("make-tiny-model", help="build a local random-init model + tokenizer")

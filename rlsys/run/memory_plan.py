@@ -12,7 +12,10 @@ buffers (one with `weight_sync.pipelined` off) are each their largest bucket, at
 tensor; every process on a GPU also holds a CUDA context and NCCL buffers (two processes per GPU
 colocated). Engine terms follow SGLang's sizing: its static pool is `mem_fraction_static` of the
 GPU, the weights come out of it and the rest is KV cache (capped by `max_total_tokens`;
-sglang/srt/model_executor/model_runner.py, profile_max_num_token).
+sglang/srt/model_executor/model_runner.py, profile_max_num_token). Outside that pool, and so kept
+through /release_memory_occupation, an engine holds its attention workspace and the caching
+allocator's blocks of its last forward (`engine_unreleased`); a disaggregated engine also
+receives each broadcast bucket into a new flat tensor on its GPU (`engine_receive_bucket`).
 
 Phases: colocated with sleeping trainers, a GPU holds the engine (weights + KV cache) while it
 generates, the trainer (everything it trains with) while the engine's memory is released, and
@@ -21,6 +24,9 @@ peak is the largest phase. Colocated without sleep, everything at once. Disaggre
 GPUs and engine GPUs separately; the peak is the larger. On CPU the "GPU" is a process's host
 memory. Activations are an estimate (what a Qwen2/Llama decoder layer saves for backward), the
 rest is exact arithmetic.
+
+Host memory, per trainer rank and per node, is what the device plan does not already count:
+`host_terms`.
 """
 
 from __future__ import annotations
@@ -42,6 +48,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # the weight-sync ones, an engine its TP and weight-update groups).
 CUDA_CONTEXT_BYTES = 512 * 2**20
 NCCL_BUFFER_BYTES = GiB
+# An engine's attention workspace: SGLang's flashinfer backend takes 512 MiB for Qwen2/Qwen3
+# (SGLANG_FLASHINFER_WORKSPACE_SIZE, sglang/srt/layers/attention/flashinfer_backend.py; 384 MiB
+# otherwise); the upper figure, whichever backend SGLang picks.
+ENGINE_WORKSPACE_BYTES = 512 * 2**20
+# Where each backup starts in a sleeping rank's host arena (actors/offload.py, ALIGNMENT).
+HOST_ALIGNMENT = 64
 
 # Which config fields shrink each term (the advice printed when a plan does not fit).
 ADVICE = {
@@ -62,6 +74,8 @@ ADVICE = {
     "nccl_buffers": "use a GPU with more memory (NCCL's buffers, per process on the GPU)",
     "engine_weights": "raise rollout.engine.tp_size (placement.mode=disaggregated) or use more memory",
     "engine_kv_cache": "lower rollout.engine.mem_fraction_static or rollout.engine.max_total_tokens",
+    "engine_unreleased": "lower SGLang's --chunked-prefill-size (rollout.engine.extra_args) or use more memory",
+    "engine_receive_bucket": "lower weight_sync.bucket_size_mb (a bucket is at least the largest tensor)",
 }
 
 
@@ -148,37 +162,31 @@ class MemoryPlan:
     mode: str
     advice: str = ""
     notes: list[str] = field(default_factory=list)
+    host_terms: dict[str, int] = field(default_factory=dict)  # name -> bytes of host memory per trainer rank
+    host_per_rank_bytes: int = 0
+    ranks_per_node: int = 1  # trainer ranks on the busiest node
+    host_per_node_bytes: int = 0
+    device: str = ""  # what was planned for, and where its memory figure came from (`rlsys plan`)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def table(self) -> str:
-        lines = [f"memory plan ({self.mode}), per GPU of {self.gpu_memory_bytes / GiB:.1f} GiB:"]
-        lines += [f"  {name:<20} {value / GiB:9.2f} GiB" for name, value in self.terms.items()]
+        unit = "GPU" if self.device.startswith("GPU") or not self.device else "process (CPU)"
+        lines = [f"memory plan ({self.mode}), per {unit} of {self.gpu_memory_bytes / GiB:.1f} GiB"
+                 + (f" ({self.device})" if self.device else "") + ":"]
+        lines += [f"  {name:<22} {value / GiB:9.2f} GiB" for name, value in self.terms.items()]
         lines.append(f"  KV cache holds {self.kv_cache_tokens:,} tokens")
-        lines += [f"  phase {name:<14} {value / GiB:9.2f} GiB" for name, value in self.phases.items()]
+        lines += [f"  phase {name:<16} {value / GiB:9.2f} GiB" for name, value in self.phases.items()]
         verdict = "fits" if self.fits else f"does NOT fit: {self.advice}"
         lines.append(f"  peak {self.per_gpu_bytes / GiB:.2f} GiB of {self.gpu_memory_bytes / GiB:.1f} GiB: {verdict}")
+        lines.append("host memory beyond the devices', per trainer rank:")
+        lines += [f"  {name:<22} {value / GiB:9.2f} GiB" for name, value in self.host_terms.items()]
+        lines.append(f"  per rank {self.host_per_rank_bytes / GiB:.2f} GiB; per node {self.host_per_node_bytes / GiB:.2f} "
+                     f"GiB ({self.ranks_per_node} trainer ranks; not counted: each process's own runtime, "
+                     "the engines' host memory)")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
-
-
-def device_memory_bytes(config: RunConfig) -> int:
-    """`rlsys plan`'s budget on this machine: placement.gpu_memory_gb, else the detected GPU's
-    memory, else (CPU runs) the host's RAM. (`rlsys train` plans for the devices its placement
-    got instead: `plan_for_devices`.)"""
-    if config.placement.gpu_memory_gb is not None:
-        return int(config.placement.gpu_memory_gb * GiB)
-    import torch
-
-    if torch.cuda.is_available() and config.placement.device != "cpu":
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    if config.placement.device == "cuda":
-        raise ConfigError("placement.device is cuda but this machine has no GPU to read the memory of: set "
-                          "placement.gpu_memory_gb to plan for the cluster's GPUs")
-    import psutil
-
-    return int(psutil.virtual_memory().total)
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> int:
@@ -242,8 +250,72 @@ def staging_bytes(shape: ModelShape, bucket_bytes: int, dtype: str, pipelined: b
     return staging_buffer_bytes(params, bucket_bytes, COLOCATED_ALIGNMENT, getattr(torch, dtype), pipelined)
 
 
+def sglang_prefill_chunk(engine, gpu_memory: int) -> int:
+    """Tokens of an engine's largest forward: --chunked-prefill-size from rollout.engine.extra_args,
+    else SGLang's default for the GPU's memory (sglang/srt/arg_groups/memory_hook.py); chunking off
+    (-1), a whole context."""
+    args = list(engine.extra_args)
+    for i, arg in enumerate(args):
+        if arg == "--chunked-prefill-size" and i + 1 < len(args) or arg.startswith("--chunked-prefill-size="):
+            size = int(arg.split("=", 1)[1] if "=" in arg else args[i + 1])
+            return size if size > 0 else engine.context_length
+    mib = gpu_memory / 2**20
+    return next((tokens for limit, tokens in ((20 * 1024, 2048), (60 * 1024, 4096), (160 * 1024, 8192))
+                 if mib < limit), 16384)
+
+
+def engine_unreleased_bytes(shape: ModelShape, engine, gpu_memory: int, dtype_bytes: int) -> int:
+    """What an engine keeps on its GPU through /release_memory_occupation, outside
+    torch_memory_saver's regions (weights, KV cache, CUDA graphs): its attention workspace and the
+    caching allocator's blocks of its largest forward, a prefill chunk through the MLP (residual
+    and normed hidden states, gate_up's output and the activation; SGLang never empties its cache
+    on a release). An estimate."""
+    width = 2 * shape.hidden + 3 * (shape.active_intermediate or shape.intermediate) // engine.tp_size
+    return ENGINE_WORKSPACE_BYTES + sglang_prefill_chunk(engine, gpu_memory) * width * dtype_bytes
+
+
+def _rank_shard_bytes(shapes: tuple[tuple[int, ...], ...], ranks: int, element_bytes: int,
+                      alignment: int = 1) -> int:
+    """Rank 0's share of the tensors of `shapes` as FSDP2 lays them out (the largest: each dim 0
+    padded to a multiple of the ranks, `_get_dim0_padded_size`), each rounded up to `alignment`."""
+    def one(shape: tuple[int, ...]) -> int:
+        nbytes = -(-(shape or (1,))[0] // ranks) * math.prod((shape or (1,))[1:]) * element_bytes
+        return -(-nbytes // alignment) * alignment
+    return sum(one(shape) for shape in shapes)
+
+
+def host_terms(config: RunConfig, shape: ModelShape, on_gpu: bool) -> dict[str, int]:
+    """Host memory a trainer rank holds that the device plan does not count (rank 0, the largest).
+
+    sleep_arena: a colocated rank that sleeps on a GPU host copies every storage of its state into
+    one page-locked arena kept across steps (actors/offload.py), each copy rounded up to 64 bytes:
+    the fp32 parameter shards (FSDP's padded flat shards) and AdamW's two fp32 moments and its
+    step (a 4-byte tensor per trained parameter, fused); no gradients (train_step ends with
+    zero_grad(set_to_none=True)). On a CPU host the copies replace the state in the same memory.
+    reference_shards: with KL (not LoRA) the reference's fp32 shards, which FSDP streams from the
+    host, page-locked in place on GPU hosts at exactly their bytes (actors/parallelize.py). On CPU
+    the weight-sync staging buffers are host memory too, but the device plan counts them there.
+    LoRA: the adapters counted by their parameters (their tensors' padding and steps left out)."""
+    ranks = config.trainer.num_ranks
+    lora = config.model.lora is not None
+    shapes = shape.param_shapes or ((shape.params,),)
+    terms = {"sleep_arena": 0, "reference_shards": 0}
+    if on_gpu and config.trainer.sleeps_between_steps(config.placement.mode == "colocated", on_gpu):
+        params = _rank_shard_bytes(shapes, ranks, 4, HOST_ALIGNMENT)
+        if lora:
+            adapters = -(-4 * shape.adapter_params // ranks)
+            terms["sleep_arena"] = params + 3 * adapters  # the adapters and their two moments
+        else:
+            terms["sleep_arena"] = 3 * params + len(shapes) * HOST_ALIGNMENT  # + the steps
+    if (config.algorithm.use_kl_loss or config.algorithm.kl_in_reward) and not lora:
+        terms["reference_shards"] = _rank_shard_bytes(shapes, ranks, 4)
+    return terms
+
+
 def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,
-                flash_attention: bool = False) -> MemoryPlan:
+                flash_attention: bool = False, gpus_per_node: int = 8) -> MemoryPlan:
+    """The plan (module docstring); `gpus_per_node`: how many trainer ranks a node holds at most,
+    for the host figure per node (on CPU every rank is on one node)."""
     t, ranks = config.trainer, config.trainer.num_ranks
     compute = DTYPE_BYTES[config.model.dtype]
     engine_dtype = DTYPE_BYTES[config.model.dtype]
@@ -301,13 +373,20 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
         "cuda_contexts": processes * CUDA_CONTEXT_BYTES if on_gpu else 0,
         "nccl_buffers": processes * NCCL_BUFFER_BYTES if on_gpu else 0,
     }
+    terms["engine_unreleased"] = engine_unreleased_bytes(shape, engine, gpu_memory, engine_dtype) if on_gpu else 0
+    # Disaggregated: SGLang receives each broadcast bucket into a new flat tensor on the engine's GPU
+    # (FlattenedTensorBucket.empty, sglang/srt/weight_sync/tensor_bucket.py), one bucket at a time;
+    # colocated, the engine reads the trainer's staging buffer through its IPC handle.
+    terms["engine_receive_bucket"] = 0 if colocated else staging_bytes(
+        shape, int(config.weight_sync.bucket_size_mb * 2**20), config.model.dtype, pipelined=False)
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * engine_dtype // engine.tp_size
     kv_room = int(engine.mem_fraction_static * gpu_memory) - terms["engine_weights"]
     kv_tokens = max(0, min(engine.max_total_tokens, kv_room // max(kv_per_token, 1)))
     terms["engine_kv_cache"] = kv_tokens * kv_per_token
 
     transient = max(("logprob_head_backward", "gradient_reduce"), key=lambda name: terms[name])
-    runtime = ("cuda_contexts", "nccl_buffers")  # held by every process through every phase
+    # Held by every process through every phase; colocated, the released engine's leftovers too.
+    runtime = ("cuda_contexts", "nccl_buffers") + (("engine_unreleased",) if colocated else ())
     train = ("trainer_params", "trainer_grads", "optimizer_states", "unsharded_layers", "unsharded_root",
              "activations", "attention_scores", "logits_chunk", "reference_model", transient)
     sync = ("trainer_params", "optimizer_states", "unsharded_layers", "weight_sync_staging", "engine_weights")
@@ -318,7 +397,8 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
         other = {"logprob_head_backward", "gradient_reduce"} - {transient}
         members = {"all_at_once": tuple(name for name in terms if name not in other)}
     else:
-        members = {"trainer_gpu": train + ("weight_sync_staging",) + runtime, "engine_gpu": serving + runtime}
+        members = {"trainer_gpu": train + ("weight_sync_staging",) + runtime,
+                   "engine_gpu": serving + ("engine_unreleased", "engine_receive_bucket") + runtime}
     phases = {name: sum(terms[k] for k in names) for name, names in members.items()}
     notes = []
     per_gpu = max(phases.values())
@@ -334,22 +414,36 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
                   f"largest term {largest} {terms[largest] / GiB:.1f} GiB: {ADVICE[largest]}")
     if kv_tokens and kv_tokens < config.rollout.max_new_tokens + 64:
         notes.append(f"the KV cache holds only {kv_tokens} tokens")
-    return MemoryPlan(fits, per_gpu, gpu_memory, terms, phases, kv_tokens, config.placement.mode, advice, notes)
+    host = host_terms(config, shape, on_gpu)
+    ranks_per_node = min(ranks, gpus_per_node) if on_gpu else ranks
+    return MemoryPlan(fits, per_gpu, gpu_memory, terms, phases, kv_tokens, config.placement.mode, advice, notes,
+                      host_terms=host, host_per_rank_bytes=sum(host.values()), ranks_per_node=ranks_per_node,
+                      host_per_node_bytes=ranks_per_node * sum(host.values()))
 
 
-def memory_plan(config: RunConfig) -> MemoryPlan:
-    """`rlsys plan`: the plan of `config` on this machine's device (GPUs when the config asks for
-    them or this machine has one)."""
+def memory_plan(config: RunConfig, gpus_per_node: int = 8) -> MemoryPlan:
+    """`rlsys plan`: the plan of `config` on the devices `plan_device` decides (the cluster's GPUs
+    from a GPU-less head, not its RAM), with the host memory of nodes of `gpus_per_node` GPUs."""
+    import os
+
+    import psutil
     import torch
 
+    from rlsys.run.plan_device import cluster_gpus_and_memory, plan_device
     from rlsys.system.backend import choose_attention, flash_attn_available
     from rlsys.system.model_source import resolve_model_paths
 
     config = resolve_model_paths(config)
-    on_gpu = config.placement.device == "cuda" or (config.placement.device == "auto" and torch.cuda.is_available())
+    local_gpu = (int(torch.cuda.get_device_properties(0).total_memory)
+                 if config.placement.device != "cpu" and torch.cuda.is_available() else None)
+    address = config.placement.ray_address or os.environ.get("RAY_ADDRESS")
+    on_gpu, memory, source = plan_device(config, local_gpu, int(psutil.virtual_memory().total),
+                                         (lambda: cluster_gpus_and_memory(address)) if address else None)
     flash = choose_attention(on_gpu, config.model.dtype, on_gpu and flash_attn_available()) == "flash_attention_2"
     shape = ModelShape.from_model_dir(config.model.path, config.model.lora)
-    return plan_memory(config, shape, device_memory_bytes(config), on_gpu, flash)
+    plan = plan_memory(config, shape, memory, on_gpu, flash, gpus_per_node)
+    plan.device = f"{'GPUs' if on_gpu else 'CPUs'}: {source}"
+    return plan
 
 
 def plan_for_devices(config: RunConfig, on_gpu: bool, device_memory: int, flash_attention: bool) -> MemoryPlan:

@@ -1,12 +1,16 @@
 """`rlsys plan`: per-GPU memory from config.json shapes and the run config, checked against hand
 sums on the published Qwen2.5 configs, and against a measured train step on this CPU."""
 
+import contextlib
+import io
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 
+from rlsys.cli import main
 from rlsys.config import ConfigError, RunConfig, load_config
 from rlsys.run.memory_plan import GiB, ModelShape, memory_plan, plan_for_devices, plan_memory
 from tests.helpers import REPO
@@ -96,8 +100,14 @@ def test_trainer_and_engine_terms_equal_hand_sums(qwen):
     expected_tokens = min(262144, (int(0.5 * 80 * GiB) - 2 * p) // kv_per_token)
     assert plan.kv_cache_tokens == expected_tokens
     assert terms["engine_kv_cache"] == expected_tokens * kv_per_token
+    # What the engine keeps through a release: its 512 MiB attention workspace and the cached blocks of
+    # an 8,192-token prefill chunk (SGLang's default on an 80 GB GPU) through the MLP, bf16.
+    h, i = shape.hidden, shape.intermediate
+    assert terms["engine_unreleased"] == 512 * 2**20 + 8192 * (2 * h + 3 * i) * 2
+    assert terms["engine_receive_bucket"] == 0  # colocated: the engine reads the trainer's staging buffer
     # colocated, sleeping trainers: the peak is the largest phase, not the sum
     runtime = 2 * (512 * 2**20 + GiB)  # CUDA context and NCCL buffers of a trainer rank and an engine
+    runtime += terms["engine_unreleased"]  # and the engine's leftovers, released or not
     assert plan.phases["generate"] == terms["engine_weights"] + terms["engine_kv_cache"] + runtime
     assert plan.per_gpu_bytes == max(plan.phases.values()) < sum(terms.values())
 
@@ -120,7 +130,12 @@ def test_disaggregated_puts_trainers_and_engines_on_separate_gpus(qwen):
     assert set(plan.phases) == {"trainer_gpu", "engine_gpu"}
     runtime = terms["cuda_contexts"] + terms["nccl_buffers"]
     assert runtime == 512 * 2**20 + GiB  # one process per GPU
-    assert plan.phases["engine_gpu"] == terms["engine_weights"] + terms["engine_kv_cache"] + runtime
+    # SGLang receives a broadcast bucket into a flat tensor of its own: one bucket, at least the embedding
+    shape = ModelShape.from_model_dir(model_dir)
+    assert terms["engine_receive_bucket"] >= shape.vocab * shape.hidden * 2
+    assert terms["engine_receive_bucket"] == terms["weight_sync_staging"] // 2  # one of the trainer's two buffers
+    assert plan.phases["engine_gpu"] == (terms["engine_weights"] + terms["engine_kv_cache"] + terms["engine_unreleased"]
+                                         + terms["engine_receive_bucket"] + runtime)
     # backward's two transients never coexist: only the larger counts
     smaller = min(terms["logprob_head_backward"], terms["gradient_reduce"])
     assert plan.phases["trainer_gpu"] == sum(v for k, v in terms.items() if not k.startswith("engine")) - smaller
@@ -272,6 +287,9 @@ def test_gpu_colocated_recipe_plans_every_term_as_the_hand_sum(tmp_path, name):
         "engine_weights": 2 * p,
         "cuda_contexts": 2 * 512 * 2**20,  # a trainer rank and an engine per GPU
         "nccl_buffers": 2 * GiB,
+        # kept through a release: the attention workspace, an 8,192-token prefill chunk's MLP blocks
+        "engine_unreleased": 512 * 2**20 + 8192 * (2 * h + 3 * i) * 2,
+        "engine_receive_bucket": 0,  # colocated: no broadcast
         "engine_kv_cache": kv_tokens * kv_per_token,
     }
     # the root's reduce is backward's larger transient: larger than a layer's (which waits with the
@@ -281,7 +299,7 @@ def test_gpu_colocated_recipe_plans_every_term_as_the_hand_sum(tmp_path, name):
     plan = plan_memory(_recipe("gpu_colocated", model_dir), ModelShape.from_model_dir(model_dir), 80 * GiB,
                        on_gpu=True, flash_attention=True)
     assert plan.terms == expected
-    e, runtime = expected, expected["cuda_contexts"] + expected["nccl_buffers"]
+    e, runtime = expected, expected["cuda_contexts"] + expected["nccl_buffers"] + expected["engine_unreleased"]
     train = (e["trainer_params"] + e["trainer_grads"] + e["optimizer_states"] + e["unsharded_layers"]
              + e["unsharded_root"] + e["activations"] + e["logits_chunk"] + e["reference_model"]
              + e["gradient_reduce"] + runtime)
@@ -289,6 +307,148 @@ def test_gpu_colocated_recipe_plans_every_term_as_the_hand_sum(tmp_path, name):
         + e["engine_weights"] + runtime
     assert plan.phases == {"generate": 2 * p + kv_tokens * kv_per_token + runtime, "train": train, "sync": sync}
     assert plan.per_gpu_bytes == train < 80 * GiB and plan.fits
+
+
+def test_gpu_colocated_7b_plans_host_memory_per_rank_and_per_node_as_the_hand_sum(tmp_path, monkeypatch):
+    """Issue 47: configs/gpu_colocated.yaml with Qwen2.5-7B on one node of 8 x 80 GB. Each trainer rank
+    keeps one page-locked arena of exactly what it moves at sleep, and the reference's shards
+    page-locked in place; before, torch's caching host allocator held each of those tensors in a
+    power-of-two block (~1.9x: ~216 GiB a node), and the plan counted no host memory at all."""
+    model_dir = _qwen_dir(tmp_path, "7b")
+    p = PARAMS["7b"]
+    # 12 tensors a layer (q, k, v weights and biases, o, gate, up, down, two norms), then the
+    # embeddings, the final norm and the output layer: every dim 0 divides by 8 and every shard is a
+    # multiple of 64 bytes, so no padding and no alignment but each 4-byte AdamW step's.
+    tensors = 28 * 12 + 3
+    arena = 4 * p // 8 + 2 * 4 * p // 8 + tensors * 64  # fp32 params, AdamW's two moments, its steps
+    reference = 4 * p // 8  # KL loss (the recipe's): the reference's fp32 shards
+    assert (arena, reference) == (11_423_446_464, 3_807_808_256)
+    plan = plan_memory(_recipe("gpu_colocated", model_dir), ModelShape.from_model_dir(model_dir), 80 * GiB,
+                       on_gpu=True, flash_attention=True)
+    assert plan.host_terms == {"sleep_arena": arena, "reference_shards": reference}
+    assert plan.host_per_rank_bytes == arena + reference == 15_231_254_720  # 14.19 GiB
+    assert plan.ranks_per_node == 8 and plan.host_per_node_bytes == 8 * (arena + reference)  # 113.48 GiB
+
+    # `rlsys plan` on this GPU-less machine plans the GPUs placement.gpu_memory_gb names, and prints both
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["plan", str(REPO / "configs/gpu_colocated.yaml"), f"model.path={model_dir}",
+                     "placement.gpu_memory_gb=80"])
+    assert code == 0, out.getvalue()
+    text = out.getvalue()
+    assert "per GPU of 80.0 GiB (GPUs: placement.gpu_memory_gb" in text
+    assert "sleep_arena                10.64 GiB" in text and "reference_shards            3.55 GiB" in text
+    assert "per rank 14.19 GiB; per node 113.48 GiB (8 trainer ranks" in text
+    with contextlib.redirect_stdout(io.StringIO()) as json_out:
+        main(["plan", str(REPO / "configs/gpu_colocated.yaml"), f"model.path={model_dir}",
+              "placement.gpu_memory_gb=80", "--gpus-per-node", "4", "--json"])
+    as_json = json.loads(json_out.getvalue())
+    assert as_json["host_per_rank_bytes"] == arena + reference
+    assert as_json["ranks_per_node"] == 4 and as_json["host_per_node_bytes"] == 4 * (arena + reference)
+
+
+def test_host_memory_is_only_the_reference_on_cpu_and_without_sleep_and_none_under_lora(tmp_path):
+    """On a CPU host the sleep copies replace the state (no arena kept); a trainer that never sleeps
+    (disaggregated) keeps none; LoRA's reference is the policy with its adapters off."""
+    model_dir = _qwen_dir(tmp_path, "7b")
+    shape = ModelShape.from_model_dir(model_dir)
+    reference = 4 * PARAMS["7b"] // 8
+    cpu = plan_memory(_recipe("gpu_colocated", model_dir, "trainer.offload_between_steps=true"), shape, 80 * GiB,
+                      on_gpu=False)
+    assert cpu.host_terms == {"sleep_arena": 0, "reference_shards": reference} and cpu.ranks_per_node == 8
+    apart = plan_memory(_recipe("gpu_disaggregated", model_dir), shape, 80 * GiB, on_gpu=True, flash_attention=True)
+    assert apart.host_terms["sleep_arena"] == 0
+    lora = _recipe("gpu_colocated", model_dir, "model.lora={rank: 16, alpha: 32}")
+    adapted = plan_memory(lora, ModelShape.from_model_dir(model_dir, lora.model.lora), 80 * GiB, on_gpu=True,
+                          flash_attention=True)
+    a = 40_370_176  # the adapters' parameters (the LoRA test below)
+    assert adapted.host_terms == {"sleep_arena": 4 * PARAMS["7b"] // 8 + 3 * (4 * a // 8), "reference_shards": 0}
+
+
+def test_host_memory_counts_fsdps_dim0_padding_and_the_64_byte_alignment(tmp_path):
+    """Qwen2.5-1.5B over 3 ranks: 1,536 rows divide by 3, but the k/v projections' 256 do not
+    (86 rows on rank 0), nor the 151,936-row embedding (50,646), nor 8,960 (2,987)."""
+    model_dir = _qwen_dir(tmp_path, "1.5b")
+    shape = ModelShape.from_model_dir(model_dir)
+    config = _recipe("gpu_colocated", model_dir, "trainer.num_ranks=3", "rollout.num_engines=3")
+    plan = plan_memory(config, shape, 80 * GiB, on_gpu=True, flash_attention=True)
+
+    def rank0(shape_, element_bytes=4, alignment=1):
+        nbytes = -(-shape_[0] // 3) * math.prod(shape_[1:]) * element_bytes
+        return -(-nbytes // alignment) * alignment
+
+    assert plan.host_terms["reference_shards"] == sum(rank0(s) for s in shape.param_shapes)
+    assert plan.host_terms["sleep_arena"] == 3 * sum(rank0(s, alignment=64) for s in shape.param_shapes) \
+        + 64 * len(shape.param_shapes)
+    assert plan.host_terms["reference_shards"] > 4 * PARAMS["1.5b"] // 3  # the padding
+
+
+@pytest.mark.parametrize("name, gpu_gb, overrides, label", [
+    ("1.5b", 80, (), "Qwen2.5-1.5B, 8 x 80 GB"),
+    ("7b", 80, (), "Qwen2.5-7B, 8 x 80 GB"),
+    ("32b", 141, ("rollout.engine.mem_fraction_static=0.6",), "Qwen2.5-32B, 8 x 141 GB"),
+    ("32b", 141, ("rollout.engine.mem_fraction_static=0.6", "trainer.num_ranks=16", "rollout.num_engines=16"),
+     "Qwen2.5-32B, 16 x 141 GB over two nodes"),
+])
+def test_the_docs_host_memory_table_is_the_plans(tmp_path, name, gpu_gb, overrides, label):
+    model_dir = _qwen_dir(tmp_path, name)
+    plan = plan_memory(_recipe("gpu_colocated", model_dir, *overrides), ModelShape.from_model_dir(model_dir),
+                       gpu_gb * GiB, on_gpu=True, flash_attention=True)
+    assert plan.fits, plan.table()
+    row = next(line for line in (REPO / "docs/gpus-and-clusters.md").read_text().splitlines()
+               if line.startswith(f"| {label}"))
+    figures = [f"{plan.host_terms['sleep_arena'] / GiB:.2f} GiB", f"{plan.host_terms['reference_shards'] / GiB:.2f} GiB",
+               f"{plan.host_per_rank_bytes / GiB:.2f} GiB", f"{plan.host_per_node_bytes / GiB:.1f} GiB"]
+    assert row.split(" | ")[1:] == [*figures[:3], figures[3] + " |"], row
+
+
+def _fake_cluster(gpus, memory):
+    return lambda: (gpus, memory)
+
+
+@pytest.mark.parametrize("device, local, cluster, gpu_memory_gb, expected", [
+    # a GPU-less head asking the Ray cluster: its GPUs and their memory, not the head's RAM
+    ("auto", None, _fake_cluster(16.0, 80 * GiB), None, (True, 80 * GiB, "the smallest GPU of the Ray cluster (NVML)")),
+    ("cuda", None, _fake_cluster(16.0, 80 * GiB), None, (True, 80 * GiB, "the smallest GPU of the Ray cluster (NVML)")),
+    ("auto", None, _fake_cluster(16.0, None), 141, (True, 141 * GiB, "placement.gpu_memory_gb")),
+    ("auto", None, _fake_cluster(0.0, None), None, (False, 7 * GiB, "the Ray cluster has no GPUs: a CPU run, this "
+                                                                     "machine's RAM")),
+    # no cluster named: a GPU's memory given means GPUs
+    ("auto", None, None, 80, (True, 80 * GiB, "placement.gpu_memory_gb (no GPU on this machine)")),
+    ("cuda", None, None, 80, (True, 80 * GiB, "placement.gpu_memory_gb (no GPU on this machine)")),
+    ("auto", None, None, None, (False, 7 * GiB, None)),
+    # a GPU here, or the CPU asked for
+    ("auto", 94 * GiB, None, None, (True, 94 * GiB, "this machine's GPU")),
+    ("cpu", 94 * GiB, _fake_cluster(16.0, 80 * GiB), None, (False, 7 * GiB, "this machine's RAM")),
+])
+def test_plan_plans_the_clusters_gpus_from_a_gpu_less_head(tmp_path, device, local, cluster, gpu_memory_gb, expected):
+    from rlsys.run.plan_device import plan_device
+
+    config = _config(tmp_path, placement={"device": device, "gpu_memory_gb": gpu_memory_gb})
+    on_gpu, memory, source = plan_device(config, local, 7 * GiB, cluster)
+    assert (on_gpu, memory) == expected[:2]
+    assert expected[2] is None and "no GPU here and no Ray cluster named" in source or source == expected[2]
+
+
+@pytest.mark.parametrize("device, cluster, message", [
+    ("cuda", None, "set placement.gpu_memory_gb"),
+    ("cuda", _fake_cluster(0.0, None), "the Ray cluster has no GPUs"),
+    ("auto", _fake_cluster(8.0, None), "their memory could not be read .*set placement.gpu_memory_gb"),
+])
+def test_plan_asks_for_the_gpu_memory_it_cannot_read(tmp_path, device, cluster, message):
+    from rlsys.run.plan_device import plan_device
+
+    with pytest.raises(ConfigError, match=message):
+        plan_device(_config(tmp_path, placement={"device": device}), None, 7 * GiB, cluster)
+
+
+def test_plan_asks_the_ray_cluster_it_is_given(ray_cluster, tiny_model_dir):
+    """The session's cluster has no GPUs: a CPU plan, saying so; placement.device=cuda is refused."""
+    plan = memory_plan(_config(tiny_model_dir, placement={"ray_address": ray_cluster}))
+    assert plan.device.startswith("CPUs: the Ray cluster has no GPUs")
+    with pytest.raises(ConfigError, match="the Ray cluster has no GPUs"):
+        memory_plan(_config(tiny_model_dir, placement={"ray_address": ray_cluster, "device": "cuda"}))
 
 
 def test_32b_does_not_fit_8x80_colocated_with_the_recipes_settings(tmp_path):
