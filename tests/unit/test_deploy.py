@@ -1,6 +1,7 @@
 """The deploy files agree with what a cluster run needs (what a CPU machine can check of them; the
 image itself is built on a machine with Docker Hub and a GPU)."""
 
+import json
 import os
 import re
 import shlex
@@ -48,6 +49,41 @@ def test_every_path_the_rayjob_run_reads_or_writes_is_the_same_volume_on_every_n
         for group in workers:
             assert group.get(mount) == head[mount], f"{field} {path}: workers must mount claim {head[mount]} there"
     assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"  # the driver plans from the workers' GPUs
+
+
+def _gib(quantity: str) -> int:
+    assert quantity.endswith("Gi"), quantity
+    return int(quantity[:-2]) * 2**30
+
+
+def test_the_worker_pod_holds_the_plans_host_memory_per_node_with_the_headroom_it_states(tmp_path):
+    """The worker's memory limit against `rlsys plan`'s host memory per node for the job's config, on
+    80 GB GPUs: its model (Qwen2.5-1.5B, published shapes) and Qwen2.5-7B, which the comment sizes
+    it for too, each with the stated headroom (4 GiB per GPU process, 8 GiB besides); the comment's
+    figures are the plan's."""
+    from rlsys.run.memory_plan import ModelShape, plan_memory
+    from tests.e2e.test_memory_plan import QWEN
+
+    text = (REPO / "deploy/rayjob.yaml").read_text()
+    job = _rayjob()
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert "Qwen2.5-1.5B" in argv[5]
+    worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    limits = worker["resources"]["limits"]
+    gpus, memory = int(limits["nvidia.com/gpu"]), _gib(limits["memory"])
+    for name in ("1.5b", "7b"):
+        model_dir = tmp_path / name
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(dict(
+            architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=32768, **QWEN[name])))
+        config = load_config(REPO / argv[4], [*argv[5:], f"model.path={model_dir}"])
+        plan = plan_memory(config, ModelShape.from_model_dir(model_dir), 80 * 2**30, on_gpu=True,
+                           flash_attention=True, gpus_per_node=gpus)
+        assert plan.ranks_per_node == gpus == config.trainer.num_ranks  # one node of the job's GPUs
+        headroom = 4 * 2**30 * 2 * plan.ranks_per_node + 8 * 2**30  # a trainer rank and an engine per GPU
+        assert plan.host_per_node_bytes + headroom <= memory, (name, plan.host_per_node_bytes / 2**30)
+        per_node = f"{plan.host_per_node_bytes / 2**30:.1f} GiB + headroom {headroom // 2**30} GiB"
+        assert per_node in text, per_node
 
 
 def test_the_image_installs_a_python_that_rlsys_supports_and_leaves_local_state_out():
