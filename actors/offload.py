@@ -193,15 +193,19 @@ class StateOffloader:
 
     def wake_up(self) -> OffloadReport:
         start = time.perf_counter()
+        moved = self._restore()  # returns holding no view: one would keep the arena alive past its release
+        if not self.keep_arena:
+            self.release()
+        return OffloadReport(moved, time.perf_counter() - start, host_bytes=self.host_bytes)
+
+    def _restore(self) -> int:
         moved = 0
         for storage, backup in self._backups:
             storage.resize_(backup.numel())
             _byte_view(storage).copy_(backup)
             moved += backup.numel()
         self._backups = []
-        if not self.keep_arena:
-            self.release()
-        return OffloadReport(moved, time.perf_counter() - start, host_bytes=self.host_bytes)
+        return moved
 
     def release(self) -> None:
         """Give the arena back (unregistered first); only while awake."""

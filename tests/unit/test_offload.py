@@ -5,6 +5,7 @@ calls themselves need CUDA: here a recording locker stands in for cudaHostRegist
 one is checked against a fake CUDA runtime for the calls it makes."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -275,3 +276,25 @@ def test_the_reference_models_host_shards_are_page_locked_in_place_at_their_padd
         assert sum(nbytes for _, nbytes in seen["locked"]) == seen["padded_bytes"]
     last = json.loads((tmp_path / "rank1.json").read_text())
     assert last["local_bytes"] < last["padded_bytes"]  # 64 of gate's and up's 129 rows, in 65-row shards
+
+
+def test_a_cpu_hosts_arena_is_freed_by_its_release_not_later():
+    """Nothing of wake_up keeps a view of the arena past its release (the trim after it would miss
+    the arena's pages: the RSS of every CPU rank would grow by its state)."""
+    model, optimizer = _trained_model()
+    offloader = StateOffloader(pin_memory=False)
+    offloader.sleep(trainer_state_tensors(model, optimizer))
+    storage = offloader._arena.buffer.untyped_storage()
+    freed = []
+    weakref.finalize(storage, freed.append, True)
+    del storage
+    released = offloader.release
+
+    def release_and_check():
+        released()
+        gc.collect()
+        assert freed, "the arena outlived its release"
+
+    offloader.release = release_and_check
+    offloader.wake_up()
+    assert freed
