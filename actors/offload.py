@@ -111,7 +111,9 @@ def page_lock(tensor: torch.Tensor, locker: PageLocker) -> weakref.finalize | No
     if storage.nbytes() == 0:
         return None
     locker.lock(storage.data_ptr(), storage.nbytes())
-    return weakref.finalize(storage, locker.unlock, storage.data_ptr())
+    unlock = weakref.finalize(storage, locker.unlock, storage.data_ptr())
+    unlock.atexit = False  # at exit the process's memory goes, registrations with it (CUDA may be torn down)
+    return unlock
 
 
 @dataclass
