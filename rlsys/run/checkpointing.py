@@ -1,5 +1,7 @@
 """Run checkpoints: RUN_DIR/checkpoints/step_NNNNNNNN/ holding the trainer's DCP shards, each
 rank's scheduler and RNG state, and coordinator.json (next step, data position, weight version).
+Nothing in one pins the trainer's layout: it resumes on another rank count or context-parallel
+split (actors/checkpoint.py); what coordinator.json holds is the driver's alone.
 
 A checkpoint is written into a temporary sibling directory and renamed into place only when
 every part is on disk, so a crash mid-save leaves the last good checkpoint untouched; leftover
