@@ -12,6 +12,8 @@ CPU: actors/packed_attention.py) attends within each sequence. Padded: one row p
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,3 +173,57 @@ def split_by_token_budget(lengths: list[int], indices: list[int], max_tokens: in
     if current:
         groups.append(current)
     return groups
+
+
+def balanced_partition(costs: list[int], parts: int) -> list[list[int]]:
+    """The indices of `costs` in `parts` groups whose cost sums are near equal (some may be empty).
+
+    Karmarkar-Karp's largest differencing method for k parts: every item starts as a partial
+    partition of its own (its cost in one subset, the other k - 1 empty); the two partial partitions
+    with the largest spread (max subset sum - min) are merged, the heaviest subset of one joined to
+    the lightest of the other and so on down, which cancels the two spreads against each other;
+    until one partition is left. Deterministic: ties go to the earlier items. Each group's indices
+    ascend, and the groups are ordered by their first index (empty ones last), so one part is
+    `range(len(costs))` in order.
+    """
+    if parts < 1:
+        raise ValueError(f"a partition needs at least one part (got {parts})")
+    # Heap entries: (-spread, smallest item index inside, non-empty subsets as [sum, indices] by sum
+    # descending; the partition's other subsets are empty). The index is unique among live entries,
+    # so the heap never compares subsets.
+    heap = [(-cost, index, [[cost, [index]]]) for index, cost in enumerate(costs)]
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        _, first, heavy = heapq.heappop(heap)
+        _, second, light = heapq.heappop(heap)
+        merged = _merged(heavy, light, parts)
+        spread = merged[0][0] - (merged[-1][0] if len(merged) == parts else 0)
+        heapq.heappush(heap, (-spread, min(first, second), merged))
+    groups = [sorted(indices) for _, indices in heap[0][2]] if heap else []
+    groups += [[] for _ in range(parts - len(groups))]
+    return sorted(groups, key=lambda group: group[0] if group else len(costs))
+
+
+def _merged(heavy: list[list], light: list[list], parts: int) -> list[list]:
+    """Subset i of the merge: `heavy`'s i-th heaviest joined to `light`'s i-th lightest (position
+    parts - 1 - i; positions past a list's end are empty subsets), by sum descending. Only the
+    positions where either side has a subset are visited: early merges of few items stay cheap."""
+    merged = []
+    both_from = max(len(heavy), parts - len(light))
+    for i in itertools.chain(range(len(heavy)), range(both_from, parts)):
+        j = parts - 1 - i
+        if i < len(heavy) and j < len(light):
+            merged.append([heavy[i][0] + light[j][0], _joined(heavy[i][1], light[j][1])])
+        else:
+            merged.append(heavy[i] if i < len(heavy) else light[j])
+    merged.sort(key=lambda subset: -subset[0])  # stable: equal sums keep their order
+    return merged
+
+
+def _joined(a: list[int], b: list[int]) -> list[int]:
+    """One list of both (the lists are the merge's own): the shorter added to the longer, so
+    building the whole partition copies each index O(log n) times, not O(n)."""
+    if len(a) < len(b):
+        a, b = b, a
+    a.extend(b)
+    return a

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import ray
 
-from rlsys.actors.batching import split_evenly
+from rlsys.actors.batching import balanced_partition, split_evenly
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker
 from rlsys.algorithms.losses import sequence_loss_weights
 from rlsys.records import TrainSequence
@@ -32,22 +32,42 @@ class TrainerGroup:
         self.nodes = ray.get([worker.node_address.remote() for worker in self.workers])  # rank -> node address
         ray.get([worker.setup.remote(address, port) for worker in self.workers])
 
-    def _shares(self, sequences: list[TrainSequence]) -> list[list[TrainSequence]]:
-        return split_evenly(sequences, self.num_ranks)
+    @property
+    def _context_parallel_size(self) -> int:
+        return self.spec.trainer.context_parallel_size
+
+    def _shares(self, sequences: list[TrainSequence]) -> list[list[int]]:
+        """Per rank, the indices of the sequences it takes (see `rank_shares`)."""
+        return rank_shares([len(s.token_ids) for s in sequences], self.num_ranks, self._context_parallel_size)
+
+    def _per_sequence(self, method: str, sequences: list[TrainSequence], *args) -> list:
+        """`method`'s per-sequence results from the ranks, in the caller's order: each sequence's
+        from the first rank of the group that took it (a CP group's ranks return the same)."""
+        shares = self._shares(sequences)
+        results = ray.get([getattr(w, method).remote([sequences[i] for i in share], *args)
+                           for w, share in zip(self.workers, shares, strict=True)])
+        ordered: list = [None] * len(sequences)
+        for rank in range(0, self.num_ranks, self._context_parallel_size):
+            for index, result in zip(shares[rank], results[rank], strict=True):
+                ordered[index] = result
+        return ordered
 
     def compute_log_probs(self, sequences: list[TrainSequence], reference: bool = False,
                           temperature: float | None = None) -> list[list[float]]:
-        shares = self._shares(sequences)
-        results = ray.get([w.compute_log_probs.remote(s, reference, temperature)
-                           for w, s in zip(self.workers, shares, strict=False)])
-        return [logprobs for share in results for logprobs in share]
+        return self._per_sequence("compute_log_probs", sequences, reference, temperature)
 
     def train_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
-        """Split into `mini_batches_per_step` global mini-batches, then each over the ranks."""
+        """Split into `mini_batches_per_step` global mini-batches, then each over the ranks by tokens."""
         minis = global_mini_batches(sequences, self.spec)
-        per_rank = [[split_evenly(mini, self.num_ranks)[rank] for mini in minis] for rank in range(self.num_ranks)]
+        shares = [self._shares(mini) for mini in minis]
+        per_rank = [[[mini[i] for i in share[rank]] for mini, share in zip(minis, shares, strict=True)]
+                    for rank in range(self.num_ranks)]
         results = ray.get([w.train_step.remote(parts) for w, parts in zip(self.workers, per_rank, strict=True)])
-        return results[0]  # metrics are all-reduced: every rank returns the same
+        group_tokens = [[sum(len(mini[i].token_ids) for i in share[rank])
+                         for rank in range(0, self.num_ranks, self._context_parallel_size)]
+                        for mini, share in zip(minis, shares, strict=True)]
+        # metrics are all-reduced: every rank returns the same
+        return {**results[0], "rank_token_imbalance": token_imbalance(group_tokens)}
 
     def connect_engines(self, topology: Topology, timeout_s: float) -> None:
         """Give each rank its weight transport to the engines in `topology` (see TrainerWorker)."""
@@ -60,13 +80,13 @@ class TrainerGroup:
 
     def loss_gradients(self, sequences: list[TrainSequence]) -> dict:
         """Gradients of the loss of `sequences` as one mini-batch (tests)."""
-        shares = self._shares(weighed(sequences, self.spec))
-        return ray.get([w.loss_gradients.remote(s) for w, s in zip(self.workers, shares, strict=True)])[0]
+        sequences = weighed(sequences, self.spec)
+        shares = self._shares(sequences)
+        return ray.get([w.loss_gradients.remote([sequences[i] for i in share])
+                        for w, share in zip(self.workers, shares, strict=True)])[0]
 
     def compute_sequence_kl(self, sequences: list[TrainSequence]) -> list[float]:
-        shares = self._shares(sequences)
-        results = ray.get([w.compute_sequence_kl.remote(s) for w, s in zip(self.workers, shares, strict=True)])
-        return [kl for share in results for kl in share]
+        return self._per_sequence("compute_sequence_kl", sequences)
 
     def sleep(self) -> dict:
         """Offload every rank; returns summed bytes and the slowest rank's seconds."""
@@ -124,6 +144,33 @@ class TrainerGroup:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+def rank_shares(costs: list[int], num_ranks: int, context_parallel_size: int = 1) -> list[list[int]]:
+    """Per rank, the (ascending) indices of the sequences it takes: a cost-balanced partition over the
+    num_ranks / CP data-parallel groups, each group's sequences going to every one of its CP
+    consecutive ranks (rank r is in group r // CP).
+
+    The cost is a sequence's tokens, not its attention cost (len^2): the linear layers, the output
+    layer's log-probs over the vocabulary and the activations kept for the backward (varlen
+    flash-attn keeps no L x L matrix) all grow with tokens, and they outweigh attention (about
+    4 L^2 d FLOPs a layer against 24 L d^2 or more) until L passes ~6 d, some 20k tokens at
+    d = 3584; micro-batches are cut by a token budget too, so equal tokens also give the ranks
+    near-equal micro-batch counts.
+    """
+    if context_parallel_size < 1 or num_ranks % context_parallel_size:
+        raise ValueError(f"context_parallel_size ({context_parallel_size}) must divide the ranks ({num_ranks})")
+    groups = balanced_partition(costs, num_ranks // context_parallel_size)
+    return [groups[rank // context_parallel_size] for rank in range(num_ranks)]
+
+
+def token_imbalance(group_tokens: list[list[int]]) -> float:
+    """max / mean of the data-parallel groups' tokens in a step, from each mini-batch's per-group
+    tokens: sum over mini-batches of the heaviest group's tokens (each optimizer step waits for its
+    slowest group) over the sum of their means. 1.0 is balanced (and for an empty step)."""
+    heaviest = sum(max(tokens) for tokens in group_tokens if tokens)
+    mean = sum(sum(tokens) / len(tokens) for tokens in group_tokens if tokens)
+    return heaviest / mean if mean else 1.0
 
 
 def weighed(mini_batch: list[TrainSequence], spec: TrainerSpec) -> list[TrainSequence]:
