@@ -38,6 +38,7 @@ from pathlib import Path
 
 from rlsys.actors.parallelize import uses_fsdp
 from rlsys.config import ConfigError, RunConfig
+from rlsys.system.backend import engine_dtype
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -318,7 +319,8 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
     for the host figure per node (on CPU every rank is on one node)."""
     t, ranks = config.trainer, config.trainer.num_ranks
     compute = DTYPE_BYTES[config.model.dtype]
-    engine_dtype = DTYPE_BYTES[config.model.dtype]
+    served = engine_dtype(on_gpu, config.model.dtype)  # bf16 on a GPU whatever model.dtype; the sync casts to it
+    engine_bytes = DTYPE_BYTES[served]
     engine = config.rollout.engine
     colocated = config.placement.mode == "colocated"
 
@@ -368,18 +370,18 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
         "gradient_reduce": (shape.layer_adapter_params * (compute + 4) + shape.layer_adapter_params * 4 // ranks
                             if lora else gradient_reduce_bytes(shape, ranks, compute)) if gathers else 0,
         "weight_sync_staging": staging_bytes(shape, int(config.weight_sync.bucket_size_mb * 2**20),
-                                             config.model.dtype, config.weight_sync.pipelined),
-        "engine_weights": shape.params * engine_dtype // engine.tp_size,
+                                             served, config.weight_sync.pipelined),
+        "engine_weights": shape.params * engine_bytes // engine.tp_size,
         "cuda_contexts": processes * CUDA_CONTEXT_BYTES if on_gpu else 0,
         "nccl_buffers": processes * NCCL_BUFFER_BYTES if on_gpu else 0,
     }
-    terms["engine_unreleased"] = engine_unreleased_bytes(shape, engine, gpu_memory, engine_dtype) if on_gpu else 0
+    terms["engine_unreleased"] = engine_unreleased_bytes(shape, engine, gpu_memory, engine_bytes) if on_gpu else 0
     # Disaggregated: SGLang receives each broadcast bucket into a new flat tensor on the engine's GPU
     # (FlattenedTensorBucket.empty, sglang/srt/weight_sync/tensor_bucket.py), one bucket at a time;
     # colocated, the engine reads the trainer's staging buffer through its IPC handle.
     terms["engine_receive_bucket"] = 0 if colocated else staging_bytes(
-        shape, int(config.weight_sync.bucket_size_mb * 2**20), config.model.dtype, pipelined=False)
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * engine_dtype // engine.tp_size
+        shape, int(config.weight_sync.bucket_size_mb * 2**20), served, pipelined=False)
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * engine_bytes // engine.tp_size
     kv_room = int(engine.mem_fraction_static * gpu_memory) - terms["engine_weights"]
     kv_tokens = max(0, min(engine.max_total_tokens, kv_room // max(kv_per_token, 1)))
     terms["engine_kv_cache"] = kv_tokens * kv_per_token

@@ -118,6 +118,9 @@ def test_one_fp32_rank_plans_no_gathered_copies_and_bf16_still_does(qwen):
     one_gpu = {"trainer": {"num_ranks": 1}, "rollout": {"num_engines": 1}}
     fp32 = plan_memory(_config(model_dir, model={"dtype": "float32"}, **one_gpu), shape, 80 * GiB)
     assert fp32.terms["unsharded_layers"] == fp32.terms["unsharded_root"] == 0  # trained whole, no FSDP
+    assert fp32.terms["engine_weights"] == 2 * shape.params  # a GPU engine serves bf16 (engine_dtype)
+    assert plan_memory(_config(model_dir, model={"dtype": "float32"}, **one_gpu), shape, 80 * GiB,
+                       on_gpu=False).terms["engine_weights"] == 4 * shape.params  # a CPU one the model's fp32
     bf16 = plan_memory(_config(model_dir, **one_gpu), shape, 80 * GiB)
     assert bf16.terms["unsharded_layers"] == 2 * shape.layer_params * 2  # FSDP's bf16 compute copies
 
