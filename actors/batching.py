@@ -15,11 +15,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from rlsys.records import TrainSequence
+
+if TYPE_CHECKING:
+    from rlsys.actors.context_parallel import ContextParallelLayout
 
 
 @dataclass
@@ -45,6 +49,10 @@ class MicroBatch:
     # nonzero() and a .max() each: host syncs on a GPU, again in every recomputed layer).
     cu_seq_lens: torch.Tensor | None = None
     max_length: int | None = None
+    # Context parallelism (actors/context_parallel.py): this rank's zigzag share of a packed row. Its
+    # per-token tensors are then [1, T] and aligned with the inputs (each token's own target), where
+    # an unsplit batch's are [B, T-1] (position t predicts token t + 1; the last predicts nothing).
+    context_parallel: ContextParallelLayout | None = None
 
     @property
     def num_tokens(self) -> float:
@@ -52,6 +60,9 @@ class MicroBatch:
 
     def model_inputs(self) -> dict:
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if self.context_parallel is not None:
+            # Read by the CP attention function of every layer (transformers passes extra keywords on).
+            inputs["context_parallel"] = self.context_parallel
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask
         if self.cu_seq_lens is not None:
@@ -60,6 +71,17 @@ class MicroBatch:
             inputs.update(cu_seq_lens_q=self.cu_seq_lens, cu_seq_lens_k=self.cu_seq_lens,
                           max_length_q=self.max_length, max_length_k=self.max_length)
         return inputs
+
+
+    def head_targets(self) -> torch.Tensor:
+        """[B, T]: the token each input position predicts (any id where nothing is predicted)."""
+        if self.context_parallel is not None:
+            return self.targets
+        return torch.nn.functional.pad(self.targets, (0, 1))
+
+    def scored(self, per_position: torch.Tensor) -> torch.Tensor:
+        """Per-position outputs [B, T, ...] -> the positions the per-token tensors describe."""
+        return per_position if self.context_parallel is not None else per_position[:, :-1]
 
 
 def _check(seq: TrainSequence) -> None:

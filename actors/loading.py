@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rlsys.actors.checkpoint_layout import Piece, checkpoint_pieces
+from rlsys.actors.context_parallel import CONTEXT_PARALLEL, register_context_parallel_attention
 from rlsys.actors.packed_attention import PACKED_SDPA, register_packed_sdpa
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -47,6 +48,8 @@ def build_empty_model(path: str, attn_implementation: str) -> torch.nn.Module:
 
     if attn_implementation == PACKED_SDPA:
         register_packed_sdpa()
+    if attn_implementation == CONTEXT_PARALLEL:
+        register_context_parallel_attention()
     config = AutoConfig.from_pretrained(path)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)

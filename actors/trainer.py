@@ -22,6 +22,14 @@ import torch.distributed as dist
 from rlsys.actors.batching import MicroBatch, build_micro_batch, split_by_token_budget, split_evenly
 from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
 from rlsys.actors.checkpoint_layout import checkpoint_pieces
+from rlsys.actors.context_parallel import (
+    CONTEXT_PARALLEL,
+    check_ulysses_heads,
+    new_context_parallel_groups,
+    padded_length,
+    shard_micro_batch,
+    unshard_values,
+)
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint
 from rlsys.actors.logprob_head import install_logprob_head
 from rlsys.actors.lora import (
@@ -37,7 +45,7 @@ from rlsys.actors.parallelize import parallelize, pin_host_shards, reshard, uses
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import kl_estimate, masked_sum
 from rlsys.algorithms.losses import SEQUENCE_RATIO_LOSSES, flagged_sequences, micro_batch_loss
-from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
+from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig, check_context_parallel
 from rlsys.records import TrainSequence
 from rlsys.rollout.sglang.client import SGLangClient, check_reachable
 from rlsys.system.backend import engine_dtype, make_backend
@@ -171,6 +179,7 @@ class TrainerWorker:
         self.gather_dst: int | None = None
         self.shared_staging: SharedStaging | None = None  # set by connect_engines
         self.gather_scratch = StagingBuffer(share_memory=False)  # ranks that only join all-gathers
+        self.context_parallel = None  # this rank's CP group (setup), None without context parallelism
 
     # ---- set-up -------------------------------------------------------------------------
     def node_address(self) -> str:
@@ -190,6 +199,9 @@ class TrainerWorker:
             world_size=self.world_size,
         )
         t = self.spec.trainer
+        check_context_parallel(t, self.spec.algorithm)  # a RunConfig checked it; a spec built directly too
+        self.context_parallel = new_context_parallel_groups(self.world_size, self.rank, t.context_parallel_size,
+                                                            t.context_parallel_style)
         rss_before = _resident_bytes()
         self.model = self._build_model(trainable=True, lora=self.spec.model.lora is not None)
         # What the engine loads a stacked parameter (MoE experts) as: the sync sends those tensors.
@@ -215,7 +227,7 @@ class TrainerWorker:
         checkpoint (actors/loading.py): no rank ever holds the whole model, unless it trains alone
         in fp32 (`uses_fsdp`: then its shard is the whole model and FSDP has nothing to do).
         `lora`: with model.lora's adapters (actors/lora.py), the only parameters that train."""
-        model = build_empty_model(self.spec.model.path, self.backend.attn_implementation)
+        model = build_empty_model(self.spec.model.path, self._attention())
         if lora:
             settings = self.spec.model.lora
             add_adapters(model, settings.rank, settings.alpha, settings.dropout, settings.target_modules)
@@ -235,6 +247,17 @@ class TrainerWorker:
         if not trainable:
             pin_host_shards(model, self.backend.has_gpu)  # in place, at exactly their bytes
         return model
+
+    def _attention(self) -> str:
+        """The attention implementation: the backend's, or with context parallelism the CP one."""
+        if self.context_parallel is None:
+            return self.backend.attn_implementation
+        if self.context_parallel.style == "ulysses":
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.spec.model.path)
+            check_ulysses_heads(config.num_attention_heads, config.num_key_value_heads, self.context_parallel.size)
+        return CONTEXT_PARALLEL
 
     @contextmanager
     def _reference(self):
@@ -261,26 +284,28 @@ class TrainerWorker:
     def _micro_batches(self, sequences: list[TrainSequence], indices: list[int]) -> list[MicroBatch]:
         """This rank's micro-batches for `indices`, padded with dummies to the ranks' maximum
         count so every rank runs the same number of FSDP forward/backward passes."""
-        t = self.spec.trainer
+        t, cp = self.spec.trainer, self.context_parallel
         if t.packing:
-            lengths = [len(s.token_ids) for s in sequences]
+            # The budget is what one rank holds: with CP, a sequence's padded length over the group.
+            lengths = [len(s.token_ids) if cp is None else padded_length(len(s.token_ids), cp.size) // cp.size
+                       for s in sequences]
             groups = split_by_token_budget(lengths, indices, t.max_tokens_per_microbatch)
         else:
             groups = split_evenly(indices, max(1, math.ceil(len(indices) / t.micro_batch_size)))
         groups += [[] for _ in range(self._global_max(len(groups)) - len(groups))]
-        return [
-            build_micro_batch([sequences[i] for i in group], group, self._pad_id, self.device, t.packing)
-            for group in groups
-        ]
+        batches = [build_micro_batch([sequences[i] for i in group], group, self._pad_id, self.device, t.packing)
+                   for group in groups]
+        if cp is not None:
+            batches = [shard_micro_batch(batch, cp) for batch in batches]
+        return batches
 
     def _forward(self, model, batch: MicroBatch, with_entropy: bool, temperature: float | None = None):
         """fp32 log-probs of the next tokens (and their distributions' entropy), [B, T-1] each, at
         `temperature` (None: the rollout's), computed by the output layer in chunks (actors/logprob_head.py)."""
-        targets = torch.nn.functional.pad(batch.targets, (0, 1))  # the last position predicts nothing
         head = model.get_output_embeddings()
         temperature = self.spec.temperature if temperature is None else temperature
-        with head.computing(targets, temperature, with_entropy, self.spec.trainer.logprob_chunk_tokens):
-            per_position = model(**batch.model_inputs()).logits[:, :-1]
+        with head.computing(batch.head_targets(), temperature, with_entropy, self.spec.trainer.logprob_chunk_tokens):
+            per_position = batch.scored(model(**batch.model_inputs()).logits)
         return per_position[..., 0], (per_position[..., 1] if with_entropy else None)
 
     @contextmanager
@@ -298,6 +323,8 @@ class TrainerWorker:
 
     @staticmethod
     def _per_sequence(batch: MicroBatch, values: torch.Tensor, into: list) -> None:
+        if batch.context_parallel is not None:  # every CP rank's tokens, in the unsplit row (a collective)
+            values = unshard_values(batch.context_parallel, values)
         for index, (row, first, end) in zip(batch.indices, batch.spans, strict=True):
             into[index] = values[row, first:end].tolist()
 

@@ -396,6 +396,22 @@ class TrainerConfig(_Section):
         "them, as plain autograd does; only for comparison).",
     )
 
+    context_parallel_size: int = Field(
+        1, ge=1, description="Ranks that share each sequence (context parallelism, CP): every sequence's tokens "
+        "are split over a group of this many ranks, so one sequence's activations need not fit one rank. Ranks form "
+        "num_ranks / CP data-parallel groups; the parameters stay sharded over all ranks. Must divide num_ranks.",
+    )
+    context_parallel_style: Literal["ring", "ulysses"] = Field(
+        "ring", description="How attention crosses a CP group: ring (each rank keeps its queries and key/value "
+        "chunks pass around the ring; sequences split zigzag so causal work is balanced) or ulysses (all-to-all "
+        "from a sequence split to a head split around attention; heads and KV heads must divide by CP).",
+    )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Groups of ranks that take different sequences: num_ranks / context_parallel_size."""
+        return self.num_ranks // self.context_parallel_size
+
     def sleeps_between_steps(self, colocated: bool, has_gpu: bool) -> bool:
         """Whether trainer ranks offload between train phases (only colocated ones can)."""
         return colocated and (self.offload_between_steps if self.offload_between_steps is not None else has_gpu)
@@ -404,6 +420,13 @@ class TrainerConfig(_Section):
     def _betas(self):
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
             raise ValueError(f"betas must each be in [0, 1) (AdamW's moment decay rates), got {list(self.betas)}")
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_divides_ranks(self):
+        if self.num_ranks % self.context_parallel_size:
+            raise ValueError(f"context_parallel_size ({self.context_parallel_size}) must divide num_ranks "
+                             f"({self.num_ranks}): each CP group is that many ranks")
         return self
 
 
@@ -591,8 +614,9 @@ class PlacementConfig(_Section):
     )
     gpu_memory_gb: float | None = Field(
         None, gt=0, description="Memory of one GPU that the memory plan checks against; default: `rlsys train` "
-        "reads the smallest GPU (or, on a CPU run, the RAM) of the nodes its placement got, `rlsys plan` this "
-        "machine's.",
+        "reads the smallest GPU (or, on a CPU run, the RAM) of the nodes its placement got; `rlsys plan` the GPUs "
+        "of the Ray cluster at placement.ray_address (or RAY_ADDRESS) when it has any, else this machine's GPU; "
+        "needed by `rlsys plan` for placement.device=cuda on a machine that can read neither.",
     )
     trainer_node_resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources each trainer rank's bundle also asks for, to keep "
@@ -696,6 +720,24 @@ class LoggingConfig(_Section):
     run_name: str | None = Field(None, description="Run name in wandb/MLflow; default: the run directory's name.")
 
 
+def check_context_parallel(trainer: TrainerConfig, algorithm: AlgorithmConfig) -> None:
+    """What context parallelism cannot do yet, refused before anything starts: each CP rank holds
+    two chunks of a sequence, so a per-sequence sum (GSPO's and LUSPO's sequence ratio, VESPO's
+    weight, sequence-level TIS) would need one more collective inside the loss."""
+    if trainer.context_parallel_size == 1:
+        return
+    if not trainer.packing:
+        raise ValueError("trainer.context_parallel_size > 1 needs trainer.packing=true (each rank holds chunks of "
+                         "packed sequences)")
+    if algorithm.policy_loss in ("gspo", "luspo", "vespo"):
+        raise ValueError(f"algorithm.policy_loss={algorithm.policy_loss} takes a sum over each whole sequence, which "
+                         "trainer.context_parallel_size > 1 splits over ranks: not supported yet; use a token-level "
+                         "loss (grpo, cispo or sapo) or context_parallel_size=1")
+    if algorithm.tis.level == "sequence":
+        raise ValueError("algorithm.tis.level=sequence takes a product over each whole sequence, which "
+                         "trainer.context_parallel_size > 1 splits over ranks: not supported yet; use tis.level=token")
+
+
 class RunConfig(_Section):
     run_dir: str | None = Field(None, description="Where outputs go; runs/<timestamp> when unset.")
     seed: int = Field(0, description="Seed of the data split and prompt order, the engines' sampling and the "
@@ -714,6 +756,11 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
     status: StatusConfig = Field(default_factory=StatusConfig, description="The dashboard and REST API.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress and experiment tracking.")
+
+    @model_validator(mode="after")
+    def _context_parallel_fits_algorithm(self):
+        check_context_parallel(self.trainer, self.algorithm)
+        return self
 
     @model_validator(mode="after")
     def _algorithm_fits_rollout(self):

@@ -1,0 +1,202 @@
+"""Ring attention over a context-parallel group, with the sequences split zigzag.
+
+Each CP rank holds, of every sequence of a packed micro-batch (padded to a multiple of 2 x CP),
+chunks r and 2CP-1-r of 2 x CP (`actors/context_parallel.py`). It keeps its queries; the key/value
+chunks travel around the ring, one hop per step, and each step's partial output is merged into the
+running one by log-sum-exp. Zigzag makes every step the same amount of causal work:
+
+| step (key/values of rank s) | queries            | keys/values        | mask   |
+|-----------------------------|--------------------|--------------------|--------|
+| 0 (s = r, its own)          | both chunks        | both chunks        | causal |
+| s < r                       | both chunks        | s's first chunk    | none   |
+| s > r                       | the second chunk   | both of s's chunks | none   |
+
+(chunk s < CP <= 2CP-1-s: an earlier rank's first chunk precedes both of this rank's; a later
+rank's chunks both precede this rank's second chunk and follow its first.)
+
+Backward recomputes each block from the saved queries, keys, values, output and log-sum-exp
+(flash attention's scheme); the key/value gradients travel around the ring with their key/values
+and reach their owner one hop after the last step. Communication is point-to-point
+(`dist.isend`/`irecv` within the CP group: NCCL on GPU, gloo on CPU), overlapped with the block's
+computation. The block function is exact attention in fp32 on any device (`attend_block`), chunked
+over heads to bound its transient memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Transient bytes of one block's fp32 score matrix, over which heads are taken in chunks.
+SCORE_BUDGET_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Segments:
+    """One step's varlen layout: per sequence, its queries' and keys' lengths, and where they sit
+    in the local row (index tensors into the query and key/value rows)."""
+
+    q_index: torch.Tensor  # [Tq] positions in the local query row
+    kv_index: torch.Tensor  # [Tk] positions in the (received) key/value row
+    q_lengths: tuple[int, ...]
+    kv_lengths: tuple[int, ...]
+    causal: bool
+
+
+def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    return states if groups == 1 else states.repeat_interleave(groups, dim=0)
+
+
+def _fold_kv(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_repeat_kv`: each KV head's query heads' gradients summed."""
+    return grad if groups == 1 else grad.unflatten(0, (-1, groups)).sum(1)
+
+
+def _head_chunks(heads: int, q_len: int, kv_len: int) -> int:
+    return max(1, min(heads, SCORE_BUDGET_BYTES // max(1, 4 * q_len * kv_len)))
+
+
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of each sequence's queries over its keys: q [Hq, Tq, D], k, v [Hkv, Tk, D]
+    (already selected by the segments) -> out [Hq, Tq, D] fp32, lse [Hq, Tq] fp32.
+    out = softmax(q k^T * scale) v, lse = log sum_j exp(q k_j^T * scale); causal aligns the ends."""
+    groups = q.shape[0] // k.shape[0]
+    out = q.new_zeros(q.shape, dtype=torch.float32)
+    lse = q.new_full(q.shape[:2], -math.inf, dtype=torch.float32)
+    q_start = kv_start = 0
+    for q_len, kv_len in zip(segments.q_lengths, segments.kv_lengths, strict=True):
+        qs, ks = slice(q_start, q_start + q_len), slice(kv_start, kv_start + kv_len)
+        q_start, kv_start = q_start + q_len, kv_start + kv_len
+        if q_len == 0 or kv_len == 0:
+            continue
+        step = _head_chunks(q.shape[0], q_len, kv_len) // groups * groups or groups
+        for h in range(0, q.shape[0], step):
+            hs, kvh = slice(h, h + step), slice(h // groups, (h + step) // groups)
+            scores = torch.matmul(q[hs, qs].float(), _repeat_kv(k[kvh, ks], groups).float().transpose(1, 2)) * scale
+            if segments.causal:
+                scores = scores + _causal_bias(q_len, kv_len, q.device)
+            block_lse = torch.logsumexp(scores, dim=-1)
+            lse[hs, qs] = block_lse
+            out[hs, qs] = torch.matmul(torch.exp(scores - block_lse[..., None]), _repeat_kv(v[kvh, ks], groups).float())
+    return out, lse
+
+
+def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, segments: Segments, scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the FINAL output and log-sum-exp of the queries (flash
+    attention's backward): p = exp(s - lse), dv = p^T dO, ds = p (dO v^T - rowsum(dO * O)),
+    dq = ds k * scale, dk = ds^T q * scale. All fp32."""
+    groups = q.shape[0] // k.shape[0]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    delta = (dout.float() * out.float()).sum(-1)  # [Hq, Tq]
+    q_start = kv_start = 0
+    for q_len, kv_len in zip(segments.q_lengths, segments.kv_lengths, strict=True):
+        qs, ks = slice(q_start, q_start + q_len), slice(kv_start, kv_start + kv_len)
+        q_start, kv_start = q_start + q_len, kv_start + kv_len
+        if q_len == 0 or kv_len == 0:
+            continue
+        step = _head_chunks(q.shape[0], q_len, kv_len) // groups * groups or groups
+        for h in range(0, q.shape[0], step):
+            hs, kvh = slice(h, h + step), slice(h // groups, (h + step) // groups)
+            qh, kh = q[hs, qs].float(), _repeat_kv(k[kvh, ks], groups).float()
+            vh, doh = _repeat_kv(v[kvh, ks], groups).float(), dout[hs, qs].float()
+            scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+            if segments.causal:
+                scores = scores + _causal_bias(q_len, kv_len, q.device)
+            p = torch.exp(scores - lse[hs, qs, None])
+            dv[kvh, ks] += _fold_kv(torch.matmul(p.transpose(1, 2), doh), groups)
+            ds = p * (torch.matmul(doh, vh.transpose(1, 2)) - delta[hs, qs, None])
+            dq[hs, qs] += torch.matmul(ds, kh) * scale
+            dk[kvh, ks] += _fold_kv(torch.matmul(ds.transpose(1, 2), qh) * scale, groups)
+    return dq, dk, dv
+
+
+def _causal_bias(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """0 where key j may be seen by query i (j <= i + kv_len - q_len), -inf elsewhere."""
+    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    return torch.where(torch.arange(kv_len, device=device)[None] <= rows, 0.0, -math.inf)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+          index: torch.Tensor) -> None:
+    """Fold a block's partial result into the running one at the query positions `index`:
+    lse' = log(e^lse + e^lse_b), out' = out e^(lse - lse') + out_b e^(lse_b - lse')."""
+    old_out, old_lse = out[:, index], lse[:, index]
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    out[:, index] = old_out * torch.exp(old_lse - new_lse)[..., None] + block_out * torch.exp(block_lse - new_lse)[..., None]
+    lse[:, index] = new_lse
+
+
+@dataclass(frozen=True)
+class Ring:
+    """This rank's place in its CP group, and the per-step layouts of the current micro-batch."""
+
+    group: object  # the CP process group
+    rank: int  # within the group
+    size: int
+    steps: tuple[Segments, ...]  # indexed by step: the key/values of rank (rank - step) % size
+
+    def shift(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Start sending `tensor` to the next rank and receiving the previous rank's; the receive
+        buffer and the requests to wait on."""
+        received = torch.empty_like(tensor)
+        requests = [dist.isend(tensor.contiguous(), group=self.group, group_dst=(self.rank + 1) % self.size),
+                    dist.irecv(received, group=self.group, group_src=(self.rank - 1) % self.size)]
+        return received, requests
+
+
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """q [Hq, T, D], k, v [Hkv, T, D] of this rank's tokens -> [Hq, T, D] in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, scale: float):
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step, segments in enumerate(ring.steps):
+            pending = ring.shift(kv) if step + 1 < ring.size else None
+            block_out, block_lse = attend_block(q[:, segments.q_index], kv[0][:, segments.kv_index],
+                                                kv[1][:, segments.kv_index], segments, scale)
+            merge(out, lse, block_out, block_lse, segments.q_index)
+            if pending is not None:
+                _wait(pending[1])
+                kv = pending[0]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with the key/values it is for
+        for step, segments in enumerate(ring.steps):
+            last = step + 1 == ring.size
+            pending_kv = None if last else ring.shift(kv)
+            block_dq, block_dk, block_dv = attend_block_backward(
+                dout[:, segments.q_index], q[:, segments.q_index], kv[0][:, segments.kv_index],
+                kv[1][:, segments.kv_index], out[:, segments.q_index], lse[:, segments.q_index], segments, scale)
+            dq[:, segments.q_index] += block_dq
+            dkv[0][:, segments.kv_index] += block_dk
+            dkv[1][:, segments.kv_index] += block_dv
+            # After the last step this rank holds the next rank's key/values: one more hop home.
+            dkv, requests = ring.shift(dkv)
+            _wait(requests)
+            if pending_kv is not None:
+                _wait(pending_kv[1])
+                kv = pending_kv[0]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
