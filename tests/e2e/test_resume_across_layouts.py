@@ -12,6 +12,7 @@ optimizer step. That the optimizer state came back whole is what the bit-equal r
 lost moment or step count moves the next update by up to lr, inside Adam's bound.
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -84,23 +85,27 @@ def _resumes_as_the_saver_goes_on(saver: TrainerGroup, resumer: TrainerGroup, ba
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_two_ranks_resumes_on_one_and_back_as_the_run_would_have_gone_on(ray_cluster,
-                                                                                        tiny_model_dir, tmp_path):
+def test_a_checkpoint_resumes_on_other_rank_counts_and_context_parallel_sizes_as_the_run_would_have_gone_on(
+        ray_cluster, tiny_model_dir, tmp_path):
     """2 FSDP2 ranks train two steps and save; one fresh rank (the whole model, no FSDP) loads it and
-    takes step 3 as the two ranks do; then the one rank saves and the two ranks load that and take
-    step 4 alike (a rank the saving run did not have continues rank 0's scheduler and RNG)."""
+    takes step 3 as the two ranks do; the one rank saves and 2 ranks sharing each sequence (context
+    parallel size 2) load that and take step 4 alike (a rank the saving run did not have continues
+    rank 0's scheduler and RNG); they save and 2 data-parallel ranks (CP 1) load it and take step 5."""
     # packed micro-batches, two optimizer steps per step, a warming-up cosine schedule, the entropy
     # term; no KL term: its reference model is model.path's, never in a checkpoint, and would cost a
     # second model on every rank
     spec = trainer_spec(tiny_model_dir, lr=1e-3, max_tokens_per_microbatch=24, mini_batches_per_step=2,
                         lr_schedule="cosine", warmup_steps=2, total_steps=6, entropy_coef=0.01)
-    two, one = trainer_groups((spec, 2), (spec, 1))
+    context_parallel = replace(spec, trainer=spec.trainer.model_copy(update={"num_ranks": 2,
+                                                                            "context_parallel_size": 2}))
+    two, one, cp_two = trainer_groups((spec, 2), (spec, 1), (context_parallel, 2))
     try:
         assert (two.describe()["layout"], one.describe()["layout"]) == ("FSDP2", "whole model")
         for step in range(2):
             two.train_step(_batch(step))
         _resumes_as_the_saver_goes_on(two, one, _batch(2), tmp_path / "two-to-one")
-        _resumes_as_the_saver_goes_on(one, two, _batch(3), tmp_path / "one-to-two")
+        _resumes_as_the_saver_goes_on(one, cp_two, _batch(3), tmp_path / "one-to-cp-two")
+        _resumes_as_the_saver_goes_on(cp_two, two, _batch(4), tmp_path / "cp-two-to-two")
     finally:
-        two.shutdown()
-        one.shutdown()
+        for group in (two, one, cp_two):
+            group.shutdown()
