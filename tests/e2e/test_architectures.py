@@ -29,6 +29,7 @@ from tests.helpers import REPO, random_sequences, train_command, trainer_spec
 # Qwen2, the default, goes through every other test: both transports in tests/e2e/test_weight_sync.py,
 # learning in tests/e2e/test_quickstart.py, export in tests/e2e/test_resume.py.
 DENSE = ["qwen3", "llama"]
+CONTEXT_PARALLEL_ARCH = "qwen3"  # its learning run splits each sequence over 2 ranks
 # Qwen3-MoE: transformers stacks each layer's experts into one parameter, the checkpoint and
 # SGLang's load_weights keep one tensor per expert (actors/checkpoint_layout.py); SGLang's CPU path
 # runs its experts in plain torch (the same numbers as transformers', to fp32 rounding).
@@ -84,14 +85,18 @@ def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_p
     model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(arch=arch))
     run_dir = tmp_path / "run"
     # The CISPO recipe (two optimizer steps per batch): the quickstart's task and model size, learning in
-    # fewer steps; this is also the recipe's own learning test.
+    # fewer steps; this is also the recipe's own learning test. Qwen3's run splits every sequence over
+    # its two ranks (context parallelism, ring): it must learn as the others do.
+    split = ("trainer.context_parallel_size=2",) if arch == CONTEXT_PARALLEL_ARCH else ()
     result = subprocess.run(train_command("recipes/cispo.yaml", model_dir, run_dir, "trainer.total_steps=100",
-                                          "checkpoint.interval=100", "eval.stop_at_reward=0.9", ray_address),
+                                          "checkpoint.interval=100", "eval.stop_at_reward=0.9", ray_address, *split),
                             cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_reward_mean"] for r in rows if r.get("eval_reward_mean") is not None]
     assert evals[0] < 0.3 and evals[-1] >= 0.9, f"{arch}: eval reward over the run: {evals}"
+    if split:
+        assert "context_parallel_size: 2" in (run_dir / "config.yaml").read_text()
     # the share of tokens whose weight hit the cap is CISPO's clip fraction (ScaleRL's cap of 5 is
     # seldom reached by one optimizer step's move); a token-level loss logs no sequence clip share
     assert all(0.0 <= r["clip_fraction"] <= 1.0 for r in rows)
