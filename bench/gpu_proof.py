@@ -14,6 +14,7 @@ and a second process on the same device that takes CUDA-IPC buckets as SGLang 0.
   memory_train      the memory plan's trainer terms against torch.cuda.max_memory_allocated over a step
   packed_attention  log-probs of a packed micro-batch against per-sequence forwards and fp32
   varlen_attention  torch.nn.attention.varlen, when present: against per-sequence SDPA
+  ring_attention    context parallelism's ring (CP 4's blocks in one process) against whole-sequence SDPA
   nccl_broadcast    the disaggregated transport (BroadcastWeightSender over a one-rank NCCL group)
   ipc_sync          CUDA-IPC sync into the receiver: bit-equal, pipelined and serial, small and
                     large buckets, staging freed once the receiver lets go
@@ -452,6 +453,73 @@ def check_varlen_attention(proof: Proof, fields: dict) -> None:
     fields.update(max_abs_vs_sdpa=worst, bound=4 * BF16_SPACING, **timings, ok=worst <= 4 * BF16_SPACING)
 
 
+def check_ring_attention(proof: Proof, fields: dict) -> None:
+    """Context parallelism's ring attention on this device: every CP rank's blocks computed in one
+    process (rlsys's own layout, per-step segments, block function and log-sum-exp merge) against
+    causal SDPA of whole sequences, bf16 inputs, within bf16's bound; and its time against SDPA's."""
+    from rlsys.actors.context_parallel import ContextParallelGroup, build_layout
+    from rlsys.actors.ring_attention import attend_block, merge
+
+    size, lengths = 4, ([4096, 3000, 1100] if proof.gpu else [40, 23, 9])
+    heads, kv_heads, dim = proof.model_fields["num_attention_heads"], proof.model_fields["num_key_value_heads"], 128
+    generator = torch.Generator(device=proof.device).manual_seed(3)
+    q, k, v = (torch.randn(h, sum(lengths), dim, device=proof.device, dtype=torch.bfloat16, generator=generator)
+               for h in (heads, kv_heads, kv_heads))
+    scale = dim**-0.5
+    layouts = [build_layout(lengths, ContextParallelGroup(None, rank, size), proof.device) for rank in range(size)]
+
+    def local(full, sources):
+        real = sources >= 0
+        part = full.new_zeros(full.shape[0], len(sources), full.shape[2])
+        part[:, real] = full[:, sources[real]]
+        return part
+
+    def ring():
+        outputs = []
+        for layout in layouts:
+            rank = layout.cp.rank
+            lq = local(q, layout.local_sources)
+            out = torch.zeros(lq.shape, dtype=torch.float32, device=proof.device)
+            lse = torch.full(lq.shape[:2], -math.inf, dtype=torch.float32, device=proof.device)
+            for step, segments in enumerate(layout.steps):
+                source = layouts[(rank - step) % size].local_sources
+                block_out, block_lse = attend_block(lq[:, segments.q_index], local(k, source)[:, segments.kv_index],
+                                                    local(v, source)[:, segments.kv_index], segments, scale)
+                merge(out, lse, block_out, block_lse, segments.q_index)
+            outputs.append((layout.local_sources, out.to(torch.bfloat16)))
+        return outputs
+
+    def whole():
+        parts, start = [], 0
+        for n in lengths:
+            parts.append(torch.nn.functional.scaled_dot_product_attention(
+                q[None, :, start:start + n], k[None, :, start:start + n], v[None, :, start:start + n],
+                is_causal=True, enable_gqa=True)[0])
+            start += n
+        return torch.cat(parts, dim=1)
+
+    timings = {}
+    for name, attend in (("ring_all_blocks_s", ring), ("sdpa_s", whole)):
+        result = attend()
+        proof.synchronize()
+        tick = time.perf_counter()
+        attend()
+        proof.synchronize()
+        timings[name] = round(time.perf_counter() - tick, 4)
+        if name == "sdpa_s":
+            reference = result
+        else:
+            split = result
+    got = torch.zeros_like(reference)
+    for sources, out in split:
+        real = sources >= 0
+        got[:, sources[real]] = out[:, real]
+    worst = float((got.float() - reference.float()).abs().max())
+    bound = 4 * BF16_SPACING * max(1.0, float(reference.float().abs().max()))
+    fields.update(cp=size, lengths=lengths, heads=heads, kv_heads=kv_heads, max_abs_vs_sdpa=worst, bound=bound,
+                  **timings, ok=worst <= bound)
+
+
 def check_nccl_broadcast(proof: Proof, fields: dict) -> None:
     from rlsys.system.topology import Topology
 
@@ -614,7 +682,8 @@ def run(device: torch.device, model: str, out: Path | None, budget_s: float, wor
         report.emit("summary", False, reason="no trainer rank: the later checks need one", checks=report.results)
         return False
     for name, body in (("memory_train", check_memory_train), ("packed_attention", check_packed_attention),
-                       ("varlen_attention", check_varlen_attention), ("nccl_broadcast", check_nccl_broadcast)):
+                       ("varlen_attention", check_varlen_attention), ("ring_attention", check_ring_attention),
+                       ("nccl_broadcast", check_nccl_broadcast)):
         if within_budget(name):
             with report.check(name) as fields:
                 body(proof, fields)

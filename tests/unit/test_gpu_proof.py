@@ -14,6 +14,7 @@ from tests.helpers import REPO
 ABSENT_ON_THE_GPU_MACHINE = ["ray", "sglang", "flash_attn", "fastapi", "uvicorn", "math_verify", "datasets", "trl",
                              "wandb", "mlflow", "dill", "zstandard", "soundfile"]
 EVERY_CHECK = {"environment", "model", "trainer_steps", "memory_train", "packed_attention", "varlen_attention",
+               "ring_attention",
                "nccl_broadcast", "ipc_sync_small_pipelined", "ipc_sync_small_serial", "ipc_sync_large_pipelined",
                "ipc_sync_large_serial", "memory_sync", "sleep_wake", "speed", "summary"}
 
