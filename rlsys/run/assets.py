@@ -219,7 +219,15 @@ def load_assets(config: RunConfig) -> RunAssets:
             f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
             "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
         )
-    read_architecture(model_dir)
+    architecture = read_architecture(model_dir)
+    if config.trainer.context_parallel_size > 1 and config.trainer.context_parallel_style == "ulysses":
+        from rlsys.actors.context_parallel import check_ulysses_heads
+
+        try:
+            check_ulysses_heads(architecture.num_attention_heads, architecture.num_key_value_heads,
+                                config.trainer.context_parallel_size)
+        except ValueError as error:
+            raise ConfigError(f"invalid config: {error}") from None
     weights = [p.name for pattern in _WEIGHT_FILES for p in model_dir.glob(pattern)]
     if not weights:
         raise ConfigError(

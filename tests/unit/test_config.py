@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from rlsys.config import ConfigError, load_config
-from tests.helpers import refused_by_cli, write_config
+from tests.helpers import REPO, refused_by_cli, write_config
 
 
 def test_dotted_overrides_replace_values(tmp_path, tiny_model_dir):
@@ -341,3 +341,19 @@ def test_stop_at_reward_needs_eval_prompts_to_reach_it(tmp_path, tiny_model_dir)
 def test_stop_at_reward_must_be_a_finite_number(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="eval.stop_at_reward"):
         load_config(write_config(tmp_path / "c.yaml", tiny_model_dir, eval={"stop_at_reward": float("nan")}))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.num_ranks=3", "trainer.context_parallel_size=2"], "context_parallel_size (2) must divide num_ranks (3)"),
+    (["trainer.context_parallel_size=2", "algorithm.policy_loss=gspo"],
+     "policy_loss=gspo takes a sum over each whole sequence"),
+    (["trainer.context_parallel_size=2", "algorithm.tis.level=sequence", "algorithm.tis.enabled=true"],
+     "tis.level=sequence takes a product over each whole sequence"),
+    (["trainer.context_parallel_size=2", "trainer.packing=false"], "needs trainer.packing=true"),
+    (["trainer.num_ranks=4", "trainer.context_parallel_size=4", "trainer.context_parallel_style=ulysses"],
+     "the model's 4 attention heads and 2 key/value heads must both divide by context_parallel_size=4"),
+])
+def test_context_parallel_settings_it_cannot_run_are_refused_before_anything_starts(tiny_model_dir, overrides,
+                                                                                    message):
+    stderr = refused_by_cli("train", str(REPO / "configs/quickstart.yaml"), f"model.path={tiny_model_dir}", *overrides)
+    assert message in stderr

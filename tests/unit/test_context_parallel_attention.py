@@ -157,3 +157,40 @@ def test_ulysses_refuses_heads_that_do_not_divide():
     with pytest.raises(ValueError, match="2 key/value heads must both divide by context_parallel_size=4"):
         check_ulysses_heads(8, 2, 4)
     assert math.gcd(HEADS, KV_HEADS) == KV_HEADS  # the test model's heads allow CP 2 for Ulysses
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_each_cp_rank_scores_its_own_tokens_with_the_whole_sequences_labels(size):
+    """A rank's micro-batch: every real token at its own position, labelled with the token that
+    follows it in the whole sequence (at a chunk's end: the next chunk's first token, held by another
+    rank), carrying that position's loss values; padding weighs nothing; every scored token of the
+    unsplit batch is scored by exactly one rank."""
+    from rlsys.actors.batching import build_micro_batch
+    from rlsys.actors.context_parallel import shard_micro_batch
+    from rlsys.records import TrainSequence
+
+    generator = torch.Generator().manual_seed(5)
+    sequences = [TrainSequence(torch.randint(3, 90, (n,), generator=generator).tolist(), prompt_len=p,
+                               advantage=float(i) + 0.5, engine_logprobs=[-0.1 * j for j in range(n - p)])
+                 for i, (n, p) in enumerate([(9, 3), (14, 1), (2, 1), (23, 8)])]
+    whole = build_micro_batch(sequences, list(range(4)), 0, torch.device("cpu"), packed=True)
+    scored = torch.zeros_like(whole.loss_weights)
+    for rank in range(size):
+        part = shard_micro_batch(whole, ContextParallelGroup(None, rank, size))
+        sources = part.context_parallel.local_sources
+        for at, source in enumerate(sources.tolist()):
+            if source < 0:  # padding: no loss, no engine log-prob
+                assert part.loss_weights[0, at] == 0 and part.engine_mask[0, at] == 0
+                continue
+            assert part.input_ids[0, at] == whole.input_ids[0, source]
+            if source < whole.targets.shape[1]:
+                assert part.targets[0, at] == whole.input_ids[0, source + 1]
+                for name in ("loss_weights", "advantages", "engine_logprobs", "engine_mask", "response_mask"):
+                    assert getattr(part, name)[0, at] == getattr(whole, name)[0, source], name
+                scored[0, source] += part.response_mask[0, at]
+        start = 0
+        for n in [len(s.token_ids) for s in sequences]:  # positions restart per sequence, zigzag
+            mine = zigzag_positions(n, size, rank)
+            assert part.position_ids[0, start:start + len(mine)].tolist() == mine
+            start += len(mine)
+    assert torch.equal(scored, whole.response_mask)
