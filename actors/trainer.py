@@ -569,7 +569,9 @@ class TrainerWorker:
         return {"device": str(self.device), "dist_backend": self.backend.dist_backend,
                 "layout": "FSDP2" if sharded else "whole model",
                 "attention": self.backend.attn_implementation, "compute_dtype": self.spec.model.dtype,
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(),
+                "context_parallel": (f"{self.context_parallel.style} over {self.context_parallel.size} ranks"
+                                     if self.context_parallel is not None else "off")}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU copies of every parameter (collective; for tests and export)."""

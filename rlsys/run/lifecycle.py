@@ -77,7 +77,8 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     ranks = parts.trainer.describe()
     logger.info(f"trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
                 f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads "
-                f"each) ready after {time.perf_counter() - start:.1f} s")
+                f"each{'' if ranks['context_parallel'] == 'off' else ', context parallel: ' + ranks['context_parallel']})"
+                f" ready after {time.perf_counter() - start:.1f} s")
     parts.topology = topology.with_engines(parts.rollout.wait_ready())
     logger.info("%d SGLang engine(s) ready after %.1f s", topology.num_engines, time.perf_counter() - start)
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)

@@ -97,6 +97,7 @@ def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_p
     assert evals[0] < 0.3 and evals[-1] >= 0.9, f"{arch}: eval reward over the run: {evals}"
     if split:
         assert "context_parallel_size: 2" in (run_dir / "config.yaml").read_text()
+        assert "context parallel: ring over 2 ranks) ready after" in result.stdout
     # the share of tokens whose weight hit the cap is CISPO's clip fraction (ScaleRL's cap of 5 is
     # seldom reached by one optimizer step's move); a token-level loss logs no sequence clip share
     assert all(0.0 <= r["clip_fraction"] <= 1.0 for r in rows)
