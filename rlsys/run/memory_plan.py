@@ -25,6 +25,11 @@ GPUs and engine GPUs separately; the peak is the larger. On CPU the "GPU" is a p
 memory. Activations are an estimate (what a Qwen2/Llama decoder layer saves for backward), the
 rest is exact arithmetic.
 
+Context parallelism (`trainer.context_parallel_size`, CP): a rank's micro-batch is its share of
+each packed sequence (padded to 2 x CP, over CP), so activations and logits per rank divide by CP;
+the CP attention adds its own terms (`context_parallel_terms`), and a config whose longest sequence
+does not fit a rank even alone is refused, naming the smallest CP that fits (`plan_memory`).
+
 Host memory, per trainer rank and per node, is what the device plan does not already count:
 `host_terms`.
 """
@@ -36,8 +41,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rlsys.actors.context_parallel import check_ulysses_heads, padded_length
 from rlsys.actors.parallelize import uses_fsdp
-from rlsys.config import ConfigError, RunConfig
+from rlsys.actors.ring_attention import SCORE_BUDGET_BYTES
+from rlsys.config import ConfigError, RunConfig, check_context_parallel
 from rlsys.system.backend import engine_dtype
 
 GiB = 2**30
@@ -66,6 +73,14 @@ ADVICE = {
     "activations": "set trainer.gradient_checkpointing=true or lower trainer.max_tokens_per_microbatch",
     "attention_scores": "install flash-attn with model.dtype=bfloat16, or lower trainer.max_tokens_per_microbatch",
     "logits_chunk": "lower trainer.logprob_chunk_tokens",
+    "attention_saved": "set trainer.gradient_checkpointing=true or raise trainer.context_parallel_size (the CP "
+                       "attention's fp32 output and log-sum-exp, per layer)",
+    "attention_block": "raise trainer.context_parallel_size (style ring: the exact fp32 block's scores shrink with "
+                       "the square of a rank's share of the longest sequence)",
+    "ring_buffers": "raise trainer.context_parallel_size or lower trainer.max_tokens_per_microbatch (key/value chunks "
+                    "and their fp32 gradients travelling around the ring)",
+    "ulysses_buffers": "lower trainer.max_tokens_per_microbatch or use trainer.context_parallel_style=ring (the "
+                       "all-to-all's copies of q, k and v)",
     "reference_model": "turn KL off (algorithm.use_kl_loss / kl_in_reward) or use more memory",
     "logprob_head_backward": "use a GPU with more memory (the output layer's [vocab, hidden] gradient in fp32)",
     "gradient_reduce": "raise trainer.num_ranks (FSDP's fp32 reduce-scatter input of the largest group)",
@@ -168,6 +183,11 @@ class MemoryPlan:
     ranks_per_node: int = 1  # trainer ranks on the busiest node
     host_per_node_bytes: int = 0
     device: str = ""  # what was planned for, and where its memory figure came from (`rlsys plan`)
+    longest_sequence: int = 0  # tokens of the longest sequence the engines can return (context_length)
+    context_parallel_size: int = 1
+    rank_tokens: int = 0  # a rank's tokens in its largest micro-batch
+    # Set when the longest sequence does not fit a rank even alone: the smallest CP that fits (0: none does).
+    smallest_context_parallel: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -178,6 +198,12 @@ class MemoryPlan:
                  + (f" ({self.device})" if self.device else "") + ":"]
         lines += [f"  {name:<22} {value / GiB:9.2f} GiB" for name, value in self.terms.items()]
         lines.append(f"  KV cache holds {self.kv_cache_tokens:,} tokens")
+        share = rank_share(self.longest_sequence, self.context_parallel_size)
+        lines.append(f"  micro-batch of {self.rank_tokens:,} tokens a rank; longest sequence {self.longest_sequence:,} "
+                     f"tokens, {share:,} a rank at context_parallel_size={self.context_parallel_size}")
+        if self.smallest_context_parallel is not None:
+            lines.append("  smallest trainer.context_parallel_size that fits: "
+                         + (str(self.smallest_context_parallel) if self.smallest_context_parallel else "none"))
         lines += [f"  phase {name:<16} {value / GiB:9.2f} GiB" for name, value in self.phases.items()]
         verdict = "fits" if self.fits else f"does NOT fit: {self.advice}"
         lines.append(f"  peak {self.per_gpu_bytes / GiB:.2f} GiB of {self.gpu_memory_bytes / GiB:.1f} GiB: {verdict}")
@@ -198,6 +224,69 @@ def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> i
     kv_dim = shape.kv_heads * shape.head_dim
     elements = 8 * shape.hidden + 2 * kv_dim + 4 * (shape.active_intermediate or shape.intermediate)
     return elements * compute_bytes + 2 * shape.hidden * 4
+
+
+def rank_share(length: int, cp: int) -> int:
+    """One sequence's tokens on each rank of its CP group (actors/trainer.py, `_micro_batches`): the
+    whole with CP 1, else its length padded to a multiple of 2 x CP, over CP."""
+    return length if cp == 1 else padded_length(length, cp) // cp
+
+
+def rank_tokens(config: RunConfig, longest: int) -> int:
+    """A rank's tokens in its largest micro-batch. Packed: the budget, or the longest sequence's
+    share when that is more (a sequence over the budget goes alone: `split_by_token_budget`);
+    padded: micro_batch_size rows of the longest."""
+    t = config.trainer
+    if not t.packing:
+        return t.micro_batch_size * longest
+    return max(t.max_tokens_per_microbatch, rank_share(longest, t.context_parallel_size))
+
+
+def score_heads(heads: int, kv_heads: int, q_len: int, kv_len: int) -> int:
+    """Query heads per call of the exact block function (actors/ring_attention.py): as many as
+    SCORE_BUDGET_BYTES of fp32 scores take, rounded down to whole key/value groups, at least one
+    group, so a group's scores can exceed the budget."""
+    groups = heads // kv_heads
+    fit = max(1, min(heads, SCORE_BUDGET_BYTES // max(1, 4 * q_len * kv_len)))
+    return fit // groups * groups or groups
+
+
+def context_parallel_terms(shape: ModelShape, config: RunConfig, tokens: int, longest: int,
+                           compute_bytes: int) -> dict[str, int]:
+    """What the CP attention (actors/context_parallel.py, ring_attention.py) holds on a rank of
+    `tokens` local tokens, beyond the activation estimate; all 0 without CP. T = tokens, Hq, Hkv, D.
+
+    attention_saved: kept per layer for backward (one layer with checkpointing): the fp32 output and
+    log-sum-exp, Hq x T x (D + 1) x 4; Ulysses also its head-split q, k, v, (Hq + 2 Hkv) x T x D.
+    attention_block: one call of the exact block backward (the larger of the two) at its largest
+    block, the longest sequence's queries against its own keys (ring: its share on this rank, both
+    chunks; Ulysses: the whole padded sequence, Hq / CP heads): 4 fp32 score-sized buffers of a head
+    chunk (scores, p, dO v^T - delta, ds), the chunk's fp32 q, dO, k, v, and the block's fp32 dq, dk,
+    dv, delta (ring: plus its selected copies of dO, q, out, lse, k, v).
+    ring_buffers (backward): this rank's key/values [2, Hkv, T, D] and the received ones, their fp32
+    gradients travelling around the ring and the received ones, and the fp32 dq accumulator.
+    ulysses_buffers: the all-to-all's send and receive buffers of q, k, v and their head-major copy,
+    3 x (Hq + 2 Hkv) x T x D."""
+    t = config.trainer
+    cp, ulysses = t.context_parallel_size, t.context_parallel_style == "ulysses"
+    terms = dict.fromkeys(("attention_saved", "attention_block", "ring_buffers", "ulysses_buffers"), 0)
+    if cp == 1:
+        return terms
+    hq, hkv, d, c = shape.heads, shape.kv_heads, shape.head_dim, compute_bytes
+    qkv = (hq + 2 * hkv) * tokens * d * c
+    kept = 1 if t.gradient_checkpointing else shape.layers
+    terms["attention_saved"] = kept * (hq * tokens * (d + 1) * 4 + (qkv if ulysses else 0))
+    heads, kv_heads = (hq // cp, hkv // cp) if ulysses else (hq, hkv)
+    block = padded_length(longest, cp) if ulysses else rank_share(longest, cp)
+    h = score_heads(heads, kv_heads, block, block)
+    outputs = hq * tokens * (d + 1) * 4 + 2 * hkv * tokens * d * 4  # dq, delta; dk, dv
+    selected = 0 if ulysses else hq * tokens * (2 * d * c + 4 * d + 4) + 2 * hkv * tokens * d * c
+    terms["attention_block"] = outputs + selected + 4 * h * block * d * 4 + 4 * 4 * h * block * block
+    if ulysses:
+        terms["ulysses_buffers"] = 3 * qkv
+    else:
+        terms["ring_buffers"] = 2 * 2 * hkv * tokens * d * (c + 4) + hq * tokens * d * 4
+    return terms
 
 
 def logprob_head_backward_bytes(shape: ModelShape, weight_bytes: int) -> int:
@@ -313,20 +402,20 @@ def host_terms(config: RunConfig, shape: ModelShape, on_gpu: bool) -> dict[str, 
     return terms
 
 
-def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,
-                flash_attention: bool = False, gpus_per_node: int = 8) -> MemoryPlan:
-    """The plan (module docstring); `gpus_per_node`: how many trainer ranks a node holds at most,
-    for the host figure per node (on CPU every rank is on one node)."""
+def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, flash_attention: bool,
+          gpus_per_node: int, longest: int) -> MemoryPlan:
+    """The plan of `config` whose longest sequence is `longest` tokens."""
     t, ranks = config.trainer, config.trainer.num_ranks
     compute = DTYPE_BYTES[config.model.dtype]
     served = engine_dtype(on_gpu, config.model.dtype)  # bf16 on a GPU whatever model.dtype; the sync casts to it
     engine_bytes = DTYPE_BYTES[served]
     engine = config.rollout.engine
     colocated = config.placement.mode == "colocated"
+    cp = t.context_parallel_size
 
-    tokens = t.max_tokens_per_microbatch if t.packing else t.micro_batch_size * engine.context_length
+    tokens = rank_tokens(config, longest)
     # Packed rows attend within each sequence (actors/packed_attention.py): at worst, full-length ones.
-    sequence = min(tokens, engine.context_length)
+    sequence = min(tokens, longest)
     sequences = max(1, tokens // sequence) if t.packing else t.micro_batch_size
     per_layer = activation_bytes_per_token_layer(shape, compute) * tokens
     if t.gradient_checkpointing:  # layer inputs kept; one layer recomputed at a time
@@ -335,9 +424,10 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
         activations = shape.layers * per_layer
     # flash-attn: nothing quadratic. SDPA on GPU: packed rows take no mask (its fused kernels keep
     # nothing quadratic); a padded batch, a [seq, seq] boolean mask per row. SDPA on CPU (math
-    # kernel): fp32 probabilities per head, kept per layer for backward.
+    # kernel): fp32 probabilities per head, kept per layer for backward. With CP neither runs: the
+    # CP attention's own terms (`context_parallel_terms`).
     scores_layers = 1 if t.gradient_checkpointing else shape.layers
-    if flash_attention:
+    if flash_attention or cp > 1:
         attention_scores = 0
     elif on_gpu:
         attention_scores = 0 if t.packing else sequences * sequence**2
@@ -360,6 +450,7 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
         "unsharded_root": shape.root_params * compute if gathers else 0,
         "activations": activations,
         "attention_scores": attention_scores,
+        **context_parallel_terms(shape, config, tokens, longest, compute),
         "logits_chunk": 3 * max(t.logprob_chunk_tokens or tokens, 1) * shape.vocab * 4,
         # Its fp32 shards live on the host (CPUOffloadPolicy); on the device, what is gathered.
         "reference_model": (2 * shape.layer_params + shape.root_params) * compute if needs_reference and not lora
@@ -386,17 +477,20 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
     kv_tokens = max(0, min(engine.max_total_tokens, kv_room // max(kv_per_token, 1)))
     terms["engine_kv_cache"] = kv_tokens * kv_per_token
 
-    transient = max(("logprob_head_backward", "gradient_reduce"), key=lambda name: terms[name])
+    # Backward's transients: the output layer's gradient first, then per layer its attention's
+    # (CP) while FSDP reduce-scatters the layer before; the phases take the larger.
+    head, layer = ("logprob_head_backward",), ("gradient_reduce", "attention_block", "ring_buffers", "ulysses_buffers")
+    transient = head if terms[head[0]] >= sum(terms[name] for name in layer) else layer
     # Held by every process through every phase; colocated, the released engine's leftovers too.
     runtime = ("cuda_contexts", "nccl_buffers") + (("engine_unreleased",) if colocated else ())
     train = ("trainer_params", "trainer_grads", "optimizer_states", "unsharded_layers", "unsharded_root",
-             "activations", "attention_scores", "logits_chunk", "reference_model", transient)
+             "activations", "attention_scores", "attention_saved", "logits_chunk", "reference_model", *transient)
     sync = ("trainer_params", "optimizer_states", "unsharded_layers", "weight_sync_staging", "engine_weights")
     serving = ("engine_weights", "engine_kv_cache")
     if t.sleeps_between_steps(colocated, on_gpu):
         members = {"generate": serving + runtime, "train": train + runtime, "sync": sync + runtime}
     elif colocated:
-        other = {"logprob_head_backward", "gradient_reduce"} - {transient}
+        other = set(head + layer) - set(transient)
         members = {"all_at_once": tuple(name for name in terms if name not in other)}
     else:
         members = {"trainer_gpu": train + ("weight_sync_staging",) + runtime,
@@ -420,7 +514,82 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
     ranks_per_node = min(ranks, gpus_per_node) if on_gpu else ranks
     return MemoryPlan(fits, per_gpu, gpu_memory, terms, phases, kv_tokens, config.placement.mode, advice, notes,
                       host_terms=host, host_per_rank_bytes=sum(host.values()), ranks_per_node=ranks_per_node,
-                      host_per_node_bytes=ranks_per_node * sum(host.values()))
+                      host_per_node_bytes=ranks_per_node * sum(host.values()), longest_sequence=longest,
+                      context_parallel_size=cp, rank_tokens=tokens)
+
+
+def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,
+                flash_attention: bool = False, gpus_per_node: int = 8) -> MemoryPlan:
+    """The plan (module docstring); `gpus_per_node`: how many trainer ranks a node holds at most,
+    for the host figure per node (on CPU every rank is on one node).
+
+    The longest sequence is rollout.engine.context_length tokens (a prompt of up to context_length -
+    max_new_tokens and its response). When the plan does not fit, the same trainer with that
+    sequence alone in a micro-batch does not either, and one with short sequences does, the longest
+    sequence is what does not fit a rank: the advice says so and names the smallest
+    `trainer.context_parallel_size` that fits (`smallest_context_parallel`; 0 when none does)."""
+    t = config.trainer
+    if t.context_parallel_size > 1 and t.context_parallel_style == "ulysses":
+        try:
+            check_ulysses_heads(shape.heads, shape.kv_heads, t.context_parallel_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    longest = config.rollout.engine.context_length
+
+    def plan(cp: int = t.context_parallel_size, style: str = t.context_parallel_style, budget: int | None = None,
+             sequence: int = longest) -> MemoryPlan:
+        trainer = t.model_copy(update={"context_parallel_size": cp, "context_parallel_style": style,
+                                       "max_tokens_per_microbatch": budget or t.max_tokens_per_microbatch})
+        if budget and not t.packing:  # a padded micro-batch of one row
+            trainer = trainer.model_copy(update={"micro_batch_size": 1})
+        return _plan(config.model_copy(update={"trainer": trainer}), shape, gpu_memory, on_gpu, flash_attention,
+                     gpus_per_node, sequence)
+
+    result = plan()
+    if result.fits:
+        return result
+    alone = plan(budget=rank_share(longest, t.context_parallel_size))
+    if alone.fits or not plan(budget=16, sequence=1).fits:  # the budget, or not the sequence at all
+        return result
+    result.smallest_context_parallel, way = _smallest_context_parallel(config, shape, longest, plan)
+    phase = max(alone.phases, key=alone.phases.get)
+    largest = max(alone.terms, key=alone.terms.get)
+    result.advice = (
+        f"the longest sequence ({longest:,} tokens: rollout.engine.context_length, a prompt and up to "
+        f"rollout.max_new_tokens={config.rollout.max_new_tokens:,}) does not fit a rank even alone: "
+        f"{rank_share(longest, t.context_parallel_size):,} tokens a rank at trainer.context_parallel_size="
+        f"{t.context_parallel_size}, {phase} needs {alone.phases[phase] / GiB:.1f} GiB of {gpu_memory / GiB:.1f} GiB "
+        f"(largest term {largest} {alone.terms[largest] / GiB:.1f} GiB); " + way)
+    return result
+
+
+def _smallest_context_parallel(config: RunConfig, shape: ModelShape, longest: int, plan) -> tuple[int, str]:
+    """The smallest CP (a divisor of num_ranks; for Ulysses one dividing both head counts; the
+    config's style first, then ring) whose plan fits, else whose plan with the longest sequence alone
+    in a micro-batch fits; and what to set. (0, why) when none fits."""
+    t = config.trainer
+    try:
+        check_context_parallel(t.model_copy(update={"context_parallel_size": 2}), config.algorithm)
+    except ValueError as error:
+        return 0, f"context parallelism cannot split it: {error}"
+    styles = dict.fromkeys([t.context_parallel_style, "ring"])
+    for size in (size for size in range(1, t.num_ranks + 1) if t.num_ranks % size == 0):
+        for style in styles if size > 1 else [t.context_parallel_style]:
+            if (size, style) == (t.context_parallel_size, t.context_parallel_style) or style == "ulysses" and (
+                    shape.heads % size or shape.kv_heads % size):
+                continue
+            named = f"trainer.context_parallel_size={size}" + (
+                f" trainer.context_parallel_style={style}" if style != t.context_parallel_style and size > 1 else "")
+            if plan(size, style).fits:
+                return size, f"set {named}, the smallest that fits"
+            share = rank_share(longest, size)
+            if plan(size, style, budget=share).fits:
+                return size, (f"set {named} with trainer.max_tokens_per_microbatch<={share:,} (its share of the "
+                              "longest sequence), the smallest that fits")
+    largest = plan(t.num_ranks, "ring", budget=rank_share(longest, t.num_ranks))
+    return 0, (f"no trainer.context_parallel_size dividing trainer.num_ranks={t.num_ranks} fits it (ring at "
+               f"{t.num_ranks}, the sequence alone: {largest.per_gpu_bytes / GiB:.1f} GiB): raise trainer.num_ranks, "
+               "lower rollout.engine.context_length, or use GPUs with more memory")
 
 
 def memory_plan(config: RunConfig, gpus_per_node: int = 8) -> MemoryPlan:

@@ -277,6 +277,8 @@ def test_gpu_colocated_recipe_plans_every_term_as_the_hand_sum(tmp_path, name):
         # 8 hidden + 2 kv + 4 intermediate bf16 values and two fp32 norm upcasts)
         "activations": n_layers * tokens * h * 2 + ((8 * h + 2 * kv + 4 * i) * 2 + 2 * h * 4) * tokens,
         "attention_scores": 0,  # flash-attn
+        # no context parallelism: none of its attention's terms
+        "attention_saved": 0, "attention_block": 0, "ring_buffers": 0, "ulysses_buffers": 0,
         "logits_chunk": 3 * 512 * v * 4,
         "reference_model": (2 * layer + root) * 2,  # KL loss: the reference's gathered layers and root
         # the output layer's weight gradient: fp32 accumulator + a chunk's bf16 [v, h] product + its fp32 copy
@@ -539,3 +541,198 @@ def test_lora_plans_gradients_and_moments_for_the_adapters_only_and_no_reference
           f"GiB per GPU (saves {saved / GiB:.1f}); sync phase {full.phases['sync'] / GiB:.1f} -> "
           f"{plan.phases['sync'] / GiB:.1f}")
     assert saved > 10 * GiB
+
+
+# ---- context parallelism (issue 48): a rank's share of each sequence, and the CP attention's terms ----
+HQ, HKV, D, BF16, LAYERS = 28, 4, 128, 2, 28  # Qwen2.5-7B's attention
+
+
+def _long(model_dir, *overrides):
+    """configs/gpu_colocated.yaml with 32k-token sequences and no checkpointing (docs/long-sequences.md)."""
+    return _recipe("gpu_colocated", model_dir, "rollout.engine.context_length=32768", "rollout.max_new_tokens=30720",
+                   "trainer.max_tokens_per_microbatch=4096", "trainer.gradient_checkpointing=false", *overrides)
+
+
+def _train_phase(plan) -> int:
+    t = plan.terms
+    layer_backward = t["gradient_reduce"] + t["attention_block"] + t["ring_buffers"] + t["ulysses_buffers"]
+    return (t["trainer_params"] + t["trainer_grads"] + t["optimizer_states"] + t["unsharded_layers"]
+            + t["unsharded_root"] + t["activations"] + t["attention_scores"] + t["attention_saved"]
+            + t["logits_chunk"] + t["reference_model"] + max(t["logprob_head_backward"], layer_backward)
+            + t["cuda_contexts"] + t["nccl_buffers"] + t["engine_unreleased"])
+
+
+def test_a_ranks_largest_micro_batch_is_the_budget_or_its_share_of_the_longest_sequence():
+    """The trainer's own micro-batching (`TrainerWorker._micro_batches`, then each rank's zigzag
+    chunks): a rank's tokens per micro-batch stay within the budget, except one sequence whose share
+    is more, which goes alone: padded to a multiple of 2 x CP, over CP (32,769 tokens at CP 4:
+    32,776 / 4 = 8,194). The plan's `rank_tokens` is that largest micro-batch."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from actors.context_parallel import ContextParallelGroup
+    from actors.trainer import TrainerWorker
+    from rlsys.records import TrainSequence
+    from rlsys.run.memory_plan import rank_tokens
+
+    lengths = [8192] * 8 + [32769, 700, 3000]  # the 8,192s' shares fill each budget below exactly
+    sequences = [TrainSequence(token_ids=[1] * n, prompt_len=n - 1) for n in lengths]
+    for cp, budget, expected in [(1, 4096, 32769), (4, 4096, 8194), (4, 16384, 16384), (8, 8192, 8192),
+                                 (2, 32768, 32768)]:
+        config = RunConfig.model_validate({
+            "model": {"path": "m"}, "data": {"synthetic": {"task": "max_digit"}},
+            "rollout": {"engine": {"context_length": 32769}},
+            "trainer": {"num_ranks": 8, "context_parallel_size": cp, "max_tokens_per_microbatch": budget}})
+        worker = SimpleNamespace(spec=SimpleNamespace(trainer=config.trainer), _global_max=lambda n: n, _pad_id=0,
+                                 device=torch.device("cpu"),
+                                 context_parallel=ContextParallelGroup(None, 0, cp) if cp > 1 else None)
+        batches = TrainerWorker._micro_batches(worker, sequences, list(range(len(sequences))))
+        largest = max(batch.input_ids.shape[1] for batch in batches)
+        assert rank_tokens(config, 32769) == expected
+        assert largest == expected, (cp, budget, largest)
+
+
+def test_context_parallel_divides_a_ranks_activations_and_adds_the_rings_terms(tmp_path):
+    """Qwen2.5-7B, one 32k-token sequence, ring CP 4 against one rank: a rank holds 8,192 tokens,
+    its activations a quarter; the ring's terms as hand sums."""
+    model_dir = _qwen_dir(tmp_path, "7b")
+    shape = ModelShape.from_model_dir(model_dir)
+    one = plan_memory(_long(model_dir), shape, 80 * GiB, on_gpu=True, flash_attention=True)
+    four = plan_memory(_long(model_dir, "trainer.context_parallel_size=4"), shape, 80 * GiB, on_gpu=True,
+                       flash_attention=True)
+    assert (one.rank_tokens, four.rank_tokens) == (32768, 8192)
+    assert four.terms["activations"] * 4 == one.terms["activations"]
+    assert four.terms["logits_chunk"] == one.terms["logits_chunk"]  # 512-token chunks either way
+    t = 8192
+    out_and_lse = HQ * t * (D + 1) * 4  # fp32 [Hq, T, D] and [Hq, T]
+    expected = {
+        "attention_scores": 0,  # neither flash-attn nor SDPA: the CP attention
+        "attention_saved": LAYERS * out_and_lse,  # every layer's, without checkpointing
+        # the largest block, step 0: both local chunks (8,192 tokens) against themselves. 4 x 8,192² fp32 =
+        # 256 MiB a head, the whole budget; rounded down to whole groups of 7 query heads: 0, so one group
+        "attention_block": (out_and_lse + 2 * HKV * t * D * 4  # the block's fp32 dq and delta; dk, dv
+                            + HQ * t * (2 * D * BF16 + 4 * D + 4) + 2 * HKV * t * D * BF16  # its selected inputs
+                            + 4 * 7 * t * D * 4  # the head chunk's fp32 q, dO, k, v
+                            + 4 * 4 * 7 * t * t),  # scores, p, dO v^T - delta, ds
+        # own and received key/values (bf16), their travelling fp32 gradients and the received ones, fp32 dq
+        "ring_buffers": 2 * (2 * HKV * t * D * BF16) + 2 * (2 * HKV * t * D * 4) + HQ * t * D * 4,
+        "ulysses_buffers": 0,
+    }
+    assert {name: four.terms[name] for name in expected} == expected
+    assert not any(one.terms[name] for name in ("attention_saved", "attention_block", "ring_buffers"))
+    # a layer's backward (its attention, FSDP reducing the layer before) is backward's larger transient
+    assert four.phases["train"] == _train_phase(four)
+    assert four.terms["gradient_reduce"] + four.terms["attention_block"] > four.terms["logprob_head_backward"]
+
+
+def test_ulysses_plans_head_split_buffers_and_whole_sequence_blocks(tmp_path):
+    """Ulysses at CP 4: 7 of the 28 query heads and 1 of the 4 key/value heads over the whole padded
+    sequence; with checkpointing one layer's saved tensors."""
+    model_dir = _qwen_dir(tmp_path, "7b")
+    plan = plan_memory(_long(model_dir, "trainer.context_parallel_size=4", "trainer.context_parallel_style=ulysses",
+                             "trainer.gradient_checkpointing=true"), ModelShape.from_model_dir(model_dir), 80 * GiB,
+                       on_gpu=True, flash_attention=True)
+    t, whole = 8192, 32768
+    qkv = (HQ + 2 * HKV) * t * D * BF16
+    out_and_lse = HQ * t * (D + 1) * 4
+    assert plan.terms["attention_saved"] == out_and_lse + qkv  # one layer: fp32 out, lse, head-split q, k, v
+    assert plan.terms["ulysses_buffers"] == 3 * qkv  # send, receive, head-major copy
+    assert plan.terms["ring_buffers"] == 0
+    # 7 heads (one key/value group), each 4 x 32,768² bytes of fp32 scores: 4 GiB a head
+    assert plan.terms["attention_block"] == (out_and_lse + 2 * HKV * t * D * 4 + 4 * 7 * whole * D * 4
+                                             + 4 * 4 * 7 * whole * whole)
+    assert not plan.fits and "set trainer.context_parallel_size=1, the smallest that fits" in plan.advice
+    with pytest.raises(ConfigError, match="must both divide by context_parallel_size=8"):
+        plan_memory(_long(model_dir, "trainer.context_parallel_size=8", "trainer.context_parallel_style=ulysses"),
+                    ModelShape.from_model_dir(model_dir), 80 * GiB)
+
+
+def test_plan_names_the_smallest_context_parallel_size_that_fits_the_longest_sequence(tmp_path, monkeypatch):
+    """32k-token sequences without checkpointing: one rank needs 237 GiB, CP 2 and 4 too much still,
+    CP 8 fits. `rlsys plan` prints it, and `rlsys train` refuses the config with the same words."""
+    model_dir = _qwen_dir(tmp_path, "7b")
+    shape = ModelShape.from_model_dir(model_dir)
+    fits = {cp: plan_memory(_long(model_dir, f"trainer.context_parallel_size={cp}"), shape, 80 * GiB, on_gpu=True,
+                            flash_attention=True).fits for cp in (1, 2, 4, 8)}
+    assert fits == {1: False, 2: False, 4: False, 8: True}
+    plan = plan_memory(_long(model_dir), shape, 80 * GiB, on_gpu=True, flash_attention=True)
+    assert plan.smallest_context_parallel == 8
+    assert plan.advice.startswith("the longest sequence (32,768 tokens: rollout.engine.context_length")
+    assert "does not fit a rank even alone" in plan.advice
+    assert plan.advice.endswith("set trainer.context_parallel_size=8, the smallest that fits")
+    with pytest.raises(ConfigError, match=r"does not fit a rank even alone.*context_parallel_size=8, the smallest"):
+        plan_for_devices(_long(model_dir), on_gpu=True, device_memory=80 * GiB, flash_attention=True)
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["plan", str(REPO / "configs/gpu_colocated.yaml"), f"model.path={model_dir}",
+                     "placement.gpu_memory_gb=80", "rollout.engine.context_length=32768",
+                     "rollout.max_new_tokens=30720", "trainer.max_tokens_per_microbatch=4096",
+                     "trainer.gradient_checkpointing=false"])
+    assert code == 1
+    assert "  smallest trainer.context_parallel_size that fits: 8\n" in out.getvalue()
+    assert "micro-batch of 32,768 tokens a rank; longest sequence 32,768 tokens" in out.getvalue()
+
+    # with a budget above the share, CP 8 fits only with the budget lowered to it
+    budget = plan_memory(_long(model_dir, "trainer.max_tokens_per_microbatch=16384"), shape, 80 * GiB, on_gpu=True,
+                         flash_attention=True)
+    assert budget.advice.endswith("set trainer.context_parallel_size=8 with trainer.max_tokens_per_microbatch<=4,096 "
+                                  "(its share of the longest sequence), the smallest that fits")
+
+
+def test_plan_refuses_a_longest_sequence_no_context_parallel_size_fits(tmp_path):
+    """128k tokens without checkpointing fit no CP dividing 8 ranks; a sequence-level loss cannot use CP;
+    and a budget too large for the device is the budget's fault, not the sequence's (the old advice)."""
+    model_dir = _qwen_dir(tmp_path, "7b")
+    with pytest.raises(ConfigError, match=r"does not fit a rank even alone: 131,072 tokens a rank .* no "
+                                          r"trainer.context_parallel_size dividing trainer.num_ranks=8 fits it"):
+        plan_for_devices(_long(model_dir, "rollout.engine.context_length=131072"), on_gpu=True,
+                         device_memory=80 * GiB, flash_attention=True)
+    with pytest.raises(ConfigError, match=r"even alone.*context parallelism cannot split it: algorithm.policy_loss=gspo"):
+        plan_for_devices(_long(model_dir, "algorithm.policy_loss=gspo"), on_gpu=True, device_memory=80 * GiB,
+                         flash_attention=True)
+    budget = plan_memory(_long(model_dir, "trainer.context_parallel_size=8", "trainer.max_tokens_per_microbatch=16384"),
+                         ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
+    assert not budget.fits and budget.smallest_context_parallel is None
+    assert "largest term activations" in budget.advice and "max_tokens_per_microbatch" in budget.advice
+
+
+def test_the_long_sequences_page_figures_are_the_plans(tmp_path):
+    """docs/long-sequences.md: its memory table is the plan's, its `rlsys plan` verdict the plan's
+    words, and its communication table the ring's and Ulysses' arithmetic."""
+    page = (REPO / "docs/long-sequences.md").read_text()
+    model_dir = _qwen_dir(tmp_path, "7b")
+    shape = ModelShape.from_model_dir(model_dir)
+    for cp in (1, 2, 4, 8):
+        plan = plan_memory(_long(model_dir, f"trainer.context_parallel_size={cp}"), shape, 80 * GiB, on_gpu=True,
+                           flash_attention=True)
+        checkpointed = plan_memory(_long(model_dir, f"trainer.context_parallel_size={cp}",
+                                         "trainer.gradient_checkpointing=true"), shape, 80 * GiB, on_gpu=True,
+                                   flash_attention=True)
+        t = plan.terms
+        row = (f"| {cp} | {plan.rank_tokens:,} | " + " | ".join(
+            f"{t[name] / GiB:.2f}" for name in ("activations", "attention_saved", "attention_block", "ring_buffers"))
+            + f" | {plan.phases['train'] / GiB:.1f} | {checkpointed.phases['train'] / GiB:.1f} |")
+        assert row in page.splitlines(), row
+        if cp == 1:
+            assert f"does NOT fit: {plan.advice}" in page
+    # one 32,768-token sequence at CP 4: T = 8,192 tokens a rank; what a rank sends per layer
+    cp, t, mib = 4, 8192, 2**20
+    hop = 2 * t * HKV * D * BF16  # its key/value chunk
+    ring_forward, ring_backward = (cp - 1) * hop, (cp - 1) * hop + cp * 2 * t * HKV * D * 4
+    qkv, out = (HQ + 2 * HKV) * t * D * BF16, HQ * t * D * BF16
+    ulysses = (qkv + out) * (cp - 1) // cp  # forward; backward the same, of the gradients
+    assert (hop, ring_forward, ring_backward, ulysses) == (16 * mib, 48 * mib, 176 * mib, 96 * mib)
+    assert (qkv * (cp - 1) // cp, out * (cp - 1) // cp) == (54 * mib, 42 * mib)
+    sequence = {"forward": (LAYERS * ring_forward, LAYERS * ulysses),
+                "train": (LAYERS * (ring_forward + ring_backward), LAYERS * 2 * ulysses),
+                "checkpointed": (LAYERS * (2 * ring_forward + ring_backward), LAYERS * 3 * ulysses)}
+    rows = {"forward": "| per sequence, forward (a log-prob pass, 28 layers) |",
+            "train": "| per sequence, forward and backward (a train micro-batch) |",
+            "checkpointed": "| the same with gradient checkpointing |"}
+    for name, (ring, heads) in sequence.items():
+        assert f"{rows[name]} {ring / GiB:.2f} GiB | {heads / GiB:.2f} GiB |" in page, name
+    step = 256 * (sequence["checkpointed"][0] + 2 * sequence["forward"][0])
+    assert f"= {step / 2**40:.1f} TiB over ring" in page
