@@ -55,8 +55,36 @@ def _fold_kv(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad if groups == 1 else grad.unflatten(0, (-1, groups)).sum(1)
 
 
-def _head_chunks(heads: int, q_len: int, kv_len: int) -> int:
-    return max(1, min(heads, SCORE_BUDGET_BYTES // max(1, 4 * q_len * kv_len)))
+def score_chunks(heads: int, groups: int, q_len: int, kv_len: int) -> tuple[int, int]:
+    """(query heads, query rows) per piece of a block, so one piece's fp32 scores stay within
+    SCORE_BUDGET_BYTES: whole key/value groups of heads while a group's full rows fit, else one
+    group over as many query rows as fit (at least one row)."""
+    row_bytes = 4 * kv_len
+    heads_that_fit = SCORE_BUDGET_BYTES // max(1, row_bytes * q_len)
+    if heads_that_fit >= groups:
+        return min(heads, heads_that_fit // groups * groups), q_len
+    return groups, max(1, min(q_len, SCORE_BUDGET_BYTES // max(1, row_bytes * groups)))
+
+
+def _pieces(segments: Segments, heads: int, groups: int):
+    """Each piece of a block: (query heads, key/value heads, query rows, key/value columns, the
+    rows' causal offset), sequence by sequence."""
+    q_start = kv_start = 0
+    for q_len, kv_len in zip(segments.q_lengths, segments.kv_lengths, strict=True):
+        if q_len and kv_len:
+            step, rows = score_chunks(heads, groups, q_len, kv_len)
+            for h in range(0, heads, step):
+                for row in range(0, q_len, rows):
+                    end = min(row + rows, q_len)
+                    yield (slice(h, h + step), slice(h // groups, (h + step) // groups),
+                           slice(q_start + row, q_start + end), slice(kv_start, kv_start + kv_len),
+                           (row, end, q_len, kv_len))
+        q_start, kv_start = q_start + q_len, kv_start + kv_len
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, rows: tuple[int, int, int, int]):
+    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
+    return scores + _causal_bias(*rows, q.device) if causal else scores
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, scale: float
@@ -67,21 +95,11 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Se
     groups = q.shape[0] // k.shape[0]
     out = q.new_zeros(q.shape, dtype=torch.float32)
     lse = q.new_full(q.shape[:2], -math.inf, dtype=torch.float32)
-    q_start = kv_start = 0
-    for q_len, kv_len in zip(segments.q_lengths, segments.kv_lengths, strict=True):
-        qs, ks = slice(q_start, q_start + q_len), slice(kv_start, kv_start + kv_len)
-        q_start, kv_start = q_start + q_len, kv_start + kv_len
-        if q_len == 0 or kv_len == 0:
-            continue
-        step = _head_chunks(q.shape[0], q_len, kv_len) // groups * groups or groups
-        for h in range(0, q.shape[0], step):
-            hs, kvh = slice(h, h + step), slice(h // groups, (h + step) // groups)
-            scores = torch.matmul(q[hs, qs].float(), _repeat_kv(k[kvh, ks], groups).float().transpose(1, 2)) * scale
-            if segments.causal:
-                scores = scores + _causal_bias(q_len, kv_len, q.device)
-            block_lse = torch.logsumexp(scores, dim=-1)
-            lse[hs, qs] = block_lse
-            out[hs, qs] = torch.matmul(torch.exp(scores - block_lse[..., None]), _repeat_kv(v[kvh, ks], groups).float())
+    for hs, kvh, qs, ks, rows in _pieces(segments, q.shape[0], groups):
+        scores = _scores(q[hs, qs], _repeat_kv(k[kvh, ks], groups), scale, segments.causal, rows)
+        block_lse = torch.logsumexp(scores, dim=-1)
+        lse[hs, qs] = block_lse
+        out[hs, qs] = torch.matmul(torch.exp(scores - block_lse[..., None]), _repeat_kv(v[kvh, ks], groups).float())
     return out, lse
 
 
@@ -96,31 +114,21 @@ def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     delta = (dout.float() * out.float()).sum(-1)  # [Hq, Tq]
-    q_start = kv_start = 0
-    for q_len, kv_len in zip(segments.q_lengths, segments.kv_lengths, strict=True):
-        qs, ks = slice(q_start, q_start + q_len), slice(kv_start, kv_start + kv_len)
-        q_start, kv_start = q_start + q_len, kv_start + kv_len
-        if q_len == 0 or kv_len == 0:
-            continue
-        step = _head_chunks(q.shape[0], q_len, kv_len) // groups * groups or groups
-        for h in range(0, q.shape[0], step):
-            hs, kvh = slice(h, h + step), slice(h // groups, (h + step) // groups)
-            qh, kh = q[hs, qs].float(), _repeat_kv(k[kvh, ks], groups).float()
-            vh, doh = _repeat_kv(v[kvh, ks], groups).float(), dout[hs, qs].float()
-            scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
-            if segments.causal:
-                scores = scores + _causal_bias(q_len, kv_len, q.device)
-            p = torch.exp(scores - lse[hs, qs, None])
-            dv[kvh, ks] += _fold_kv(torch.matmul(p.transpose(1, 2), doh), groups)
-            ds = p * (torch.matmul(doh, vh.transpose(1, 2)) - delta[hs, qs, None])
-            dq[hs, qs] += torch.matmul(ds, kh) * scale
-            dk[kvh, ks] += _fold_kv(torch.matmul(ds.transpose(1, 2), qh) * scale, groups)
+    for hs, kvh, qs, ks, rows in _pieces(segments, q.shape[0], groups):
+        qh, kh = q[hs, qs].float(), _repeat_kv(k[kvh, ks], groups).float()
+        vh, doh = _repeat_kv(v[kvh, ks], groups).float(), dout[hs, qs].float()
+        p = torch.exp(_scores(qh, kh, scale, segments.causal, rows) - lse[hs, qs, None])
+        dv[kvh, ks] += _fold_kv(torch.matmul(p.transpose(1, 2), doh), groups)
+        ds = p * (torch.matmul(doh, vh.transpose(1, 2)) - delta[hs, qs, None])
+        dq[hs, qs] += torch.matmul(ds, kh) * scale
+        dk[kvh, ks] += _fold_kv(torch.matmul(ds.transpose(1, 2), qh) * scale, groups)
     return dq, dk, dv
 
 
-def _causal_bias(q_len: int, kv_len: int, device) -> torch.Tensor:
-    """0 where key j may be seen by query i (j <= i + kv_len - q_len), -inf elsewhere."""
-    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+def _causal_bias(first: int, end: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Query rows first..end-1 of a q_len x kv_len block aligned at the ends: 0 where key j may be
+    seen by query i (j <= i + kv_len - q_len), -inf elsewhere."""
+    rows = torch.arange(first, end, device=device)[:, None] + (kv_len - q_len)
     return torch.where(torch.arange(kv_len, device=device)[None] <= rows, 0.0, -math.inf)
 
 

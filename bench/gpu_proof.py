@@ -328,13 +328,15 @@ def check_trainer_steps(proof: Proof, fields: dict) -> None:
                   ok=all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in steps))
 
 
-def plan_terms(proof: Proof):
+def trainer_plan(proof: Proof, phase: str) -> dict[str, int]:
+    """The memory plan's terms of a trainer rank's own allocations in `phase` (train or sync)."""
     from rlsys.run.memory_plan import ModelShape, plan_memory
 
     config = run_config(proof)
     total = torch.cuda.get_device_properties(proof.device).total_memory if proof.gpu else 0
-    return plan_memory(config, ModelShape.from_model_dir(proof.model_dir), total or 2**40, on_gpu=proof.gpu,
-                       flash_attention=proof.worker.backend.attn_implementation == "flash_attention_2").terms
+    plan = plan_memory(config, ModelShape.from_model_dir(proof.model_dir), total or 2**40, on_gpu=proof.gpu,
+                       flash_attention=proof.worker.backend.attn_implementation == "flash_attention_2")
+    return {name: plan.terms[name] for name in plan.trainer_terms[phase]}
 
 
 def _compare(fields: dict, predicted: int, measured: int | None) -> None:
@@ -346,12 +348,9 @@ def _compare(fields: dict, predicted: int, measured: int | None) -> None:
 
 
 def check_memory_train(proof: Proof, fields: dict) -> None:
-    terms = plan_terms(proof)
-    transient = max(terms["logprob_head_backward"], terms["gradient_reduce"])
-    names = ("trainer_params", "trainer_grads", "optimizer_states", "unsharded_layers", "unsharded_root",
-             "activations", "attention_scores", "logits_chunk", "reference_model")
-    fields["terms"] = {name: terms[name] for name in names} | {"transient": transient}
-    _compare(fields, sum(terms[name] for name in names) + transient, proof.figures.get("step_peak_allocated"))
+    terms = trainer_plan(proof, "train")
+    fields["terms"] = terms
+    _compare(fields, sum(terms.values()), proof.figures.get("step_peak_allocated"))
 
 
 def check_packed_attention(proof: Proof, fields: dict) -> None:
@@ -560,10 +559,9 @@ def check_ipc_sync(proof: Proof, report: Report) -> None:
                                   f"_{'pipelined' if pipelined else 'serial'}") as fields:
                     _one_ipc_sync(proof, receiver, expected, int(bucket_mb * 2**20), version, pipelined, fields)
         with report.check("memory_sync") as fields:
-            terms = plan_terms(proof)
-            names = ("trainer_params", "optimizer_states", "unsharded_layers", "weight_sync_staging")
-            fields["terms"] = {name: terms[name] for name in names}
-            _compare(fields, sum(terms[name] for name in names), proof.figures.get("sync_peak_allocated"))
+            terms = trainer_plan(proof, "sync")
+            fields["terms"] = terms
+            _compare(fields, sum(terms.values()), proof.figures.get("sync_peak_allocated"))
     finally:
         worker._close_transport()
         receiver.close()

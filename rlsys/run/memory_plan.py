@@ -43,7 +43,7 @@ from pathlib import Path
 
 from rlsys.actors.context_parallel import check_ulysses_heads, padded_length
 from rlsys.actors.parallelize import uses_fsdp
-from rlsys.actors.ring_attention import SCORE_BUDGET_BYTES
+from rlsys.actors.ring_attention import score_chunks
 from rlsys.config import ConfigError, RunConfig, check_context_parallel
 from rlsys.system.backend import engine_dtype
 
@@ -183,6 +183,9 @@ class MemoryPlan:
     ranks_per_node: int = 1  # trainer ranks on the busiest node
     host_per_node_bytes: int = 0
     device: str = ""  # what was planned for, and where its memory figure came from (`rlsys plan`)
+    # The terms a trainer rank's own allocations make of each trainer phase (no CUDA context, no
+    # engine): what bench/gpu_proof.py holds against torch.cuda.max_memory_allocated.
+    trainer_terms: dict[str, tuple[str, ...]] = field(default_factory=dict)
     longest_sequence: int = 0  # tokens of the longest sequence the engines can return (context_length)
     context_parallel_size: int = 1
     rank_tokens: int = 0  # a rank's tokens in its largest micro-batch
@@ -242,15 +245,6 @@ def rank_tokens(config: RunConfig, longest: int) -> int:
     return max(t.max_tokens_per_microbatch, rank_share(longest, t.context_parallel_size))
 
 
-def score_heads(heads: int, kv_heads: int, q_len: int, kv_len: int) -> int:
-    """Query heads per call of the exact block function (actors/ring_attention.py): as many as
-    SCORE_BUDGET_BYTES of fp32 scores take, rounded down to whole key/value groups, at least one
-    group, so a group's scores can exceed the budget."""
-    groups = heads // kv_heads
-    fit = max(1, min(heads, SCORE_BUDGET_BYTES // max(1, 4 * q_len * kv_len)))
-    return fit // groups * groups or groups
-
-
 def context_parallel_terms(shape: ModelShape, config: RunConfig, tokens: int, longest: int,
                            compute_bytes: int) -> dict[str, int]:
     """What the CP attention (actors/context_parallel.py, ring_attention.py) holds on a rank of
@@ -260,9 +254,10 @@ def context_parallel_terms(shape: ModelShape, config: RunConfig, tokens: int, lo
     log-sum-exp, Hq x T x (D + 1) x 4; Ulysses also its head-split q, k, v, (Hq + 2 Hkv) x T x D.
     attention_block: one call of the exact block backward (the larger of the two) at its largest
     block, the longest sequence's queries against its own keys (ring: its share on this rank, both
-    chunks; Ulysses: the whole padded sequence, Hq / CP heads): 4 fp32 score-sized buffers of a head
-    chunk (scores, p, dO v^T - delta, ds), the chunk's fp32 q, dO, k, v, and the block's fp32 dq, dk,
-    dv, delta (ring: plus its selected copies of dO, q, out, lse, k, v).
+    chunks; Ulysses: the whole padded sequence, Hq / CP heads), taken in pieces of h heads x r query
+    rows whose fp32 scores fit SCORE_BUDGET_BYTES (`score_chunks`): 4 fp32 score-sized buffers of a
+    piece (scores, p, dO v^T - delta, ds), the piece's fp32 q and dO rows and its heads' fp32 k, v,
+    and the block's fp32 dq, dk, dv, delta (ring: plus its selected copies of dO, q, out, lse, k, v).
     ring_buffers (backward): this rank's key/values [2, Hkv, T, D] and the received ones, their fp32
     gradients travelling around the ring and the received ones, and the fp32 dq accumulator.
     ulysses_buffers: the all-to-all's send and receive buffers of q, k, v and their head-major copy,
@@ -278,10 +273,11 @@ def context_parallel_terms(shape: ModelShape, config: RunConfig, tokens: int, lo
     terms["attention_saved"] = kept * (hq * tokens * (d + 1) * 4 + (qkv if ulysses else 0))
     heads, kv_heads = (hq // cp, hkv // cp) if ulysses else (hq, hkv)
     block = padded_length(longest, cp) if ulysses else rank_share(longest, cp)
-    h = score_heads(heads, kv_heads, block, block)
+    h, rows = score_chunks(heads, heads // kv_heads, block, block)
     outputs = hq * tokens * (d + 1) * 4 + 2 * hkv * tokens * d * 4  # dq, delta; dk, dv
     selected = 0 if ulysses else hq * tokens * (2 * d * c + 4 * d + 4) + 2 * hkv * tokens * d * c
-    terms["attention_block"] = outputs + selected + 4 * h * block * d * 4 + 4 * 4 * h * block * block
+    piece = 2 * h * rows * d * 4 + 2 * h * block * d * 4 + 4 * 4 * h * rows * block
+    terms["attention_block"] = outputs + selected + piece
     if ulysses:
         terms["ulysses_buffers"] = 3 * qkv
     else:
@@ -515,7 +511,8 @@ def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, f
     return MemoryPlan(fits, per_gpu, gpu_memory, terms, phases, kv_tokens, config.placement.mode, advice, notes,
                       host_terms=host, host_per_rank_bytes=sum(host.values()), ranks_per_node=ranks_per_node,
                       host_per_node_bytes=ranks_per_node * sum(host.values()), longest_sequence=longest,
-                      context_parallel_size=cp, rank_tokens=tokens)
+                      context_parallel_size=cp, rank_tokens=tokens,
+                      trainer_terms={"train": train, "sync": tuple(n for n in sync if not n.startswith("engine"))})
 
 
 def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,

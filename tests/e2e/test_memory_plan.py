@@ -609,12 +609,12 @@ def test_context_parallel_divides_a_ranks_activations_and_adds_the_rings_terms(t
     expected = {
         "attention_scores": 0,  # neither flash-attn nor SDPA: the CP attention
         "attention_saved": LAYERS * out_and_lse,  # every layer's, without checkpointing
-        # the largest block, step 0: both local chunks (8,192 tokens) against themselves. 4 x 8,192² fp32 =
-        # 256 MiB a head, the whole budget; rounded down to whole groups of 7 query heads: 0, so one group
+        # the largest block, step 0: both local chunks (8,192 tokens) against themselves. A row of fp32
+        # scores is 32 KiB; one group of 7 query heads' rows: 7 x 32 KiB, so 256 MiB holds 1,170 rows
         "attention_block": (out_and_lse + 2 * HKV * t * D * 4  # the block's fp32 dq and delta; dk, dv
                             + HQ * t * (2 * D * BF16 + 4 * D + 4) + 2 * HKV * t * D * BF16  # its selected inputs
-                            + 4 * 7 * t * D * 4  # the head chunk's fp32 q, dO, k, v
-                            + 4 * 4 * 7 * t * t),  # scores, p, dO v^T - delta, ds
+                            + 2 * 7 * 1170 * D * 4 + 2 * 7 * t * D * 4  # the piece's fp32 q, dO rows; k, v
+                            + 4 * 4 * 7 * 1170 * t),  # scores, p, dO v^T - delta, ds of 1,170 rows
         # own and received key/values (bf16), their travelling fp32 gradients and the received ones, fp32 dq
         "ring_buffers": 2 * (2 * HKV * t * D * BF16) + 2 * (2 * HKV * t * D * 4) + HQ * t * D * 4,
         "ulysses_buffers": 0,
@@ -639,10 +639,10 @@ def test_ulysses_plans_head_split_buffers_and_whole_sequence_blocks(tmp_path):
     assert plan.terms["attention_saved"] == out_and_lse + qkv  # one layer: fp32 out, lse, head-split q, k, v
     assert plan.terms["ulysses_buffers"] == 3 * qkv  # send, receive, head-major copy
     assert plan.terms["ring_buffers"] == 0
-    # 7 heads (one key/value group), each 4 x 32,768² bytes of fp32 scores: 4 GiB a head
-    assert plan.terms["attention_block"] == (out_and_lse + 2 * HKV * t * D * 4 + 4 * 7 * whole * D * 4
-                                             + 4 * 4 * 7 * whole * whole)
-    assert not plan.fits and "set trainer.context_parallel_size=1, the smallest that fits" in plan.advice
+    # 7 heads (one key/value group) over the whole sequence: a row of fp32 scores is 128 KiB, 7 heads'
+    # 896 KiB, so 256 MiB holds 292 rows
+    assert plan.terms["attention_block"] == (out_and_lse + 2 * HKV * t * D * 4 + 2 * 7 * 292 * D * 4
+                                             + 2 * 7 * whole * D * 4 + 4 * 4 * 7 * 292 * whole)
     with pytest.raises(ConfigError, match="must both divide by context_parallel_size=8"):
         plan_memory(_long(model_dir, "trainer.context_parallel_size=8", "trainer.context_parallel_style=ulysses"),
                     ModelShape.from_model_dir(model_dir), 80 * GiB)

@@ -194,3 +194,31 @@ def test_each_cp_rank_scores_its_own_tokens_with_the_whole_sequences_labels(size
             assert part.position_ids[0, start:start + len(mine)].tolist() == mine
             start += len(mine)
     assert torch.equal(scored, whole.response_mask)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_block_function_gives_the_same_in_pieces_of_any_size(monkeypatch, causal):
+    """The exact block function bounds its fp32 scores by taking heads and then query rows in pieces
+    (ring_attention.SCORE_BUDGET_BYTES): any piece size computes the same values (each query row's
+    softmax is its own), forward and backward."""
+    from rlsys.actors import ring_attention
+    from rlsys.actors.ring_attention import Segments, attend_block, attend_block_backward
+
+    q, k, v, grad = _inputs(7)
+    q_lengths, kv_lengths = ((7, 12, 1, 20), (7, 12, 1, 20)) if causal else ((7, 12, 1, 20), (3, 12, 9, 16))
+    k, v = k[:, :sum(kv_lengths)], v[:, :sum(kv_lengths)]
+    everything = (torch.arange(sum(q_lengths)), torch.arange(sum(kv_lengths)))
+    segments = Segments(*everything, q_lengths, kv_lengths, causal=causal)
+
+    def computed():
+        out, lse = attend_block(q, k, v, segments, 0.3)
+        return (out, lse, *attend_block_backward(grad, q, k, v, out, lse, segments, 0.3))
+
+    whole = computed()
+    for budget in (4 * 20 * 20 * 2, 4 * 20 * 3, 1):  # one KV group's whole block; a few rows; one row at a time
+        monkeypatch.setattr(ring_attention, "SCORE_BUDGET_BYTES", budget)
+        for expected, got in zip(whole, computed(), strict=True):
+            assert torch.allclose(got, expected, atol=ATOL, rtol=0)  # sums over rows in other orders
+    assert ring_attention.score_chunks(HEADS, HEADS // KV_HEADS, 20, 20) == (2, 1)  # budget 1: one group, one row
+    monkeypatch.setattr(ring_attention, "SCORE_BUDGET_BYTES", 4 * 20 * 7 * 2)
+    assert ring_attention.score_chunks(HEADS, HEADS // KV_HEADS, 20, 20) == (2, 7)  # one group, 7 rows
