@@ -1,21 +1,17 @@
 """The memory plan: what each GPU will hold, per phase of a step, before anything starts.
 
-Read from the model's config.json (the model is built on the meta device: shapes only) and the run
-config. Trainer terms are per rank (FSDP2 shards the fp32 master weights, gradients and AdamW's
-two moments over `trainer.num_ranks`; one decoder layer at a time is all-gathered in the compute
-dtype, plus the next one prefetched, while the root group — embeddings, final norm, output layer
-— stays gathered through forward and backward; none of that when one fp32 rank trains the model
-whole, `uses_fsdp`). Backward adds the larger of two transients: the output layer's [V, H]
-weight gradient in fp32 (`logprob_head_backward`) and FSDP's fp32 reduce-scatter input of the
-largest group with its unsharded gradients (`gradient_reduce`). The weight sync's two staging
-buffers (one with `weight_sync.pipelined` off) are each their largest bucket, at least the largest
-tensor; every process on a GPU also holds a CUDA context and NCCL buffers (two processes per GPU
-colocated). Engine terms follow SGLang's sizing: its static pool is `mem_fraction_static` of the
-GPU, the weights come out of it and the rest is KV cache (capped by `max_total_tokens`;
-sglang/srt/model_executor/model_runner.py, profile_max_num_token). Outside that pool, and so kept
-through /release_memory_occupation, an engine holds its attention workspace and the caching
-allocator's blocks of its last forward (`engine_unreleased`); a disaggregated engine also
-receives each broadcast bucket into a new flat tensor on its GPU (`engine_receive_bucket`).
+Read from the model's shapes (rlsys/run/model_shape.py: config.json alone) and the run config.
+Trainer terms are per rank (FSDP2 shards the fp32 master weights, gradients and AdamW's two moments
+over `trainer.num_ranks`; one decoder layer at a time is all-gathered in the compute dtype, plus the
+next one prefetched, while the root group — embeddings, final norm, output layer — stays gathered
+through forward and backward; none of that when one fp32 rank trains the model whole, `uses_fsdp`).
+Backward adds the larger of its transients, the weight sync its staging buffers, and every process
+on a GPU a CUDA context and NCCL buffers (two processes per GPU colocated): each sized in
+rlsys/run/gpu_terms.py. Engine terms follow SGLang's sizing: its static pool is
+`mem_fraction_static` of the GPU, the weights come out of it and the rest is KV cache (capped by
+`max_total_tokens`; sglang/srt/model_executor/model_runner.py, profile_max_num_token); outside it an
+engine keeps `engine_unreleased`, and a disaggregated one receives each broadcast bucket into a new
+flat tensor on its GPU (`engine_receive_bucket`).
 
 Phases: colocated with sleeping trainers, a GPU holds the engine (weights + KV cache) while it
 generates, the trainer (everything it trains with) while the engine's memory is released, and
@@ -25,43 +21,37 @@ GPUs and engine GPUs separately; the peak is the larger. On CPU the "GPU" is a p
 memory. Activations are an estimate (what a Qwen2/Llama decoder layer saves for backward), the
 rest is exact arithmetic.
 
-Context parallelism (`trainer.context_parallel_size`, CP): a rank's micro-batch is its share of
-each packed sequence (padded to 2 x CP, over CP), so activations and logits per rank divide by CP;
-the CP attention adds its own terms (`context_parallel_terms`), and a config whose longest sequence
-does not fit a rank even alone is refused, naming the smallest CP that fits (`plan_memory`).
+Context parallelism (CP): a rank's micro-batch is its share of each sequence, and the CP attention
+adds its own terms (rlsys/run/context_parallel_plan.py); a config whose longest sequence does not
+fit a rank even alone is refused, naming the smallest CP that fits (`plan_memory`).
 
-Host memory, per trainer rank and per node, is what the device plan does not already count:
-`host_terms`.
+Host memory, per trainer rank and per node, is what the device plan does not already count
+(rlsys/run/host_memory.py).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from rlsys.actors.context_parallel import check_ulysses_heads, padded_length
+from rlsys.actors.context_parallel import check_ulysses_heads
 from rlsys.actors.parallelize import uses_fsdp
-from rlsys.actors.ring_attention import score_chunks
-from rlsys.config import ConfigError, RunConfig, check_context_parallel
+from rlsys.config import ConfigError, RunConfig
+from rlsys.run.context_parallel_plan import context_parallel_terms, rank_share, rank_tokens, smallest_context_parallel
+from rlsys.run.gpu_terms import (
+    CUDA_CONTEXT_BYTES,
+    NCCL_BUFFER_BYTES,
+    activation_bytes_per_token_layer,
+    engine_unreleased_bytes,
+    gradient_reduce_bytes,
+    logprob_head_backward_bytes,
+    staging_bytes,
+)
+from rlsys.run.host_memory import host_terms
+from rlsys.run.model_shape import GiB, ModelShape
 from rlsys.system.backend import engine_dtype
 
-GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Per process on a GPU and outside any tensor (torch.cuda.memory_allocated never shows them):
-# the CUDA context (kernels loaded lazily, cuBLAS workspaces) and NCCL's communicator buffers.
-# They vary with GPU, driver and topology, so these are the upper end of published figures
-# (NVIDIA/nccl#964: 544-688 MB per communicator on 4 A100s; a trainer holds FSDP's group and
-# the weight-sync ones, an engine its TP and weight-update groups).
-CUDA_CONTEXT_BYTES = 512 * 2**20
-NCCL_BUFFER_BYTES = GiB
-# An engine's attention workspace: SGLang's flashinfer backend takes 512 MiB for Qwen2/Qwen3
-# (SGLANG_FLASHINFER_WORKSPACE_SIZE, sglang/srt/layers/attention/flashinfer_backend.py; 384 MiB
-# otherwise); the upper figure, whichever backend SGLang picks.
-ENGINE_WORKSPACE_BYTES = 512 * 2**20
-# Where each backup starts in a sleeping rank's host arena (actors/offload.py, ALIGNMENT).
-HOST_ALIGNMENT = 64
 
 # Which config fields shrink each term (the advice printed when a plan does not fit).
 ADVICE = {
@@ -93,78 +83,6 @@ ADVICE = {
     "engine_unreleased": "lower SGLang's --chunked-prefill-size (rollout.engine.extra_args) or use more memory",
     "engine_receive_bucket": "lower weight_sync.bucket_size_mb (a bucket is at least the largest tensor)",
 }
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    params: int  # distinct parameters (tied weights once)
-    layer_params: int  # the largest decoder layer's
-    root_params: int  # everything outside the decoder layers
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    # Shapes, for what is sized per tensor: FSDP pads each one's dim 0 to a multiple of the ranks,
-    # and the weight-sync staging buffer holds at least the largest (named_parameters order).
-    # The MLP width a token passes through: intermediate for a dense model; for a mixture of experts
-    # its top-k routed experts' (and a shared expert's) widths added up.
-    active_intermediate: int = 0
-    # model.lora: the adapters' parameters (all layers; the largest layer's): the only ones that
-    # train, so the only ones with gradients and AdamW moments.
-    adapter_params: int = 0
-    layer_adapter_params: int = 0
-    param_shapes: tuple[tuple[int, ...], ...] = ()
-    layer_shapes: tuple[tuple[int, ...], ...] = ()  # the largest decoder layer's
-    root_shapes: tuple[tuple[int, ...], ...] = ()  # outside the decoder layers (embeddings, norm, lm_head)
-
-    @classmethod
-    def from_model_dir(cls, path: str | Path, lora=None) -> ModelShape:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from rlsys.actors.parallelize import decoder_layers
-        from rlsys.run.assets import read_architecture
-
-        if not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"model.path {path} has no config.json (the memory plan reads the model's shapes)")
-        config = read_architecture(path)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        adapters: dict[int, int] = {}  # id(decoder layer) -> its adapters' parameters
-        if lora is not None:
-            from rlsys.run.assets import trained_model
-
-            adapted = trained_model(Path(path), lora)
-            for layer in decoder_layers(adapted):
-                adapters[id(layer)] = sum(p.numel() for n, p in layer.named_parameters() if ".lora_" in n)
-        params = sum(p.numel() for p in model.parameters())
-        layers = decoder_layers(model)
-        layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-        largest = layers[layer_params.index(max(layer_params))]
-        in_layers = {id(p) for layer in layers for p in layer.parameters()}
-        heads = config.num_attention_heads
-        return cls(
-            params=params, layer_params=max(layer_params), root_params=params - sum(layer_params),
-            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=len(layers), heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
-            active_intermediate=_active_intermediate(config),
-            adapter_params=sum(adapters.values()), layer_adapter_params=max(adapters.values(), default=0),
-            param_shapes=tuple(tuple(p.shape) for _, p in model.named_parameters()),
-            layer_shapes=tuple(tuple(p.shape) for p in largest.parameters()),
-            root_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in in_layers),
-        )
-
-
-def _active_intermediate(config) -> int:
-    routed = getattr(config, "num_experts_per_tok", None)
-    expert_width = getattr(config, "moe_intermediate_size", None)
-    if not (routed and expert_width):
-        return config.intermediate_size
-    return routed * expert_width + (getattr(config, "shared_expert_intermediate_size", None) or 0)
 
 
 @dataclass
@@ -217,185 +135,6 @@ class MemoryPlan:
                      "the engines' host memory)")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
-
-
-def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> int:
-    """What a Qwen2/Llama decoder layer keeps for backward, per token: inputs of the two norms
-    (their fp32 upcasts too), q/k/v and the attention output, o_proj's input, the residuals, and
-    the MLP's gate, up, activation and product (estimate); in a mixture-of-experts layer those of
-    each expert the token is routed to (`active_intermediate`)."""
-    kv_dim = shape.kv_heads * shape.head_dim
-    elements = 8 * shape.hidden + 2 * kv_dim + 4 * (shape.active_intermediate or shape.intermediate)
-    return elements * compute_bytes + 2 * shape.hidden * 4
-
-
-def rank_share(length: int, cp: int) -> int:
-    """One sequence's tokens on each rank of its CP group (actors/trainer.py, `_micro_batches`): the
-    whole with CP 1, else its length padded to a multiple of 2 x CP, over CP."""
-    return length if cp == 1 else padded_length(length, cp) // cp
-
-
-def rank_tokens(config: RunConfig, longest: int) -> int:
-    """A rank's tokens in its largest micro-batch. Packed: the budget, or the longest sequence's
-    share when that is more (a sequence over the budget goes alone: `split_by_token_budget`);
-    padded: micro_batch_size rows of the longest."""
-    t = config.trainer
-    if not t.packing:
-        return t.micro_batch_size * longest
-    return max(t.max_tokens_per_microbatch, rank_share(longest, t.context_parallel_size))
-
-
-def context_parallel_terms(shape: ModelShape, config: RunConfig, tokens: int, longest: int,
-                           compute_bytes: int) -> dict[str, int]:
-    """What the CP attention (actors/context_parallel.py, ring_attention.py) holds on a rank of
-    `tokens` local tokens, beyond the activation estimate; all 0 without CP. T = tokens, Hq, Hkv, D.
-
-    attention_saved: kept per layer for backward (one layer with checkpointing): the fp32 output and
-    log-sum-exp, Hq x T x (D + 1) x 4; Ulysses also its head-split q, k, v, (Hq + 2 Hkv) x T x D.
-    attention_block: one call of the exact block backward (the larger of the two) at its largest
-    block, the longest sequence's queries against its own keys (ring: its share on this rank, both
-    chunks; Ulysses: the whole padded sequence, Hq / CP heads), taken in pieces of h heads x r query
-    rows whose fp32 scores fit SCORE_BUDGET_BYTES (`score_chunks`): 4 fp32 score-sized buffers of a
-    piece (scores, p, dO v^T - delta, ds), the piece's fp32 q and dO rows and its heads' fp32 k, v,
-    and the block's fp32 dq, dk, dv, delta (ring: plus its selected copies of dO, q, out, lse, k, v).
-    ring_buffers (backward): this rank's key/values [2, Hkv, T, D] and the received ones, their fp32
-    gradients travelling around the ring and the received ones, and the fp32 dq accumulator.
-    ulysses_buffers: the all-to-all's send and receive buffers of q, k, v and their head-major copy,
-    3 x (Hq + 2 Hkv) x T x D."""
-    t = config.trainer
-    cp, ulysses = t.context_parallel_size, t.context_parallel_style == "ulysses"
-    terms = dict.fromkeys(("attention_saved", "attention_block", "ring_buffers", "ulysses_buffers"), 0)
-    if cp == 1:
-        return terms
-    hq, hkv, d, c = shape.heads, shape.kv_heads, shape.head_dim, compute_bytes
-    qkv = (hq + 2 * hkv) * tokens * d * c
-    kept = 1 if t.gradient_checkpointing else shape.layers
-    terms["attention_saved"] = kept * (hq * tokens * (d + 1) * 4 + (qkv if ulysses else 0))
-    heads, kv_heads = (hq // cp, hkv // cp) if ulysses else (hq, hkv)
-    block = padded_length(longest, cp) if ulysses else rank_share(longest, cp)
-    h, rows = score_chunks(heads, heads // kv_heads, block, block)
-    outputs = hq * tokens * (d + 1) * 4 + 2 * hkv * tokens * d * 4  # dq, delta; dk, dv
-    selected = 0 if ulysses else hq * tokens * (2 * d * c + 4 * d + 4) + 2 * hkv * tokens * d * c
-    piece = 2 * h * rows * d * 4 + 2 * h * block * d * 4 + 4 * 4 * h * rows * block
-    terms["attention_block"] = outputs + selected + piece
-    if ulysses:
-        terms["ulysses_buffers"] = 3 * qkv
-    else:
-        terms["ring_buffers"] = 2 * 2 * hkv * tokens * d * (c + 4) + hq * tokens * d * 4
-    return terms
-
-
-def logprob_head_backward_bytes(shape: ModelShape, weight_bytes: int) -> int:
-    """The output layer's weight gradient in `_ChunkedTargetLogProbs.backward`
-    (actors/chunked_logprobs.py): an fp32 [V, H] accumulator, and per chunk the [V, H] product
-    `chunk_grad.T @ hidden` in the weight's dtype plus its fp32 copy (`.to(dtype)`, a no-op for an
-    fp32 weight) until `+=`; at return, the accumulator's copy in the weight's dtype."""
-    upcast = weight_bytes != 4
-    per_chunk = weight_bytes + (4 if upcast else 0)
-    at_return = weight_bytes if upcast else 0
-    return shape.vocab * shape.hidden * (4 + max(per_chunk, at_return))
-
-
-def _padded_numel(shapes: tuple[tuple[int, ...], ...], ranks: int) -> int:
-    """Elements of a group's reduce-scatter input: each gradient's dim 0 padded to a multiple of
-    the ranks (`_get_dim0_padded_size`, torch/distributed/fsdp/_fully_shard/_fsdp_common.py)."""
-    return sum(-(-(shape or (1,))[0] // ranks) * ranks * math.prod((shape or (1,))[1:]) for shape in shapes)
-
-
-def gradient_reduce_bytes(shape: ModelShape, ranks: int, grad_bytes: int) -> int:
-    """FSDP2's `foreach_reduce` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) for one
-    group: the unsharded gradients (compute dtype) are copied into a `reduce_scatter_input` of the
-    group's padded size at `reduce_dtype` (fp32: parallelize.py's MixedPrecisionPolicy; a fp32
-    model's own dtype) before they are freed, and `reduce_output` takes the shard (a new tensor
-    when gradients accumulate over micro-batches). One group at a time: `post_backward` frees the
-    previous input first (reduce_scatter_max_input_buffers is 1). The root group (embeddings,
-    final norm, output layer) reduces last, so the output layer's gradient, from the first op of
-    backward, waits through every layer's reduce."""
-    def group(shapes: tuple[tuple[int, ...], ...], numel: int) -> int:
-        padded = _padded_numel(shapes, ranks) if shapes else numel
-        return numel * grad_bytes + padded * 4 + padded // ranks * 4
-
-    output_layer_grad = shape.vocab * shape.hidden * grad_bytes
-    return max(group(shape.root_shapes, shape.root_params),
-               group(shape.layer_shapes, shape.layer_params) + output_layer_grad)
-
-
-def staging_bytes(shape: ModelShape, bucket_bytes: int, dtype: str, pipelined: bool = True) -> int:
-    """The weight-sync staging buffers as `sync_weights` sizes them (weight_sync/sync.py,
-    `staging_buffer_bytes`): each its largest bucket, so at least the largest tensor in the
-    engine's dtype, whatever `bucket_bytes` says; pipelined, two of them (buckets alternate between
-    them). The colocated alignment (16 bytes a tensor) bounds the broadcast's (1)."""
-    if not shape.param_shapes:
-        return bucket_bytes
-    import torch
-
-    from rlsys.weight_sync.colocated import COLOCATED_ALIGNMENT
-    from rlsys.weight_sync.sync import staging_buffer_bytes
-
-    params = [(str(i), torch.empty(s, device="meta")) for i, s in enumerate(shape.param_shapes)]
-    return staging_buffer_bytes(params, bucket_bytes, COLOCATED_ALIGNMENT, getattr(torch, dtype), pipelined)
-
-
-def sglang_prefill_chunk(engine, gpu_memory: int) -> int:
-    """Tokens of an engine's largest forward: --chunked-prefill-size from rollout.engine.extra_args,
-    else SGLang's default for the GPU's memory (sglang/srt/arg_groups/memory_hook.py); chunking off
-    (-1), a whole context."""
-    args = list(engine.extra_args)
-    for i, arg in enumerate(args):
-        if arg == "--chunked-prefill-size" and i + 1 < len(args) or arg.startswith("--chunked-prefill-size="):
-            size = int(arg.split("=", 1)[1] if "=" in arg else args[i + 1])
-            return size if size > 0 else engine.context_length
-    mib = gpu_memory / 2**20
-    return next((tokens for limit, tokens in ((20 * 1024, 2048), (60 * 1024, 4096), (160 * 1024, 8192))
-                 if mib < limit), 16384)
-
-
-def engine_unreleased_bytes(shape: ModelShape, engine, gpu_memory: int, dtype_bytes: int) -> int:
-    """What an engine keeps on its GPU through /release_memory_occupation, outside
-    torch_memory_saver's regions (weights, KV cache, CUDA graphs): its attention workspace and the
-    caching allocator's blocks of its largest forward, a prefill chunk through the MLP (residual
-    and normed hidden states, gate_up's output and the activation; SGLang never empties its cache
-    on a release). An estimate."""
-    width = 2 * shape.hidden + 3 * (shape.active_intermediate or shape.intermediate) // engine.tp_size
-    return ENGINE_WORKSPACE_BYTES + sglang_prefill_chunk(engine, gpu_memory) * width * dtype_bytes
-
-
-def _rank_shard_bytes(shapes: tuple[tuple[int, ...], ...], ranks: int, element_bytes: int,
-                      alignment: int = 1) -> int:
-    """Rank 0's share of the tensors of `shapes` as FSDP2 lays them out (the largest: each dim 0
-    padded to a multiple of the ranks, `_get_dim0_padded_size`), each rounded up to `alignment`."""
-    def one(shape: tuple[int, ...]) -> int:
-        nbytes = -(-(shape or (1,))[0] // ranks) * math.prod((shape or (1,))[1:]) * element_bytes
-        return -(-nbytes // alignment) * alignment
-    return sum(one(shape) for shape in shapes)
-
-
-def host_terms(config: RunConfig, shape: ModelShape, on_gpu: bool) -> dict[str, int]:
-    """Host memory a trainer rank holds that the device plan does not count (rank 0, the largest).
-
-    sleep_arena: a colocated rank that sleeps on a GPU host copies every storage of its state into
-    one page-locked arena kept across steps (actors/offload.py), each copy rounded up to 64 bytes:
-    the fp32 parameter shards (FSDP's padded flat shards) and AdamW's two fp32 moments and its
-    step (a 4-byte tensor per trained parameter, fused); no gradients (train_step ends with
-    zero_grad(set_to_none=True)). On a CPU host the copies replace the state in the same memory.
-    reference_shards: with KL (not LoRA) the reference's fp32 shards, which FSDP streams from the
-    host, page-locked in place on GPU hosts at exactly their bytes (actors/parallelize.py). On CPU
-    the weight-sync staging buffers are host memory too, but the device plan counts them there.
-    LoRA: the adapters counted by their parameters (their tensors' padding and steps left out)."""
-    ranks = config.trainer.num_ranks
-    lora = config.model.lora is not None
-    shapes = shape.param_shapes or ((shape.params,),)
-    terms = {"sleep_arena": 0, "reference_shards": 0}
-    if on_gpu and config.trainer.sleeps_between_steps(config.placement.mode == "colocated", on_gpu):
-        params = _rank_shard_bytes(shapes, ranks, 4, HOST_ALIGNMENT)
-        if lora:
-            adapters = -(-4 * shape.adapter_params // ranks)
-            terms["sleep_arena"] = params + 3 * adapters  # the adapters and their two moments
-        else:
-            terms["sleep_arena"] = 3 * params + len(shapes) * HOST_ALIGNMENT  # + the steps
-    if (config.algorithm.use_kl_loss or config.algorithm.kl_in_reward) and not lora:
-        terms["reference_shards"] = _rank_shard_bytes(shapes, ranks, 4)
-    return terms
 
 
 def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, flash_attention: bool,
@@ -548,7 +287,7 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
     alone = plan(budget=rank_share(longest, t.context_parallel_size))
     if alone.fits or not plan(budget=16, sequence=1).fits:  # the budget, or not the sequence at all
         return result
-    result.smallest_context_parallel, way = _smallest_context_parallel(config, shape, longest, plan)
+    result.smallest_context_parallel, way = smallest_context_parallel(config, shape, longest, plan)
     phase = max(alone.phases, key=alone.phases.get)
     largest = max(alone.terms, key=alone.terms.get)
     result.advice = (
@@ -558,35 +297,6 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
         f"{t.context_parallel_size}, {phase} needs {alone.phases[phase] / GiB:.1f} GiB of {gpu_memory / GiB:.1f} GiB "
         f"(largest term {largest} {alone.terms[largest] / GiB:.1f} GiB); " + way)
     return result
-
-
-def _smallest_context_parallel(config: RunConfig, shape: ModelShape, longest: int, plan) -> tuple[int, str]:
-    """The smallest CP (a divisor of num_ranks; for Ulysses one dividing both head counts; the
-    config's style first, then ring) whose plan fits, else whose plan with the longest sequence alone
-    in a micro-batch fits; and what to set. (0, why) when none fits."""
-    t = config.trainer
-    try:
-        check_context_parallel(t.model_copy(update={"context_parallel_size": 2}), config.algorithm)
-    except ValueError as error:
-        return 0, f"context parallelism cannot split it: {error}"
-    styles = dict.fromkeys([t.context_parallel_style, "ring"])
-    for size in (size for size in range(1, t.num_ranks + 1) if t.num_ranks % size == 0):
-        for style in styles if size > 1 else [t.context_parallel_style]:
-            if (size, style) == (t.context_parallel_size, t.context_parallel_style) or style == "ulysses" and (
-                    shape.heads % size or shape.kv_heads % size):
-                continue
-            named = f"trainer.context_parallel_size={size}" + (
-                f" trainer.context_parallel_style={style}" if style != t.context_parallel_style and size > 1 else "")
-            if plan(size, style).fits:
-                return size, f"set {named}, the smallest that fits"
-            share = rank_share(longest, size)
-            if plan(size, style, budget=share).fits:
-                return size, (f"set {named} with trainer.max_tokens_per_microbatch<={share:,} (its share of the "
-                              "longest sequence), the smallest that fits")
-    largest = plan(t.num_ranks, "ring", budget=rank_share(longest, t.num_ranks))
-    return 0, (f"no trainer.context_parallel_size dividing trainer.num_ranks={t.num_ranks} fits it (ring at "
-               f"{t.num_ranks}, the sequence alone: {largest.per_gpu_bytes / GiB:.1f} GiB): raise trainer.num_ranks, "
-               "lower rollout.engine.context_length, or use GPUs with more memory")
 
 
 def memory_plan(config: RunConfig, gpus_per_node: int = 8) -> MemoryPlan:

@@ -12,7 +12,8 @@ import pytest
 
 from rlsys.cli import main
 from rlsys.config import ConfigError, RunConfig, load_config
-from rlsys.run.memory_plan import GiB, ModelShape, memory_plan, plan_for_devices, plan_memory
+from rlsys.run.memory_plan import memory_plan, plan_for_devices, plan_memory
+from rlsys.run.model_shape import GiB, ModelShape
 from tests.helpers import REPO
 
 QWEN = {  # published config.json values (shapes)
@@ -65,7 +66,7 @@ QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", 
 
 
 def test_a_mixture_of_experts_counts_every_expert_and_routes_a_token_through_its_top_k(tmp_path):
-    from rlsys.run.memory_plan import activation_bytes_per_token_layer
+    from rlsys.run.gpu_terms import activation_bytes_per_token_layer
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
     shape = ModelShape.from_model_dir(tmp_path)
@@ -574,7 +575,7 @@ def test_a_ranks_largest_micro_batch_is_the_budget_or_its_share_of_the_longest_s
     from actors.context_parallel import ContextParallelGroup
     from actors.trainer import TrainerWorker
     from rlsys.records import TrainSequence
-    from rlsys.run.memory_plan import rank_tokens
+    from rlsys.run.context_parallel_plan import rank_tokens
 
     lengths = [8192] * 8 + [32769, 700, 3000]  # the 8,192s' shares fill each budget below exactly
     sequences = [TrainSequence(token_ids=[1] * n, prompt_len=n - 1) for n in lengths]

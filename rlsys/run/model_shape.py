@@ -1,0 +1,85 @@
+"""The model's shapes as the memory plan reads them: from config.json alone, the model built on
+the meta device (no weights read). Parameters in all, in the largest decoder layer and outside the
+layers, every tensor's shape (FSDP pads each one's dim 0; the weight sync stages the largest), the
+attention's heads, the MLP width a token passes through, and model.lora's adapters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlsys.config import ConfigError
+
+GiB = 2**30  # the unit the plan reports in
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int  # distinct parameters (tied weights once)
+    layer_params: int  # the largest decoder layer's
+    root_params: int  # everything outside the decoder layers
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    # Shapes, for what is sized per tensor: FSDP pads each one's dim 0 to a multiple of the ranks,
+    # and the weight-sync staging buffer holds at least the largest (named_parameters order).
+    # The MLP width a token passes through: intermediate for a dense model; for a mixture of experts
+    # its top-k routed experts' (and a shared expert's) widths added up.
+    active_intermediate: int = 0
+    # model.lora: the adapters' parameters (all layers; the largest layer's): the only ones that
+    # train, so the only ones with gradients and AdamW moments.
+    adapter_params: int = 0
+    layer_adapter_params: int = 0
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    layer_shapes: tuple[tuple[int, ...], ...] = ()  # the largest decoder layer's
+    root_shapes: tuple[tuple[int, ...], ...] = ()  # outside the decoder layers (embeddings, norm, lm_head)
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, lora=None) -> ModelShape:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from rlsys.actors.parallelize import decoder_layers
+        from rlsys.run.assets import read_architecture
+
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"model.path {path} has no config.json (the memory plan reads the model's shapes)")
+        config = read_architecture(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        adapters: dict[int, int] = {}  # id(decoder layer) -> its adapters' parameters
+        if lora is not None:
+            from rlsys.run.assets import trained_model
+
+            adapted = trained_model(Path(path), lora)
+            for layer in decoder_layers(adapted):
+                adapters[id(layer)] = sum(p.numel() for n, p in layer.named_parameters() if ".lora_" in n)
+        params = sum(p.numel() for p in model.parameters())
+        layers = decoder_layers(model)
+        layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        largest = layers[layer_params.index(max(layer_params))]
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        heads = config.num_attention_heads
+        return cls(
+            params=params, layer_params=max(layer_params), root_params=params - sum(layer_params),
+            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=len(layers), heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
+            active_intermediate=_active_intermediate(config),
+            adapter_params=sum(adapters.values()), layer_adapter_params=max(adapters.values(), default=0),
+            param_shapes=tuple(tuple(p.shape) for _, p in model.named_parameters()),
+            layer_shapes=tuple(tuple(p.shape) for p in largest.parameters()),
+            root_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in in_layers),
+        )
+
+
+def _active_intermediate(config) -> int:
+    routed = getattr(config, "num_experts_per_tok", None)
+    expert_width = getattr(config, "moe_intermediate_size", None)
+    if not (routed and expert_width):
+        return config.intermediate_size
+    return routed * expert_width + (getattr(config, "shared_expert_intermediate_size", None) or 0)
