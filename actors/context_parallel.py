@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rlsys.actors.batching import MicroBatch
-from rlsys.actors.ring_attention import Ring, RingAttention, Segments
+from rlsys.actors.ring_attention import BlockAttention, Ring, RingAttention, Segments
 
 CONTEXT_PARALLEL = "rlsys_context_parallel"
 Style = Literal["ring", "ulysses"]
@@ -216,7 +216,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
     padded = [2 * c * cp.size for c in layout.chunk_lengths]
     everything = torch.arange(sum(padded), device=q.device)
     segments = Segments(everything, everything, tuple(padded), tuple(padded), causal=True)
-    out = _UlyssesBlock.apply(qh, kh, vh, segments, scale)  # [Hq / CP, CP x T, D]
+    out = BlockAttention.apply(qh, kh, vh, segments, scale)  # [Hq / CP, CP x T, D]
     back = out[:, torch.argsort(order)]  # rank-major again
     parts = back.unflatten(1, (cp.size, -1)).transpose(0, 1).contiguous()  # [CP (to), Hq / CP, T, D]
     returned = _AllToAll.apply(parts, cp.group)  # [CP (heads from), Hq / CP, T, D]
@@ -258,27 +258,6 @@ def _all_to_all(parts: torch.Tensor, group) -> torch.Tensor:
     received = torch.empty_like(parts, memory_format=torch.contiguous_format)  # the collective writes it densely
     dist.all_to_all_single(received, parts, group=group)
     return received
-
-
-class _UlyssesBlock(torch.autograd.Function):
-    """Causal attention of whole sequences with the exact block function (memory-bounded backward)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, segments: Segments, scale: float):
-        from rlsys.actors.ring_attention import attend_block
-
-        out, lse = attend_block(q, k, v, segments, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.segments, ctx.scale = segments, scale
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        from rlsys.actors.ring_attention import attend_block_backward
-
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attend_block_backward(dout, q, k, v, out, lse, ctx.segments, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _no_mask(*args, **kwargs):

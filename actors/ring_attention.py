@@ -18,8 +18,11 @@ Backward recomputes each block from the saved queries, keys, values, output and 
 (flash attention's scheme); the key/value gradients travel around the ring with their key/values
 and reach their owner one hop after the last step. Communication is point-to-point
 (`dist.isend`/`irecv` within the CP group: NCCL on GPU, gloo on CPU), overlapped with the block's
-computation. The block function is exact attention in fp32 on any device (`attend_block`), chunked
-over heads to bound its transient memory.
+computation. The block function (`attend_block`, `attend_block_backward`) returns the block's
+log-sum-exp and takes the final one in backward: on CPU torch's own flash kernels
+(`_scaled_dot_product_flash_attention_for_cpu` and its backward: blocked, no score matrix kept); on
+GPU, until a flash/varlen kernel is checked there, exact fp32 attention in pieces whose scores stay
+within SCORE_BUDGET_BYTES.
 """
 
 from __future__ import annotations
@@ -87,8 +90,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, rows: 
     return scores + _causal_bias(*rows, q.device) if causal else scores
 
 
-def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of each sequence's queries over its keys: q [Hq, Tq, D], k, v [Hkv, Tk, D]
     (already selected by the segments) -> out [Hq, Tq, D] fp32, lse [Hq, Tq] fp32.
     out = softmax(q k^T * scale) v, lse = log sum_j exp(q k_j^T * scale); causal aligns the ends."""
@@ -103,9 +106,9 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Se
     return out, lse
 
 
-def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, segments: Segments, scale: float
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def exact_attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, segments: Segments, scale: float
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the FINAL output and log-sum-exp of the queries (flash
     attention's backward): p = exp(s - lse), dv = p^T dO, ds = p (dO v^T - rowsum(dO * O)),
     dq = ds k * scale, dk = ds^T q * scale. All fp32."""
@@ -123,6 +126,57 @@ def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         dq[hs, qs] += torch.matmul(ds, kh) * scale
         dk[kvh, ks] += _fold_kv(torch.matmul(ds.transpose(1, 2), qh) * scale, groups)
     return dq, dk, dv
+
+
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention -> (out, lse) fp32, as `exact_attend_block` defines it: on CPU by torch's
+    flash kernel (blocked: no score matrix is kept), elsewhere by the exact pieces."""
+    if q.device.type != "cpu":
+        return exact_attend_block(q, k, v, segments, scale)
+    groups = q.shape[0] // k.shape[0]
+    out = q.new_zeros(q.shape, dtype=torch.float32)
+    lse = q.new_full(q.shape[:2], -math.inf, dtype=torch.float32)
+    for qs, ks in _segment_slices(segments):
+        piece_out, piece_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None, :, qs].float(), _repeat_kv(k[:, ks], groups)[None].float(),
+            _repeat_kv(v[:, ks], groups)[None].float(), 0.0, segments.causal, attn_mask=None, scale=scale)
+        out[:, qs], lse[:, qs] = piece_out[0], piece_lse[0]
+    return out, lse
+
+
+def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, segments: Segments, scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`exact_attend_block_backward`'s gradients: on CPU by torch's flash backward kernel, which takes
+    the output and log-sum-exp it is given (here the final ones: what the ring needs)."""
+    if q.device.type != "cpu":
+        return exact_attend_block_backward(dout, q, k, v, out, lse, segments, scale)
+    groups = q.shape[0] // k.shape[0]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for qs, ks in _segment_slices(segments):
+        piece_dq, piece_dk, piece_dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout[None, :, qs].float(), q[None, :, qs].float(), _repeat_kv(k[:, ks], groups)[None].float(),
+            _repeat_kv(v[:, ks], groups)[None].float(), out[None, :, qs].contiguous(),
+            lse[None, :, qs].contiguous(), 0.0, segments.causal, attn_mask=None, scale=scale)
+        dq[:, qs] += piece_dq[0]
+        dk[:, ks] += _fold_kv(piece_dk[0], groups)
+        dv[:, ks] += _fold_kv(piece_dv[0], groups)
+    return dq, dk, dv
+
+
+def _segment_slices(segments: Segments):
+    """Each sequence's query and key/value slices (a causal block is square: flash's causal mask is
+    aligned at the top, the same as at the end only then)."""
+    q_start = kv_start = 0
+    for q_len, kv_len in zip(segments.q_lengths, segments.kv_lengths, strict=True):
+        if q_len and kv_len:
+            if segments.causal and q_len != kv_len:
+                raise ValueError(f"a causal block must be square (queries {q_len}, keys {kv_len})")
+            yield slice(q_start, q_start + q_len), slice(kv_start, kv_start + kv_len)
+        q_start, kv_start = q_start + q_len, kv_start + kv_len
 
 
 def _causal_bias(first: int, end: int, q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -163,6 +217,24 @@ class Ring:
 def _wait(requests: list) -> None:
     for request in requests:
         request.wait()
+
+
+class BlockAttention(torch.autograd.Function):
+    """One block's exact attention as an autograd function that keeps only q, k, v, the output and
+    the log-sum-exp for backward (Ulysses' whole-sequence attention)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segments: Segments, scale: float):
+        out, lse = attend_block(q, k, v, segments, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.segments, ctx.scale = segments, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attend_block_backward(dout, q, k, v, out, lse, ctx.segments, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class RingAttention(torch.autograd.Function):

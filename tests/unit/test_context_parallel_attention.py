@@ -198,11 +198,11 @@ def test_each_cp_rank_scores_its_own_tokens_with_the_whole_sequences_labels(size
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_block_function_gives_the_same_in_pieces_of_any_size(monkeypatch, causal):
-    """The exact block function bounds its fp32 scores by taking heads and then query rows in pieces
-    (ring_attention.SCORE_BUDGET_BYTES): any piece size computes the same values (each query row's
-    softmax is its own), forward and backward."""
+    """The exact block function (the GPU's; the CPU takes torch's flash kernel, checked equal here)
+    bounds its fp32 scores by taking heads and then query rows in pieces (ring_attention.SCORE_BUDGET_BYTES):
+    any piece size computes the same values (each query row's softmax is its own), forward and backward."""
     from rlsys.actors import ring_attention
-    from rlsys.actors.ring_attention import Segments, attend_block, attend_block_backward
+    from rlsys.actors.ring_attention import Segments, attend_block, exact_attend_block, exact_attend_block_backward
 
     q, k, v, grad = _inputs(7)
     q_lengths, kv_lengths = ((7, 12, 1, 20), (7, 12, 1, 20)) if causal else ((7, 12, 1, 20), (3, 12, 9, 16))
@@ -211,10 +211,12 @@ def test_the_block_function_gives_the_same_in_pieces_of_any_size(monkeypatch, ca
     segments = Segments(*everything, q_lengths, kv_lengths, causal=causal)
 
     def computed():
-        out, lse = attend_block(q, k, v, segments, 0.3)
-        return (out, lse, *attend_block_backward(grad, q, k, v, out, lse, segments, 0.3))
+        out, lse = exact_attend_block(q, k, v, segments, 0.3)
+        return (out, lse, *exact_attend_block_backward(grad, q, k, v, out, lse, segments, 0.3))
 
     whole = computed()
+    flash = attend_block(q, k, v, segments, 0.3)  # on CPU: torch's flash kernel, the same values
+    assert all(torch.allclose(a, b, atol=ATOL, rtol=0) for a, b in zip(flash, whole[:2], strict=True))
     for budget in (4 * 20 * 20 * 2, 4 * 20 * 3, 1):  # one KV group's whole block; a few rows; one row at a time
         monkeypatch.setattr(ring_attention, "SCORE_BUDGET_BYTES", budget)
         for expected, got in zip(whole, computed(), strict=True):
