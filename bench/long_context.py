@@ -406,7 +406,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model")
         one = run_group(model_dir, 1, "ring", False, length, budget="own")
-        budget = one["activation_peak_bytes"]
+        budget = one["budget_bytes"]
         ring = {1: one, **{cp: run_group(model_dir, cp, "ring", False, length, budget) for cp in (2, 4)}}
         checkpointed = {cp: run_group(model_dir, cp, "ring", True, length) for cp in (1, 2, 4)}
         ulysses = run_group(model_dir, 2, "ulysses", False, length)
