@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 class Placement:
     group: PlacementGroup
     topology: Topology
+    owned: bool = True  # False: a standing engine set's (rollout/standing.py), which outlives the run
 
     def _options(self, slot: Slot) -> dict:
         return {
@@ -49,6 +50,8 @@ class Placement:
         sent to the whole process group reaches them too) the call would wait forever."""
         import threading
 
+        if not self.owned:
+            return
         remover = threading.Thread(target=remove_placement_group, args=(self.group,), daemon=True)
         remover.start()
         remover.join(timeout_s)

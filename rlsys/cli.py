@@ -1,4 +1,4 @@
-"""`rlsys` command line: train, eval, plan, export, serve, status, runs, compare, make-tiny-model."""
+"""`rlsys` command line: train, eval, plan, engines, export, serve, status, runs, compare, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -96,6 +96,37 @@ def _eval(args: argparse.Namespace) -> int:
             cells = (f"{values[c]:.4g}" if isinstance(values.get(c), float) else str(values.get(c, "-")) for c in columns)
             table.add_row(name or "(data)", *cells)
     Console().print(table)
+    return 0
+
+
+def _engines(args: argparse.Namespace) -> int:
+    """`rlsys engines up|status|down` (rlsys/run/standing_engines.py)."""
+    import json
+    from pathlib import Path
+
+    from rlsys.rollout.standing import StandingEnginesError
+    from rlsys.run import standing_engines
+
+    try:
+        if args.action == "up":
+            from rlsys.config import load_config
+
+            config = load_config(args.config, list(args.overrides))
+            log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "engines" / args.name
+            record = standing_engines.engines_up(config, args.name, log_dir, args.address)
+            logger.info("standing engines %r serve %s; attach a run with rollout.attach=%s (`rlsys engines down "
+                        "--name %s` stops them)", record.name, record.model_path, record.name, record.name)
+        elif args.action == "status":
+            reports = standing_engines.engines_status(args.address)
+            if args.json:
+                print(json.dumps(reports, indent=2, default=str))
+            else:
+                print(standing_engines.status_table(reports))
+        else:
+            standing_engines.engines_down(None if args.all else args.name, args.force, args.address)
+    except StandingEnginesError as error:
+        logger.error("error: %s", error)
+        return 1
     return 0
 
 
@@ -258,6 +289,19 @@ def _add_verbosity(parser: argparse.ArgumentParser, default) -> None:
                         default=default, help="also print debug lines (e.g. each step's phase timings)")
 
 
+DEFAULT_ENGINES_NAME = "default"
+
+
+def _standing_name(value: str) -> str:
+    import re
+
+    from rlsys.config import STANDING_NAME_PATTERN
+
+    if not re.match(STANDING_NAME_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"{value!r}: letters, digits, '_', '.', '-' (beginning with a letter or digit)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlsys", description="GRPO post-training on Ray + FSDP2 + SGLang")
     _add_verbosity(parser, logging.INFO)
@@ -269,6 +313,30 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true",
                        help="continue from the latest checkpoint in run_dir (same as checkpoint.resume=auto)")
     train.set_defaults(handler=_train)
+
+    engines = commands.add_parser("engines", help="standing SGLang engines that outlive a run: up, status, down "
+                                  "(a run uses them with rollout.attach=NAME)")
+    actions = engines.add_subparsers(dest="action", required=True)
+    up = actions.add_parser("up", help="start a config's engines (placed as its run would place them) and leave "
+                            "them running")
+    up.add_argument("config", help="the YAML config of the runs that will attach")
+    up.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_engines=2")
+    down = actions.add_parser("down", help="stop standing engines (their servers, /dev/shm files, placement)")
+    down.add_argument("--all", action="store_true", help="every standing set of the cluster")
+    down.add_argument("--force", action="store_true", help="even while a run holds their lease")
+    engines_status = actions.add_parser("status", help="the standing sets: engines, health, lease")
+    engines_status.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+    for action in (up, down, engines_status):
+        action.add_argument("--address", default=None, help="Ray cluster (default: placement.ray_address, "
+                            "RAY_ADDRESS, or the cluster `rlsys engines up` started on this machine)")
+    for action in (up, down):
+        action.add_argument("--name", default=DEFAULT_ENGINES_NAME, type=_standing_name,
+                            help="the set's name (default: %(default)s)")
+    up.add_argument("--log-dir", default=None, help="the engines' logs (default: runs/engines/NAME; on a cluster, "
+                    "storage every node sees)")
+    engines.set_defaults(handler=_engines)
+    for action in actions.choices.values():
+        _add_verbosity(action, argparse.SUPPRESS)
 
     export = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face model")
     export.add_argument("run_dir")

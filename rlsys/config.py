@@ -269,6 +269,10 @@ class SamplingConfig(_Section):
         return self
 
 
+# Names of standing engine sets (`rlsys engines up --name`): Ray actor names; "/" joins a set's name to its engines'.
+STANDING_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
 class RolloutConfig(_Section):
     num_engines: int = Field(1, ge=1, description="SGLang engines (colocated: at most trainer.num_ranks).")
     n_samples_per_prompt: int = Field(8, description="GRPO group size.")
@@ -285,6 +289,13 @@ class RolloutConfig(_Section):
         default_factory=SamplingConfig, description="Further SGLang sampling parameters.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The SGLang servers.")
+    attach: str | None = Field(
+        None, pattern=STANDING_NAME_PATTERN,
+        description="Use the standing engines of this name (`rlsys engines up CONFIG --name NAME`, in the Ray "
+        "cluster at placement.ray_address, or this machine's) instead of starting engines: checked against this run's "
+        "model and placement, leased to one run at a time, given the run's weights at start, left running at the end. "
+        "Their engine settings are the ones they were started with.",
+    )
     generate_function: str | None = Field(
         None, description="An async function (path/to/file.py:fn or package.module:fn) that builds one sample: "
         "it may call the engine several times and run tools in between (rlsys.rollout.trajectory). "

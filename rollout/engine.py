@@ -186,6 +186,26 @@ class RolloutEngine:
     def weight_version(self) -> int:
         return int(self._call(self.client.model_info)["weight_version"])
 
+    def load_weights_from_disk(self, model_path: str, weight_version: int = 0) -> int:
+        """Serve the weights of a Hugging Face directory (`rlsys eval` on standing engines); the
+        version it then reports."""
+        self._call(lambda: self.client.update_weights_from_disk(model_path, str(weight_version)))
+        return self.weight_version()
+
+    def address(self) -> EngineAddress:
+        """Where the (started) server listens: what an attaching run's trainers post weights to."""
+        return self.server.address
+
+    def make_ready(self) -> dict:
+        """Leave the engine as a fresh one stands, for the next run of a standing set (rlsys engines):
+        nothing in flight, no weight-update session open, every released region taken back. What it
+        did, by name."""
+        self._call(self.client.abort_all)
+        closed = self.end_abandoned_weight_update()
+        resumed = list(self._released)
+        self.resume_memory(resumed)
+        return {"closed_weight_update": closed, "resumed": resumed}
+
     def health(self) -> dict:
         """Whether the server answers, and the memory of its process tree.
 

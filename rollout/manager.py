@@ -21,6 +21,7 @@ from rlsys.rollout.engine import RolloutEngine
 from rlsys.rollout.partial import GroupInFlight, continuation, out_of_tokens, stitch
 from rlsys.rollout.sglang.client import EngineAddress, EngineDied
 from rlsys.rollout.sglang.server import ServerSpec
+from rlsys.rollout.standing import StandingRecord, engine_handle, launch_engine
 from rlsys.rollout.trajectory import (
     GenerateFunction,
     RolloutContext,
@@ -93,18 +94,25 @@ class RolloutManager:
     `max_restarts` times over the run); `on_restart(index)`, set by the coordinator, brings it to
     the current weights and version before its unfinished requests are issued again."""
 
-    def __init__(self, spec: ServerSpec, num_engines: int, log_dir: str, actor_options: list[dict]):
+    def __init__(self, spec: ServerSpec, num_engines: int, log_dir: str, actor_options: list[dict],
+                 standing: StandingRecord | None = None):
         self.spec = spec
         self.log_dir = log_dir
         self.actor_options = actor_options
+        # A standing set's engines (rollout/standing.py): used, restarted in their named slots, never stopped.
+        self.standing = standing
         self.max_restarts = spec.engine.max_restarts
         self.restarts = 0
         self.launched_after = [0] * num_engines  # per slot: self.restarts when its engine was started
         self.vocab_size = model_vocab_size(spec.model.path)
         self.on_restart: Callable[[int], None] | None = None
-        self.engines = [self._launch(index) for index in range(num_engines)]
-        # Servers start in the background; call wait_ready() before using them.
-        self._starting = [e.start.remote(spec.engine.startup_timeout_s) for e in self.engines]
+        if standing is None:
+            self.engines = [self._launch(index) for index in range(num_engines)]
+            # Servers start in the background; call wait_ready() before using them.
+            self._starting = [e.start.remote(spec.engine.startup_timeout_s) for e in self.engines]
+        else:
+            self.engines = [engine_handle(standing, index) for index in range(num_engines)]
+            self._starting = [e.address.remote() for e in self.engines]
         self.addresses: list[EngineAddress] = []
         self._loop = LoopThread()
         self.dispatcher = Dispatcher(num_engines)
@@ -114,6 +122,8 @@ class RolloutManager:
         return await self.engines[index].generate.remote(prompts, sampling, 1)
 
     def _launch(self, index: int):
+        if self.standing is not None:
+            return launch_engine(self.standing, index)
         return ray.remote(RolloutEngine).options(max_concurrency=ENGINE_ACTOR_CONCURRENCY,
                                                  **self.actor_options[index]).remote(
             self.spec, f"engine-{index}", f"{self.log_dir}/engine_{index}.log")
@@ -349,7 +359,7 @@ class RolloutManager:
                        node, reason.splitlines()[0] if reason else "")
         self.restarts += 1
         self.launched_after[index] = self.restarts
-        self._stop(self.engines[index])
+        self.stop_engine(self.engines[index])
         self.addresses[index] = self._relaunch(index)
         logger.info("engine-%d is back, on node %s", index, self.addresses[index].host)
         if self.on_restart is not None:
@@ -364,8 +374,9 @@ class RolloutManager:
         the bundle."""
         for attempt in range(1, RELAUNCHES_PER_RESTART + 1):
             self.engines[index] = self._launch(index)
+            spec = self.standing.spec if self.standing is not None else self.spec
             try:
-                return ray.get(self.engines[index].start.remote(self.spec.engine.startup_timeout_s))
+                return ray.get(self.engines[index].start.remote(spec.engine.startup_timeout_s))
             except RayActorError as error:
                 if attempt == RELAUNCHES_PER_RESTART:
                     raise
@@ -424,7 +435,7 @@ class RolloutManager:
         return ray.get([e.weight_version.remote() for e in self.engines])
 
     @staticmethod
-    def _stop(engine) -> None:
+    def stop_engine(engine) -> None:
         try:
             ray.get(engine.shutdown.remote(), timeout=60)
         except Exception:  # noqa: BLE001 - kill the actor even if its server is already gone
@@ -432,10 +443,22 @@ class RolloutManager:
         ray.kill(engine)
 
     def shutdown(self) -> None:
-        for engine in self.engines:
-            self._stop(engine)
+        """Stop the engines; a standing set's are left running and ready for the next run instead."""
+        if self.standing is not None:
+            self._leave_ready()
+        else:
+            for engine in self.engines:
+                self.stop_engine(engine)
         self.engines = []
         self._loop.close()
+
+    def _leave_ready(self) -> None:
+        for index, engine in enumerate(self.engines):
+            try:
+                ray.get(engine.make_ready.remote(), timeout=60)
+            except Exception as error:  # noqa: BLE001 - a dead one is restarted by the next run that attaches
+                logger.warning("standing engine-%d could not be left ready: %s", index,
+                               str(getattr(error, "cause", None) or error).splitlines()[0])
 
 
 def _user_code_line(error: BaseException) -> str:

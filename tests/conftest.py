@@ -34,10 +34,100 @@ def ray_cluster() -> str:
     from rlsys.system.cluster import ACTOR_ENV
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=12, include_dashboard=False, log_to_driver=False,
+    # Logical CPUs: the standing engine sets hold their placement bundles for the whole session.
+    ray.init(num_cpus=24, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": ACTOR_ENV})
     yield ray.get_runtime_context().gcs_address
+    _stop_standing_engines()
     ray.shutdown()
+
+
+# Standing engine sets of the session (rlsys engines up), by name: started the first time a test asks.
+_STANDING: dict[str, str] = {}
+
+
+def _stop_standing_engines() -> None:
+    if _STANDING:
+        from rlsys.run.standing_engines import engines_down
+
+        engines_down(None, force=True)
+        _STANDING.clear()
+
+
+def standing_set(name: str, config: str, overrides: list[str], log_dir: Path) -> str:
+    """`rollout.attach=NAME`, after starting standing set NAME from configs/CONFIG + overrides on the
+    session cluster if this session has not yet (tests of one identity share its engines)."""
+    if name not in _STANDING:
+        from rlsys.config import load_config
+        from rlsys.run.standing_engines import engines_up
+        from tests.helpers import REPO
+
+        engines_up(load_config(REPO / "configs" / config, overrides), name, log_dir / name)
+        _STANDING[name] = config
+    return f"rollout.attach={name}"
+
+
+@pytest.fixture(scope="session")
+def quickstart_engines(ray_cluster, tiny_model_dir, tmp_path_factory) -> str:
+    """Standing engines for configs/quickstart.yaml on the tiny model (colocated, 2 trainer ranks,
+    1 engine): the override that attaches a run to them (with `ray_address`). For tests whose
+    subject is not engine start-up, death or cleanup."""
+    return standing_set("quickstart", "quickstart.yaml", [f"model.path={tiny_model_dir}"],
+                        tmp_path_factory.getbasetemp() / "standing-engines")
+
+
+@pytest.fixture(scope="session")
+def disaggregated_engines(ray_cluster, tiny_model_dir, tmp_path_factory) -> str:
+    """Standing engines for configs/quickstart_disaggregated.yaml with one trainer rank and one
+    engine, on the tiny model: the override that attaches a run to them."""
+    return standing_set("disaggregated", "quickstart_disaggregated.yaml",
+                        [f"model.path={tiny_model_dir}", "trainer.num_ranks=1", "rollout.num_engines=1"],
+                        tmp_path_factory.getbasetemp() / "standing-engines")
+
+
+class _StartCounter:
+    """Counts the SGLang servers and Ray clusters (GCS servers) the session starts, by watching the
+    machine's processes (each lives for seconds at least: polled every 0.25 s)."""
+
+    def __init__(self):
+        import threading
+
+        self.seen: dict[str, set] = {"sglang": set(), "ray": set()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="start-counter")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.25):
+            servers = {}
+            for process in psutil.process_iter(["pid", "ppid", "cmdline", "create_time"]):
+                command = " ".join(process.info["cmdline"] or [])
+                key = (process.info["pid"], process.info["create_time"])
+                if "sglang.launch_server" in command:
+                    servers[process.info["pid"]] = (process.info["ppid"], key)
+                elif command.split(" ", 1)[0].endswith("gcs_server"):
+                    self.seen["ray"].add(key)
+            # a server's scheduler and detokenizer, forked, carry its command line too
+            self.seen["sglang"].update(key for ppid, key in servers.values() if ppid not in servers)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return {kind: len(keys) for kind, keys in self.seen.items()}
+
+
+def pytest_sessionstart(session):
+    session.config._rlsys_starts = _StartCounter()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    counter = getattr(config, "_rlsys_starts", None)
+    if counter is not None:
+        counts = counter.stop()
+        terminalreporter.write_line(f"rlsys: this session started {counts['sglang']} SGLang server(s) and "
+                                    f"{counts['ray']} Ray cluster(s)")
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,7 @@ from rlsys.run.lifecycle import (
 )
 from rlsys.run.partial_rollouts import PartialRollouts
 from rlsys.run.reporting import HealthMonitor, new_status, status_server
+from rlsys.run.standing_engines import cluster_address
 from rlsys.system.cluster import ray_cluster
 from rlsys.system.model_source import resolve_model_paths
 from rlsys.system.reaper import start_reaper
@@ -558,7 +559,9 @@ def run(config: RunConfig) -> Path:
                             config.logging.run_name or run_dir.resolve().name)
         stack.callback(trackers.close)
         ray_start = time.perf_counter()
-        stack.enter_context(ray_cluster(config.placement.ray_address, config.placement.num_cpus or layout.local_cpus(),
+        # Standing engines (rollout.attach) live in a cluster that outlives runs: this machine's when no address is set.
+        address = cluster_address(config) if config.rollout.attach else config.placement.ray_address
+        stack.enter_context(ray_cluster(address, config.placement.num_cpus or layout.local_cpus(),
                                         layout.custom_resources()))
         logger.info("Ray cluster up in %.1f s", time.perf_counter() - ray_start)
         _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own

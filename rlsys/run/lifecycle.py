@@ -18,10 +18,10 @@ from rlsys.actors.trainer import TrainerSpec
 from rlsys.config import RunConfig
 from rlsys.errors import RunFailed
 from rlsys.rollout.manager import RolloutManager
-from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
 from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
 from rlsys.run.memory_plan import plan_for_devices
+from rlsys.run.standing_engines import attach, server_spec
 from rlsys.run.verify import model_depth, verify_engine_weights
 from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
 from rlsys.system.cluster import ACTOR_ENV
@@ -61,16 +61,17 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     colocated, the engines first: `Topology.engines_start_first`); then each rank is connected to
     the engine(s) it feeds. `stack` stops them, whatever happens."""
     start = time.perf_counter()
-    parts = Components(topology, create_placement(topology))
+    attached = None
+    if config.rollout.attach:  # standing engines: checked and leased before any trainer starts
+        attached = attach(config, topology, run_dir, "train")
+        stack.callback(attached.lease.release)  # after the components stop (the engines are left ready first)
+    parts = Components(topology, attached.placement if attached else create_placement(topology))
     stack.callback(parts.shutdown)
     check_placement_nodes(config, topology, parts.placement, run_dir)  # before any trainer or engine starts
     parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
-    server = ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
-                        memory_saver=topology.trainers_sleep, cpu_sharers=parts.cpu_sharers[1],
-                        radix_cache=config.rollout.uses_radix_cache(topology.has_gpu),
-                        pipelined_sync=config.weight_sync.pipelined)
+    server = server_spec(config, topology, parts.cpu_sharers[1])
     parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
-                                   parts.placement.engine_options())
+                                   parts.placement.engine_options(), standing=attached.record if attached else None)
     if topology.engines_start_first:
         parts.rollout.wait_ready()
     parts.trainer = _trainer_group(config, parts)
@@ -177,6 +178,9 @@ def push_weights(config: RunConfig, parts: Components, weight_version: int) -> d
 def restore(config: RunConfig, parts: Components, checkpoint: Path | None) -> CoordinatorState:
     """Load the trainer from `checkpoint` and bring the engines to the same weights and version."""
     if checkpoint is None:
+        if parts.rollout.standing is not None:
+            # Standing engines hold whatever the last run left: this run's weights, as version 0.
+            push_weights(config, parts, 0)
         return CoordinatorState(next_step=0, weight_version=0, data_epoch=0, data_index=0)
     state = CheckpointStore.load_state(checkpoint)
     parts.trainer.load_checkpoint(str(checkpoint))

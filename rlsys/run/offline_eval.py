@@ -60,7 +60,10 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
     rollout.num_engines engines serving the checkpoint or the model; the metrics by name."""
     if (checkpoint is None) == (model is None):
         raise UsageError("give exactly one of --checkpoint DIR or --model HF_DIR")
-    with tempfile.TemporaryDirectory(prefix="rlsys-eval-") as scratch:
+    # Standing engines load the exported weights from disk: next to the checkpoint (storage their nodes
+    # see, as they see the run's), not in this machine's temporary directory.
+    near = checkpoint_run_and_step(checkpoint)[0] if checkpoint is not None and config.rollout.attach else None
+    with tempfile.TemporaryDirectory(prefix="rlsys-eval-", dir=near) as scratch:
         model_dir = _model_dir(checkpoint, model, Path(scratch))
         config = config.model_copy(update={"model": config.model.model_copy(
             update={"path": str(model_dir.resolve()), "lora": None, "hub_id": None, "revision": None})})
@@ -69,6 +72,8 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
             raise ConfigError("invalid config: nothing to evaluate: the config has no eval prompts (data.eval_path, "
                               "data.eval_fraction or a synthetic task's num_eval) and no eval.datasets")
         maker = SampleMaker(config, assets.tokenizer)
+        if config.rollout.attach:
+            return _evaluate_on_standing_engines(config, assets, maker, model_dir, checkpoint or model)
         engines = Topology("disaggregated", 0, config.rollout.num_engines, config.rollout.engine.tp_size,
                            has_gpu=False, trainers_sleep=False,
                            engine_resources=dict(config.placement.engine_node_resources))
@@ -93,3 +98,33 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
             evaluator = Evaluator(config, assets, rollout, rewards.score, maker)
             stack.callback(evaluator.close)
             return evaluator.evaluate()
+
+
+def _evaluate_on_standing_engines(config: RunConfig, assets, maker: SampleMaker, model_dir: Path,
+                                  source: Path) -> dict[str, float]:
+    """`evaluate_model` on standing engines (rollout.attach): leased for the eval, given the model's
+    weights from disk (version 0), left ready for the next run."""
+    import ray
+
+    from rlsys.run.standing_engines import attach, cluster_address
+
+    with ExitStack() as stack:
+        stack.enter_context(ray_cluster(cluster_address(config), 1))
+        probe = Topology("disaggregated", 0, config.rollout.num_engines, config.rollout.engine.tp_size,
+                         has_gpu=False, trainers_sleep=False)
+        engines = Topology("disaggregated", 0, probe.num_engines, probe.engine_tp_size,
+                           has_gpu=run_uses_gpus(config, probe), trainers_sleep=False)
+        attached = attach(config, engines, model_dir, "eval")
+        stack.callback(attached.lease.release)
+        record = attached.record
+        rollout = RolloutManager(record.spec, record.topology.num_engines, record.log_dir, [], standing=record)
+        stack.callback(rollout.shutdown)
+        rollout.wait_ready()
+        ray.get([engine.load_weights_from_disk.remote(str(model_dir.resolve()), 0) for engine in rollout.engines])
+        rewards = make_reward_scorer(config.reward)
+        stack.callback(rewards.close)
+        rewards.start()
+        logger.info("%d standing engine(s) %r serving %s", len(rollout.engines), record.name, source)
+        evaluator = Evaluator(config, assets, rollout, rewards.score, maker)
+        stack.callback(evaluator.close)
+        return evaluator.evaluate()

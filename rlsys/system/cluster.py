@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import psutil
 import ray
 
+from rlsys.errors import RunFailed
 from rlsys.system.interrupts import children_in_process_groups_of_their_own
 from rlsys.system.reaper import kill_and_wait
 
@@ -28,7 +29,12 @@ def ray_cluster(address: str | None, local_num_cpus: int, local_resources: dict[
         logger.debug("joining the Ray cluster at %s", address)
         # Under `ray job submit` the job's runtime env (working_dir, env vars) applies as given;
         # per-actor env vars are set where the actors are created.
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs)
+        except ConnectionError as error:
+            raise RunFailed(f"no Ray cluster to join at {address!r}: {str(error).splitlines()[0]} (placement.ray_address, "
+                            "RAY_ADDRESS; with rollout.attach and neither set, the cluster `rlsys engines up` started "
+                            "on this machine)") from None
     else:
         # A local cluster keeps Ray's default token authentication; its start-up warning that token
         # auth is on (RAY_AUTH_MODE unset) asks nothing of a user of this one-process cluster.

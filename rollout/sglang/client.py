@@ -175,5 +175,11 @@ class SGLangClient:
             "load_format": "flattened_bucket", "flush_cache": flush_cache, "weight_version": weight_version,
         }, timeout_s=timeout_s)
 
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        """Load every weight from a Hugging Face directory the server's node can read (SGLang's
+        /update_weights_from_disk; the prefix cache is flushed)."""
+        self._call("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version,
+                                                 "flush_cache": True})
+
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._call("/destroy_weights_update_group", {"group_name": group_name}, timeout_s=30)

@@ -1,0 +1,147 @@
+"""Standing engines (rlsys engines up, rollout.attach): a run attached to the session's quickstart set
+gets the model's weights at start whatever the last run left, survives its engine being killed,
+leaves the engines up and free on Ctrl-C; a second run while one holds the lease, and a run of
+another shape, are refused before anything trains."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+import ray
+
+from tests.helpers import started_run, train_command
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _set_engine(name: str = "quickstart", index: int = 0) -> dict:
+    from rlsys.rollout.standing import engine_handle, service
+
+    record = ray.get(service(name).record.remote())
+    engine = engine_handle(record, index)
+    return {**ray.get(engine.health.remote()), "weight_version": ray.get(engine.weight_version.remote())}
+
+
+def _lease(name: str = "quickstart"):
+    from rlsys.rollout.standing import service
+
+    return ray.get(service(name).lease.remote())
+
+
+def _server_listening_on(url: str) -> psutil.Process:
+    port = url.rsplit(":", 1)[1]
+    servers = [p for p in psutil.process_iter(["cmdline"])
+               if "sglang.launch_server" in " ".join(p.info["cmdline"] or [])
+               and f"--port {port}" in " ".join(p.info["cmdline"] or [])]
+    assert len(servers) == 1, servers
+    return servers[0]
+
+
+@pytest.mark.slow
+def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, tiny_model_dir, ray_address,
+                                                                   quickstart_engines):
+    """Two runs in a row on the same engines: the first trains them far from the model (a large
+    learning rate); the second's step-0 eval (greedy, before it trains) equals the first's step-0
+    eval, and its weight versions are its own from 0, with verify on (engine == trainer)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for run_dir, steps, lr in ((first, 4, "0.01"), (second, 1, "0.0005")):
+        result = subprocess.run(
+            train_command("quickstart.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={steps}",
+                          "eval.interval=3", f"trainer.lr={lr}", "weight_sync.verify=true", ray_address,
+                          quickstart_engines),
+            capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "attached to standing engines 'quickstart'" in result.stdout
+    rows_first, rows_second = _rows(first), _rows(second)
+    evals_first = [r["eval_reward_mean"] for r in rows_first if "eval_reward_mean" in r]
+    assert len(evals_first) == 2 and evals_first[1] != evals_first[0]  # the first run left other weights
+    assert rows_second[0]["eval_reward_mean"] == evals_first[0]
+    assert [r["weight_version"] for r in rows_second] == [0]
+    assert _set_engine()["weight_version"] == 1 and _lease() is None
+
+
+@pytest.mark.slow
+def test_an_attached_run_survives_its_engine_killed_and_ctrl_c_leaves_the_engines_up(tmp_path, tiny_model_dir,
+                                                                                    ray_address, quickstart_engines):
+    run_dir = tmp_path / "run"
+    before = _set_engine()
+    with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000", "eval.interval=1000",
+                     "checkpoint.interval=1000", ray_address, quickstart_engines) as run:
+        _wait_for_steps(run, run_dir, 2)
+        assert _lease()["holder"]["run_dir"] == str(run_dir)
+        _server_listening_on(before["url"]).kill()  # the standing engine's server dies without warning
+        _wait_for_steps(run, run_dir, len(_rows(run_dir)) + 3)
+        run.send_signal(signal.SIGINT)  # Ctrl-C: stop after the step, with a checkpoint
+        _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-3000:]
+    rows = _rows(run_dir)
+    assert rows[-1]["engine_restarts"] == 1
+    assert [r["weight_version"] for r in rows] == list(range(len(rows)))  # nothing trained twice or skipped
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+    assert (run_dir / "checkpoints" / f"step_{len(rows):08d}").is_dir()
+    after = _set_engine()  # restarted by the run in the set's slot, left running, awake and free
+    assert after["alive"] and after["url"] != before["url"]
+    assert after["weight_version"] == len(rows)
+    assert _lease() is None
+
+
+@pytest.mark.slow
+def test_a_run_is_refused_while_another_holds_the_lease_and_when_it_does_not_match(tmp_path, tiny_model_dir,
+                                                                                  ray_address, quickstart_engines):
+    from rlsys.rollout.standing import Lease
+
+    held = Lease.take("quickstart", "train", "/elsewhere/run")
+    try:
+        result = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, tmp_path / "second", ray_address,
+                                              quickstart_engines), capture_output=True, text=True, timeout=300)
+    finally:
+        held.release()
+    assert result.returncode == 1
+    assert "standing engines 'quickstart' are in use by `rlsys train` pid" in result.stderr
+    assert "(run_dir /elsewhere/run)" in result.stderr
+    assert not (tmp_path / "second" / "metrics.jsonl").exists() or not _rows(tmp_path / "second")
+
+    result = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, tmp_path / "other", ray_address,
+                                          quickstart_engines, "rollout.engine.context_length=128",
+                                          "trainer.num_ranks=1"),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "the standing engines do not match this run" in result.stderr
+    assert "rollout.engine.context_length: the engines' 64, the run's 128" in result.stderr
+    assert "trainer.num_ranks (the trainer bundles of the engines' placement): the engines' 2, the run's 1" \
+        in result.stderr
+    assert _lease() is None and _set_engine()["alive"]
+
+
+def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float = 600) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
+        time.sleep(0.3)
+
+
+def test_engines_down_leaves_no_process_and_no_shared_memory_file(tmp_path, tiny_model_dir, ray_cluster):
+    """`rlsys engines up` then `down` on a set of its own: nothing of it is left."""
+    from rlsys.config import load_config
+    from rlsys.run.standing_engines import engines_down, engines_status, engines_up
+    from tests.helpers import REPO
+
+    shm_before = set(os.listdir("/dev/shm"))
+    engines_up(load_config(REPO / "configs" / "quickstart_disaggregated.yaml",
+                           [f"model.path={tiny_model_dir}", "trainer.num_ranks=1", "rollout.num_engines=1",
+                            "rollout.engine.context_length=96"]), "down-test", tmp_path / "logs")
+    report = next(r for r in engines_status() if r["name"] == "down-test")
+    server = _server_listening_on(report["engines"][0]["url"])
+    tree = [server, *server.children(recursive=True)]
+    assert engines_down("down-test") == ["down-test"]
+    gone, alive = psutil.wait_procs(tree, timeout=10)
+    assert alive == []
+    assert "down-test" not in [r["name"] for r in engines_status()]
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
