@@ -55,7 +55,7 @@ def _chromium(*args: str) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
                     reason="Debian's chromium is not installed (make test installs it)")
-def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address):
+def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
     assert CHROMIUM, "CI must have Debian's chromium: `make test` installs it with apt-get"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -70,7 +70,7 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address):
         [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
          f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "logging.progress_bar=false",
          "trainer.total_steps=400", "eval.interval=5", f"status.port={port}", "status.token=let-me-in", eval_set,
-         ray_address],
+         ray_address, quickstart_engines],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "RLSYS_STATUS_TOKEN": ""},
     )

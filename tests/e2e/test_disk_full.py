@@ -126,11 +126,11 @@ def test_a_full_disk_under_torch_save_is_named_as_a_full_disk(small_disk):
 
 @pytest.mark.slow
 def test_a_run_whose_disk_fills_up_fails_clearly_and_resumes_from_its_last_checkpoint(small_disk, tiny_model_dir,
-                                                                                        ray_address):
+                                                                                        ray_address, quickstart_engines):
     """Each checkpoint of the tiny model takes 2 MB: the second does not fit on the 3 MB disk."""
     run_dir = small_disk / "run"
     failed = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=40",
-                                          "checkpoint.interval=2", "eval.interval=100", ray_address),
+                                          "checkpoint.interval=2", "eval.interval=100", ray_address, quickstart_engines),
                             cwd=REPO, capture_output=True, text=True, timeout=900)
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr, failed.stderr[-3000:]
@@ -152,7 +152,8 @@ def test_a_run_whose_disk_fills_up_fails_clearly_and_resumes_from_its_last_check
     with (run_dir / "metrics.jsonl").open("a") as metrics:
         metrics.write(json.dumps({"step": steps_logged, "reward_mean": 0.5})[:20])
     resumed = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=4",
-                                           "checkpoint.interval=2", "eval.interval=100", ray_address, "--resume"),
+                                           "checkpoint.interval=2", "eval.interval=100", ray_address, quickstart_engines,
+                                           "--resume"),
                              cwd=REPO, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "step_00000002" in resumed.stdout

@@ -20,7 +20,8 @@ def half_credit(prompt, response, label, metadata):
 
 
 @pytest.mark.slow
-def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoint(tmp_path, tiny_model_dir, ray_address):
+def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoint(tmp_path, tiny_model_dir, ray_address,
+                                                                                  quickstart_engines):
     _, held_out = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800, num_eval=100))
     set_file = tmp_path / "held_out.jsonl"
     set_file.write_text("".join(json.dumps({"question": r.prompt, "answer": r.label}) + "\n" for r in held_out[:40]))
@@ -31,7 +32,8 @@ def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoin
     run_dir = tmp_path / "run"
     # eval.interval 3 and 4 steps: the data section's set at steps 0 and 3, the held-out set at 0, 2 and 3
     result = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=4",
-                                          "eval.interval=3", "checkpoint.interval=3", eval_set, ray_address),
+                                          "eval.interval=3", "checkpoint.interval=3", eval_set, ray_address,
+                                          quickstart_engines),
                             cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rlsys: data: 800 train and 100 eval prompts; eval sets: held_out (40 prompts)" in result.stdout
@@ -53,7 +55,8 @@ def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoin
     # the checkpoint after 3 steps holds the weights step 3 was evaluated with
     checkpoint = run_dir / "checkpoints" / "step_00000003"
     evaluated = subprocess.run([sys.executable, "-m", "rlsys.cli", "eval", str(REPO / "configs/quickstart.yaml"),
-                                f"model.path={tiny_model_dir}", eval_set, "--checkpoint", str(checkpoint), "--json"],
+                                f"model.path={tiny_model_dir}", eval_set, ray_address, quickstart_engines,
+                                "--checkpoint", str(checkpoint), "--json"],
                                cwd=REPO, capture_output=True, text=True, timeout=900)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     answer = json.loads(evaluated.stdout)  # stdout is the one JSON object; progress lines went to stderr

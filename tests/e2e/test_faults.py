@@ -45,14 +45,16 @@ def hangs_or_lies(prompt, response, label, metadata):
 
 
 @pytest.mark.slow
-def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_path, tiny_model_dir, ray_address):
+def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_path, tiny_model_dir, ray_address,
+                                                                         quickstart_engines):
     (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
     run_dir = tmp_path / "run"
     # The hanging call sleeps 60 s a time (several per step): the run finishing within the
     # subprocess timeout at all needs every such call stopped at reward.timeout_s.
     result = subprocess.run(
         train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=3", "eval.interval=2",
-                      "reward.function=bad_rewards.py:hangs_or_lies", "reward.timeout_s=0.2", ray_address),
+                      "reward.function=bad_rewards.py:hangs_or_lies", "reward.timeout_s=0.2", ray_address,
+                      quickstart_engines),
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -74,7 +76,7 @@ def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float
 
 @pytest.mark.slow
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(leftovers, tmp_path, tiny_model_dir,
-                                                                           ray_address):
+                                                                           ray_address, quickstart_engines):
     """Ctrl-C in a terminal: SIGINT to the run's whole process group, the local Ray cluster's
     processes and the reward workers included (SIGTERM to the driver alone takes the same path:
     tests/e2e/test_stop_signals.py)."""
@@ -99,7 +101,8 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(left
     assert leftovers.processes() == [] and leftovers.shm_files() == []
 
     resumed = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir,
-                                           f"trainer.total_steps={len(steps) + 2}", ray_address, "--resume"),
+                                           f"trainer.total_steps={len(steps) + 2}", ray_address, quickstart_engines,
+                                           "--resume"),
                              cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -109,7 +109,7 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_e
 
 
 @pytest.mark.slow
-def test_a_lora_run_learns_the_quickstart_task_and_exports_its_adapter(tmp_path, ray_address):
+def test_a_lora_run_learns_the_quickstart_task_and_exports_its_adapter(tmp_path, ray_address, quickstart_engines):
     """`rlsys train` with model.lora learns (measured here: greedy eval 0.04 -> 0.55 and sampled reward
     0.02 -> ~0.5 in 100 steps; full fine-tuning reaches 0.9 sooner); `rlsys export` writes a PEFT adapter
     that PeftModel loads onto the base, and --merged the same model merged; --resume with another
@@ -129,7 +129,8 @@ def test_a_lora_run_learns_the_quickstart_task_and_exports_its_adapter(tmp_path,
     tiny_model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(init_std=0.1))
     run_dir = tmp_path / "run"
     lora = f"model.lora={{rank: {RUN_LORA['rank']}, alpha: {RUN_LORA['alpha']}}}"
-    finished = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, lora, *RUN_SETTINGS, ray_address),
+    finished = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, lora, *RUN_SETTINGS, ray_address,
+                                            quickstart_engines),
                               capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stderr[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")

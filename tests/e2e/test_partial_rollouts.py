@@ -33,12 +33,12 @@ def _check_prompts_trained_once_or_in_flight(rows: list[dict], per_step: int, tr
 
 
 @pytest.mark.slow
-def test_partial_rollouts_learn_the_quickstart_task(tmp_path, tiny_model_dir, ray_address):
+def test_partial_rollouts_learn_the_quickstart_task(tmp_path, tiny_model_dir, ray_address, disaggregated_engines):
     run_dir = tmp_path / "run"
     result = subprocess.run(train_command("quickstart_disaggregated.yaml", tiny_model_dir, run_dir,
                                           "trainer.num_ranks=1", "rollout.num_engines=1", "trainer.total_steps=150",
                                           "eval.stop_at_reward=0.9", "rollout.partial_rollouts=true", "rollout.oversample=8",
-                                          "weight_sync.verify=false", ray_address),
+                                          "weight_sync.verify=false", ray_address, disaggregated_engines),
                             cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")

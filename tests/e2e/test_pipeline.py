@@ -15,9 +15,11 @@ from tests.helpers import REPO, served_run_dir, train_command
 
 
 @pytest.mark.slow
-def test_staleness_two_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_dir, ray_address):
+def test_staleness_two_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_dir, ray_address,
+                                                           disaggregated_engines):
     overrides = ("trainer.num_ranks=1", "rollout.num_engines=1", "rollout.max_staleness=2",
-                 "trainer.total_steps=100", "checkpoint.interval=70", "weight_sync.verify=false", ray_address)
+                 "trainer.total_steps=100", "checkpoint.interval=70", "weight_sync.verify=false", ray_address,
+                 disaggregated_engines)
     run_dir = tmp_path / "run"
     result = subprocess.run(train_command("quickstart_disaggregated.yaml", tiny_model_dir, run_dir, *overrides),
                             cwd=REPO, capture_output=True, text=True, timeout=1200)

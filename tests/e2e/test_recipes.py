@@ -28,8 +28,8 @@ def _evals(rows):
 
 
 @pytest.mark.slow
-def test_dapo_recipe_learns_with_dynamic_sampling(tmp_path, tiny_model_dir, ray_address):
-    rows = _run("dapo.yaml", tiny_model_dir, tmp_path / "run", ray_address)
+def test_dapo_recipe_learns_with_dynamic_sampling(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
+    rows = _run("dapo.yaml", tiny_model_dir, tmp_path / "run", ray_address, quickstart_engines)
     evals = _evals(rows)
     assert evals[0] < 0.3 and evals[-1] >= 0.9, f"eval reward over the run: {evals}"
     # Dynamic sampling: at first most groups score all alike and are dropped, so more rounds run;
@@ -40,10 +40,11 @@ def test_dapo_recipe_learns_with_dynamic_sampling(tmp_path, tiny_model_dir, ray_
 
 
 @pytest.mark.slow
-def test_dr_grpo_recipe_learns_with_rewards_from_a_reward_service(tmp_path, tiny_model_dir, ray_address):
+def test_dr_grpo_recipe_learns_with_rewards_from_a_reward_service(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
     service = RewardService()
     try:
-        rows = _run("dr_grpo.yaml", tiny_model_dir, tmp_path / "run", ray_address, f"reward.url={service.url}")
+        rows = _run("dr_grpo.yaml", tiny_model_dir, tmp_path / "run", ray_address, quickstart_engines,
+                    f"reward.url={service.url}")
     finally:
         service.close()
     evals = _evals(rows)
@@ -56,8 +57,8 @@ def test_dr_grpo_recipe_learns_with_rewards_from_a_reward_service(tmp_path, tiny
 
 
 @pytest.mark.slow
-def test_gspo_recipe_learns_clipping_whole_responses(tmp_path, tiny_model_dir, ray_address):
-    rows = _run("gspo.yaml", tiny_model_dir, tmp_path / "run", ray_address)
+def test_gspo_recipe_learns_clipping_whole_responses(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
+    rows = _run("gspo.yaml", tiny_model_dir, tmp_path / "run", ray_address, quickstart_engines)
     evals = _evals(rows)
     assert evals[0] < 0.3 and evals[-1] >= 0.9, f"eval reward over the run: {evals}"
     # the second mini-batch of each step is off-policy: some of its responses leave the narrow

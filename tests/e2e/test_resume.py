@@ -24,7 +24,8 @@ def _command(run_dir, model_dir, *extra):
 
 @pytest.mark.slow
 def test_a_killed_driver_leaves_nothing_and_the_run_resumes_where_its_checkpoint_left_off(leftovers, tmp_path,
-                                                                                          tiny_model_dir, ray_address):
+                                                                                          tiny_model_dir, ray_address,
+                                                                                          quickstart_engines):
     """The driver alone dies without warning (SIGKILL) after its step-4 checkpoint: its reaper stops
     the engines, trainers and Ray, the status says failed, the lock is stale; `--resume` then
     continues from step 4 as if nothing had happened."""
@@ -46,8 +47,8 @@ def test_a_killed_driver_leaves_nothing_and_the_run_resumes_where_its_checkpoint
     assert status["state"] == "failed" and "died without finishing" in status["error"]
     assert not owner_is_alive(run_dir)  # the stale lock will not block the next start
 
-    # what the resumed run leaves is not looked at: it joins the session's cluster
-    resumed = subprocess.run(_command(run_dir, tiny_model_dir, ray_address, "--resume"), cwd=REPO,
+    # what the resumed run leaves is not looked at: it joins the session's cluster and its standing engines
+    resumed = subprocess.run(_command(run_dir, tiny_model_dir, ray_address, quickstart_engines, "--resume"), cwd=REPO,
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "step_00000004" in resumed.stdout

@@ -11,11 +11,11 @@ from tests.helpers import REPO, train_command
 
 
 @pytest.mark.slow
-def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir, ray_address):
+def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
     run_dir = tmp_path / "run"
     # eval 0.9 by ~step 160 of the example's 200
     result = subprocess.run(train_command("examples/calculator.yaml", tiny_model_dir, run_dir, "eval.stop_at_reward=0.9",
-                                          ray_address),
+                                          ray_address, quickstart_engines),
                             cwd=REPO,
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -55,13 +55,14 @@ def reward(prompt, response, label, metadata):
 
 
 @pytest.mark.slow
-def test_tools_that_raise_or_hang_end_their_trajectories_and_are_counted(tmp_path, tiny_model_dir, ray_address):
+def test_tools_that_raise_or_hang_end_their_trajectories_and_are_counted(tmp_path, tiny_model_dir, ray_address,
+                                                                         quickstart_engines):
     (tmp_path / "faulty.py").write_text(textwrap.dedent(FAULTY_TOOLS))
     run_dir = tmp_path / "run"
     result = subprocess.run(train_command(
         "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2", "eval.interval=100",
         f"rollout.generate_function={tmp_path / 'faulty.py'}:generate", f"reward.function={tmp_path / 'faulty.py'}:reward",
-        "rollout.tool_timeout_s=1", "data.prompts_per_step=12", ray_address),
+        "rollout.tool_timeout_s=1", "data.prompts_per_step=12", ray_address, quickstart_engines),
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -90,13 +91,13 @@ def reward(prompt, response, label, metadata):
 
 @pytest.mark.slow
 def test_a_generate_function_that_sends_an_out_of_vocabulary_id_fails_the_run_naming_it(tmp_path, tiny_model_dir,
-                                                                                         ray_address):
+                                                                                         ray_address, quickstart_engines):
     (tmp_path / "oov.py").write_text(OUT_OF_VOCABULARY)
     run_dir = tmp_path / "run"
     result = subprocess.run(train_command(
         "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2", "eval.interval=100",
         f"rollout.generate_function={tmp_path / 'oov.py'}:generate", f"reward.function={tmp_path / 'oov.py'}:reward",
-        ray_address),
+        ray_address, quickstart_engines),
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 1, result.stderr[-3000:]
     assert f"rlsys: run failed: rollout.generate_function '{tmp_path / 'oov.py'}:generate' sent the engine input_ids " \
