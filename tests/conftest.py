@@ -35,7 +35,7 @@ def ray_cluster() -> str:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Logical CPUs: the standing engine sets hold their placement bundles for the whole session.
-    ray.init(num_cpus=24, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=24, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": ACTOR_ENV})
     yield ray.get_runtime_context().gcs_address
     _stop_standing_engines()

@@ -41,8 +41,10 @@ def ray_cluster(address: str | None, local_num_cpus: int, local_resources: dict[
         logger.debug("starting a local Ray cluster: %d CPUs, resources %s", local_num_cpus, local_resources or {})
         before = _children()
         with _quiet(_RAY_AUTH_LOGGER), children_in_process_groups_of_their_own():
-            ray.init(num_cpus=local_num_cpus, resources=local_resources or None, include_dashboard=False,
-                     runtime_env={"env_vars": ACTOR_ENV}, **kwargs)
+            # address "local": a cluster of its own even beside one `ray start` (`rlsys engines up`) left
+            # on this machine, which ray.init would otherwise join (and refuse num_cpus for).
+            ray.init(address="local", num_cpus=local_num_cpus, resources=local_resources or None,
+                     include_dashboard=False, runtime_env={"env_vars": ACTOR_ENV}, **kwargs)
         local_cluster = [p for pid, p in _children().items() if pid not in before]
     try:
         yield
