@@ -7,6 +7,7 @@ actor and the trainer ranks that post IPC payloads straight to their engine use 
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -95,6 +96,9 @@ class SGLangClient:
             self._fail(endpoint, f"HTTP {error.code}: {detail}", error)
         except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
             self._fail(endpoint, f"could not be reached at {self.address.url}: {error}", error)
+        except http.client.HTTPException as error:
+            # An answer cut off mid-body (IncompleteRead): the server stopped or was killed while sending it.
+            self._fail(endpoint, f"its answer was cut off ({type(error).__name__}: {error})", error)
         if not json_answer:
             return body.decode(errors="replace")
         answer = json.loads(body) if body else None
