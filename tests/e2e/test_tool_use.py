@@ -11,11 +11,13 @@ from tests.helpers import REPO, train_command
 
 
 @pytest.mark.slow
-def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
+def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir, ray_address):
     run_dir = tmp_path / "run"
-    # eval 0.9 by ~step 160 of the example's 200
+    # eval 0.9 by ~step 160 of the example's 200 on a fresh engine. Not on the session's standing engines:
+    # their random stream depends on every test before, and on one such stream (a fresh clone's whole suite)
+    # it reached 0.83 by step 200; the example as a new user runs it starts its own engine.
     result = subprocess.run(train_command("examples/calculator.yaml", tiny_model_dir, run_dir, "eval.stop_at_reward=0.9",
-                                          ray_address, quickstart_engines),
+                                          ray_address),
                             cwd=REPO,
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
