@@ -17,9 +17,16 @@ def _server_cut_off_mid_answer() -> tuple[int, threading.Thread]:
 
     def serve():
         connection, _ = listener.accept()
-        connection.recv(65536)
+        request = b""
+        while b"\r\n\r\n" not in request:  # the whole request is read: closing on unread bytes resets instead
+            request += connection.recv(65536)
+        head, _, body = request.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += connection.recv(65536)
         connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 17048\r\n\r\n"
                            b'{"text": "')
+        connection.shutdown(socket.SHUT_WR)  # an orderly end of the stream, 17038 bytes short
         connection.close()
         listener.close()
 
