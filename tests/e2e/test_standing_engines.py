@@ -7,12 +7,12 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import psutil
 import pytest
 import ray
 
+from tests.e2e.test_faults import _wait_for_steps
 from tests.helpers import started_run, train_command
 
 
@@ -117,14 +117,6 @@ def test_a_run_is_refused_while_another_holds_the_lease_and_when_it_does_not_mat
     assert "trainer.num_ranks (the trainer bundles of the engines' placement): the engines' 2, the run's 1" \
         in result.stderr
     assert _lease() is None and _set_engine()["alive"]
-
-
-def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float = 600) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
-        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
-        time.sleep(0.3)
 
 
 def test_engines_down_leaves_no_process_and_no_shared_memory_file(tmp_path, tiny_model_dir, ray_cluster):
