@@ -22,6 +22,7 @@ and a second process on the same device that takes CUDA-IPC buckets as SGLang 0.
   sleep_wake        device bytes after sleep, state bit-identical after wake, a step after wake,
                     host bytes taken against bytes moved
   speed             step tokens/s and MFU against a bf16 matmul's TFLOP/s; sync GB/s against a copy
+  step_profile      one step under torch.profiler: the device's busy fraction, the top operators
 """
 
 from __future__ import annotations
@@ -612,10 +613,63 @@ def check_sleep_wake(proof: Proof, fields: dict) -> None:
                                                            and k.endswith((".current", ".peak"))},
                   sleep_s=round(slept["seconds"], 3), wake_s=round(woke["seconds"], 3), state_bit_identical=same,
                   loss_after_wake=metrics["loss"])
+    # The second cycle is what every colocated step pays: the arena is kept, so no new pinning.
+    again = state_fingerprint(worker)
+    slept2 = worker.sleep()
+    woke2 = worker.wake_up()
+    same2 = state_fingerprint(worker) == again
+    fields.update(sleep_gbps=round(moved / slept["seconds"] / 1e9, 2), wake_gbps=round(moved / woke["seconds"] / 1e9, 2),
+                  second_cycle={"sleep_s": round(slept2["seconds"], 3), "wake_s": round(woke2["seconds"], 3),
+                                "sleep_gbps": round(slept2["bytes"] / slept2["seconds"] / 1e9, 2),
+                                "wake_gbps": round(woke2["bytes"] / woke2["seconds"] / 1e9, 2),
+                                "host_bytes": slept2.get("host_bytes"), "state_bit_identical": same2})
     # What stays allocated: module buffers (rotary tables), never the state moved (within 1% + 64 MiB).
     device_freed = not proof.gpu or asleep <= awake - moved + moved // 100 + 64 * 2**20
     host_exact = host is None or not proof.gpu or host <= moved + moved // 100 + 2**20
-    fields.update(ok=same and device_freed and host_exact and math.isfinite(metrics["loss"]))
+    arena_kept = not proof.gpu or slept2.get("host_bytes") == host
+    fields.update(ok=same and same2 and device_freed and host_exact and arena_kept and math.isfinite(metrics["loss"]))
+
+
+def check_step_profile(proof: Proof, fields: dict) -> None:
+    """One train step under torch.profiler: how much of the step the device spends in kernels (the rest
+    is launch overhead, host work and waits) and which operators take the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def timed(call) -> float:
+        proof.synchronize()
+        tick = time.perf_counter()
+        call()
+        proof.synchronize()
+        return round(time.perf_counter() - tick, 3)
+
+    # The step's parts, unprofiled: the reference's log-probs (its weights streamed from the host
+    # layer by layer), the policy's forward alone, and the whole step.
+    worker, sequences = proof.worker, proof.sequences
+    fields["parts_s"] = {"reference_logprobs": timed(lambda: worker.compute_log_probs(sequences, reference=True)),
+                         "policy_logprobs": timed(lambda: worker.compute_log_probs(sequences)),
+                         "train_step": timed(lambda: worker.train_step([sequences]))}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if proof.gpu else [])
+    proof.synchronize()
+    tick = time.perf_counter()
+    with profile(activities=activities) as prof:
+        metrics = proof.worker.train_step([proof.sequences])
+        proof.synchronize()
+    step_s = time.perf_counter() - tick
+    averages = prof.key_averages()
+    kernel_us = sum(getattr(event, "self_device_time_total", 0) for event in averages)
+
+    def top(key: str, count: int = 15) -> list[dict]:
+        rows = sorted(averages, key=lambda event: getattr(event, key, 0), reverse=True)[:count]
+        return [{"op": event.key[:80], "calls": event.count, "ms": round(getattr(event, key, 0) / 1e3, 2)}
+                for event in rows]
+
+    host_syncs = {event.key: event.count for event in averages
+                  if event.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+                                   "cudaEventSynchronize", "aten::item", "aten::_local_scalar_dense")}
+    fields.update(step_s=round(step_s, 3), device_kernel_s=round(kernel_us / 1e6, 3),
+                  device_busy=round(kernel_us / 1e6 / step_s, 3) if proof.gpu else None,
+                  top_device=top("self_device_time_total") if proof.gpu else [], top_cpu=top("self_cpu_time_total"),
+                  host_sync_calls=host_syncs, ok=math.isfinite(metrics["loss"]))
 
 
 def check_speed(proof: Proof, fields: dict) -> None:
@@ -691,7 +745,7 @@ def run(device: torch.device, model: str, out: Path | None, budget_s: float, wor
             check_ipc_sync(proof, report)
         except Exception as error:  # noqa: BLE001 - e.g. the receiver did not start
             report.emit("ipc_sync", False, error=f"{type(error).__name__}: {error}"[:2000])
-    for name, body in (("sleep_wake", check_sleep_wake), ("speed", check_speed)):
+    for name, body in (("sleep_wake", check_sleep_wake), ("speed", check_speed), ("step_profile", check_step_profile)):
         if within_budget(name):
             with report.check(name) as fields:
                 body(proof, fields)
