@@ -93,6 +93,8 @@ class _StartCounter:
         import threading
 
         self.seen: dict[str, set] = {"sglang": set(), "ray": set()}
+        self.test = "(session start)"  # the test running now (pytest_runtest_logstart), whom a start is charged to
+        self.by_test: dict[str, dict[str, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="start-counter")
         self._thread.start()
@@ -108,9 +110,17 @@ class _StartCounter:
                 if "sglang.launch_server" in command:
                     servers[process.info["pid"]] = (process.info["ppid"], key)
                 elif command.split(" ", 1)[0].endswith("gcs_server"):
-                    self.seen["ray"].add(key)
+                    self._saw("ray", key)
             # a server's scheduler and detokenizer, forked, carry its command line too
-            self.seen["sglang"].update(key for ppid, key in servers.values() if ppid not in servers)
+            for ppid, key in servers.values():
+                if ppid not in servers:
+                    self._saw("sglang", key)
+
+    def _saw(self, kind: str, key: tuple) -> None:
+        if key not in self.seen[kind]:
+            self.seen[kind].add(key)
+            counts = self.by_test.setdefault(self.test, {"sglang": 0, "ray": 0})
+            counts[kind] += 1
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
@@ -122,10 +132,20 @@ def pytest_sessionstart(session):
     session.config._rlsys_starts = _StartCounter()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    counter = getattr(item.config, "_rlsys_starts", None)
+    if counter is not None:  # before the test's fixtures: a session set's starts go to its first user
+        counter.test = item.nodeid
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     counter = getattr(config, "_rlsys_starts", None)
     if counter is not None:
         counts = counter.stop()
+        if os.environ.get("RLSYS_START_REPORT"):  # which tests started what (the suite's start-up budget)
+            for test, started in sorted(counter.by_test.items(), key=lambda item: -item[1]["sglang"]):
+                terminalreporter.write_line(f"rlsys starts: {started['sglang']} SGLang, {started['ray']} Ray: {test}")
         terminalreporter.write_line(f"rlsys: this session started {counts['sglang']} SGLang server(s) and "
                                     f"{counts['ray']} Ray cluster(s)")
 
