@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: no float setting of a run means anything at inf or NaN (lr, temperature,
+    # coefficients, timeouts: "no limit" is spelled null where a field allows it).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -379,6 +381,9 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's moment decay rates.")
     grad_clip: float = Field(1.0, gt=0.0, description="Gradient norm clipped to this before each optimizer step.")
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="Steps in a row whose loss or gradient norm is not finite (their updates skipped) "
+        "after which the run stops with an error.")
     packing: bool = Field(True, description="Pack sequences back to back (no padding) in micro-batches.")
     max_tokens_per_microbatch: int = Field(4096, ge=16, description="Token budget of a packed micro-batch.")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per padded micro-batch (packing off).")
@@ -690,7 +695,7 @@ class EvalConfig(_Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of eval answers (0: greedy).")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first this many eval prompts.")
     stop_at_reward: float | None = Field(
-        None, allow_inf_nan=False, description="Finish the run at the end of the first step whose eval of the data "
+        None, description="Finish the run at the end of the first step whose eval of the data "
         "section's eval prompts (eval_reward_mean) reaches this, as if it were trainer.total_steps' last (checkpointed when "
         "checkpoint.interval is set); None: run every step.",
     )

@@ -47,6 +47,7 @@ from rlsys.run.lifecycle import (
     start_components,
     sync_engines,
 )
+from rlsys.run.nonfinite import NonfiniteGuard
 from rlsys.run.partial_rollouts import PartialRollouts
 from rlsys.run.reporting import HealthMonitor, new_status, status_server
 from rlsys.run.standing_engines import cluster_address
@@ -85,6 +86,11 @@ class Run:
     # a train step and its sync, when it is one ahead. An engine restarted then gets these weights,
     # so it must be told this version (the sync it died in expects it).
     trainer_version: int = 0
+    nonfinite: NonfiniteGuard | None = None  # set from trainer.max_nonfinite_steps
+
+    def __post_init__(self):
+        if self.nonfinite is None:
+            self.nonfinite = NonfiniteGuard(self.config.trainer.max_nonfinite_steps)
 
     @contextmanager
     def phase(self, row: dict, state: str, timing: str):
@@ -161,6 +167,7 @@ def train_loop(run: Run) -> None:
             with run.phase(row, "training", "train"):
                 run.trainer_version = state.weight_version + 1  # what the sync below pushes, trained or skipped
                 row.update(_train(config, parts, batch.scored))
+                run.nonfinite.check(step, row)
             with run.phase(row, "syncing", "sync"), parts.rollout.weights_updating():
                 row.update(sync_engines(config, parts, state.weight_version + 1))
             if ahead:
@@ -180,6 +187,7 @@ def train_loop(run: Run) -> None:
             row.update(_rollout_metrics(batch.generations, row["time_step_s"]), synced_weight_version=state.weight_version,
                        engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
             _record(run, row, last_step=last_step)
+            run.nonfinite.stop_if_exceeded(step)
             if last_step:
                 break
     finally:

@@ -357,3 +357,13 @@ def test_context_parallel_settings_it_cannot_run_are_refused_before_anything_sta
                                                                                     message):
     stderr = refused_by_cli("train", str(REPO / "configs/quickstart.yaml"), f"model.path={tiny_model_dir}", *overrides)
     assert message in stderr
+
+
+@pytest.mark.parametrize("field", ["rollout.temperature", "trainer.lr", "trainer.weight_decay", "algorithm.entropy_coef",
+                                   "algorithm.kl_coef", "algorithm.overlong_penalty.factor", "trainer.grad_clip",
+                                   "eval.temperature", "weight_sync.timeout_s"])
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_a_float_setting_at_infinity_or_nan_is_refused_naming_the_field(tmp_path, tiny_model_dir, field, value):
+    with pytest.raises(ConfigError) as refused:
+        load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), [f"{field}={value}"])
+    assert field in str(refused.value) and "finite number" in str(refused.value)
