@@ -80,7 +80,9 @@ def group_advantages(scores: torch.Tensor, group_size: int, norm: str = "group",
         raise ValueError(f"{scores.numel()} rewards do not split into groups of {group_size}")
     if norm not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage normalisation {norm!r} (one of {', '.join(ADVANTAGE_ESTIMATORS)})")
-    return ADVANTAGE_ESTIMATORS[norm](scores.float().view(-1, group_size), eps).view(-1)
+    # Computed in float64: a std squares the scores, which float32 overflows from |score| ~ 1.8e19 (rewards
+    # go to 1e30); the advantages themselves (at most 2e30 in magnitude) fit the float32 the loss uses.
+    return ADVANTAGE_ESTIMATORS[norm](scores.double().view(-1, group_size), eps).view(-1).float()
 
 
 def assign_advantages(samples: list[Sample], group_size: int, norm: str) -> dict:

@@ -100,9 +100,29 @@ def _module_from_file(path: Path, field: str) -> ModuleType:
     return module
 
 
+# The largest reward magnitude taken. Advantages and the loss are computed in float32 (largest
+# number 3.4e38): a group-centred advantage is up to 2|r|, summed over up to ~1e6 loss tokens with
+# weights <= 1, so |r| <= 1e30 keeps every term finite with room to spare; squares for the std (done
+# in float64, up to 1.8e308) stay finite too. Beyond it a reward is an error, counted like NaN.
+REWARD_MAGNITUDE_LIMIT = 1e30
+
+
+def reward_value_problem(value) -> str | None:
+    """Why `value` cannot be a reward (None: it can): not a number, not finite, or too large."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "not a number"
+    if not math.isfinite(value):
+        return "not a finite number"
+    if abs(value) > REWARD_MAGNITUDE_LIMIT:
+        return f"larger in magnitude than {REWARD_MAGNITUDE_LIMIT:g} (advantages and the loss are float32)"
+    return None
+
+
 def score(function: RewardFn, prompt: str, response: str, label: str, metadata: dict) -> float:
-    """Call a reward function; raises ValueError if it returns a non-finite or non-numeric value."""
+    """Call a reward function; raises ValueError if what it returns cannot be a reward."""
     value = function(prompt, response, label, metadata)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"reward function returned {value!r}; it must return a finite number")
+    problem = reward_value_problem(value)
+    if problem is not None:
+        raise ValueError(f"reward function returned {value!r}: {problem}; it must return a finite number "
+                         f"within +-{REWARD_MAGNITUDE_LIMIT:g}")
     return float(value)

@@ -14,12 +14,12 @@ run then stops on reward.max_error_fraction). An answer that breaks the protocol
 from __future__ import annotations
 
 import asyncio
-import math
 
 import httpx
 
 from rlsys.errors import RunFailed
 from rlsys.records import RewardCall, RewardOutcome
+from rlsys.rewards.loading import REWARD_MAGNITUDE_LIMIT, reward_value_problem
 
 
 class RewardServiceError(RunFailed):
@@ -115,6 +115,8 @@ def _outcome(score) -> RewardOutcome:
         return RewardOutcome(error=f"the reward service could not score it: {score['error']}")
     if score is None:
         return RewardOutcome(error="the reward service gave no score (null)")
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-        return RewardOutcome(error=f"the reward service returned {score!r}; scores must be finite numbers")
+    problem = reward_value_problem(score)
+    if problem is not None:
+        return RewardOutcome(error=f"the reward service returned {score!r}: {problem}; scores must be finite "
+                                   f"numbers within +-{REWARD_MAGNITUDE_LIMIT:g}")
     return RewardOutcome(value=float(score))

@@ -136,3 +136,26 @@ def test_a_step_with_no_scored_sample_reports_its_reward_as_missing_not_zero(tok
     status.record_step(row)
     assert "rlsys_reward_mean" not in prometheus_text(status) and "rlsys_reward_errors 2" in prometheus_text(status)
     assert RunSummary.read(tmp_path).last_reward is None
+
+
+def test_absurdly_large_rewards_are_counted_errors_and_large_ones_give_finite_advantages(tokenizer):
+    """1e300 used to crash the driver computing reward_std (OverflowError); 1e30 (the largest taken) and
+    its group give the same advantages as 1 and its group, finite in float32 where the loss uses them."""
+    import math
+
+    import torch
+
+    records = [PromptRecord("a", "1"), PromptRecord("b", "1")]
+    rewards = {"1": 1e300, "2": -1e30, "3": 1e30, "4": 0.0}
+    batch = score_groups(records, [_generation(tokenizer, t) for t in ("1", "4", "3", "2")], 2, tokenizer,
+                         lambda calls: score_calls(lambda p, response, label, m: rewards[response.strip()], calls,
+                                                   timeout_s=10))
+    metrics = batch.reward_metrics()
+    assert metrics["reward_errors"] == 1 and batch.dropped_groups == 1
+    assert "larger in magnitude than 1e+30" in batch.first_error
+    assert metrics["reward_std"] == pytest.approx(1e30) and metrics["reward_mean"] == 0.0
+    # as for rewards 1 and -1:
+    assign_advantages(batch.samples, 2, "group")
+    assert [s.advantage for s in batch.samples] == pytest.approx([math.sqrt(0.5), -math.sqrt(0.5)])
+    assign_advantages(batch.samples, 2, "none")
+    assert all(math.isfinite(float(torch.tensor(s.advantage, dtype=torch.float32))) for s in batch.samples)
