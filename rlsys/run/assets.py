@@ -82,6 +82,7 @@ def read_architecture(model_dir: str | Path):
     """The model's transformers config, refused with a ConfigError when transformers cannot build a
     causal LM from it (a model type it does not know, or one that is no causal LM), before anything
     starts."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -89,6 +90,10 @@ def read_architecture(model_dir: str | Path):
     named = f"model type {model_config.get('model_type')!r} (architectures {model_config.get('architectures')})"
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
+    except (TypeError, StrictDataclassError) as error:  # a field of the wrong type ("vocab_size": "eighty")
+        reason = " ".join(str(error).split())  # huggingface_hub's is two lines: the field, then the TypeError
+        raise ConfigError(f"invalid config: model.path {model_dir}: {Path(model_dir) / 'config.json'}: {reason}; "
+                          "fix the field or point model.path at a complete Hugging Face checkpoint") from None
     except (OSError, ValueError, KeyError) as error:  # a model_type this transformers does not know
         reason = str(error).split(". ")[0]
         raise ConfigError(f"invalid config: model.path {model_dir}: transformers cannot read its config.json, "

@@ -168,6 +168,20 @@ def test_a_model_config_json_that_is_not_json_is_refused_by_train_and_plan(tmp_p
                "line 2 column 21" in stderr, (command, stderr)
 
 
+def test_a_model_config_field_of_the_wrong_type_is_one_error_line_naming_the_file_and_field(tmp_path, tiny_model_dir):
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    fields = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**fields, "vocab_size": "eighty"}))
+    path = write_config(tmp_path / "c.yaml", model)
+    for command in ("train", "plan"):
+        stderr = refused_by_cli(command, str(path))
+        assert f"{model / 'config.json'}: Validation error for field 'vocab_size'" in stderr, (command, stderr)
+        assert "expected int, got str (value: 'eighty')" in stderr and "Traceback" not in stderr
+
+
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json"])
 def test_a_tokenizer_file_that_is_not_json_is_refused_by_train_naming_it(tmp_path, tiny_model_dir, name):
     """A copy cut short: `rlsys train` names the file and model.path (or model.tokenizer_path) with
