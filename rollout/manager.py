@@ -192,6 +192,19 @@ class RolloutManager:
             self._recover_all(failed.values(), recover)
         return aborted
 
+    def _refuse_out_of_vocabulary_trajectory(self, generation: Generation, what: str) -> None:
+        """A generate function's trajectory holds only ids the model has rows for: one that never went
+        to an engine (appended after the last call) would fail the trainer's embedding instead."""
+        for part, token_ids in (("prompt_ids", generation.prompt_ids), ("response_ids", generation.response_ids)):
+            try:
+                check_token_ids(token_ids, self.vocab_size)
+            except TokenIdOutOfVocabulary as error:
+                raise GenerateFunctionError(
+                    f"{what} whose {part} hold token id {error.token_id} at position {error.position} of "
+                    f"{len(token_ids)}, outside the model's vocabulary (ids 0..{self.vocab_size - 1}: config.json "
+                    "vocab_size); build token ids with the model's tokenizer (ctx.encode, ctx.append(text))"
+                ) from None
+
     def _refuse_out_of_vocabulary(self, token_ids: list[int], where: str) -> None:
         try:
             check_token_ids(token_ids, self.vocab_size)
@@ -281,6 +294,8 @@ class RolloutManager:
                         + "".join(traceback.format_exception(result))[-3000:]
                     ) from result
                 if i not in failed:
+                    self._refuse_out_of_vocabulary_trajectory(result, f"{name} returned a trajectory of prompt "
+                                                              f"{samples[i].text!r}")
                     answers[i] = result
             self._refuse_poison_requests(failed, died_with, lambda i: f"a trajectory of prompt {samples[i].text!r}")
             self._recover_all(failed.values(), recover)

@@ -1,6 +1,8 @@
 """Tool use through rollout.generate_function on the real engine: the calculator example learns,
 and tools that raise or hang end their trajectories (counted) without stopping the run."""
 
+import json
+import re
 import subprocess
 import textwrap
 
@@ -79,7 +81,7 @@ def test_tools_that_raise_or_hang_end_their_trajectories_and_are_counted(tmp_pat
         assert row["reward_mean"] == pytest.approx(1 - row["tool_errors"] / (12 * 8))
 
 
-OUT_OF_VOCABULARY = '''
+SENDS_OUT_OF_VOCABULARY = '''
 async def generate(prompt, ctx):
     await ctx.generate(max_new_tokens=1)
     ctx.append([len(ctx.tokenizer) + 1000])  # an id the model has no embedding row for
@@ -89,21 +91,34 @@ async def generate(prompt, ctx):
 def reward(prompt, response, label, metadata):
     return 0.0
 '''
+# The same id appended after the last engine call: no engine sees it, the trainer's embedding would.
+RETURNS_OUT_OF_VOCABULARY = SENDS_OUT_OF_VOCABULARY.replace(
+    "    await ctx.generate(max_new_tokens=1)\n\n\ndef", "\n\ndef")
 
 
 @pytest.mark.slow
-def test_a_generate_function_that_sends_an_out_of_vocabulary_id_fails_the_run_naming_it(tmp_path, tiny_model_dir,
-                                                                                         ray_address, quickstart_engines):
-    (tmp_path / "oov.py").write_text(OUT_OF_VOCABULARY)
+@pytest.mark.parametrize("sends", [True, False], ids=["sent-to-the-engine", "only-returned"])
+def test_a_generate_function_with_an_out_of_vocabulary_id_fails_the_run_naming_it(tmp_path, tiny_model_dir,
+                                                                                   ray_address, quickstart_engines,
+                                                                                   sends):
+    function = tmp_path / "oov.py"
+    function.write_text(SENDS_OUT_OF_VOCABULARY if sends else RETURNS_OUT_OF_VOCABULARY)
     run_dir = tmp_path / "run"
     result = subprocess.run(train_command(
         "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2", "eval.interval=100",
-        f"rollout.generate_function={tmp_path / 'oov.py'}:generate", f"reward.function={tmp_path / 'oov.py'}:reward",
+        f"rollout.generate_function={function}:generate", f"reward.function={function}:reward",
         ray_address, quickstart_engines),
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert f"rlsys: run failed: rollout.generate_function '{tmp_path / 'oov.py'}:generate' sent the engine input_ids " \
-           "it cannot take, on prompt " in result.stderr
-    assert f"{tmp_path / 'oov.py'}:5 (`await ctx.generate(max_new_tokens=1)`)" in result.stderr
-    assert " input_ids is outside the model's vocabulary" in result.stderr
+    name = f"rlsys: run failed: rollout.generate_function '{function}:generate'"
+    if sends:
+        assert f"{name} sent the engine input_ids it cannot take, on prompt " in result.stderr
+        assert f"{function}:5 (`await ctx.generate(max_new_tokens=1)`)" in result.stderr
+        assert " input_ids is outside the model's vocabulary" in result.stderr
+    else:
+        vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+        assert f"{name} returned a trajectory of prompt " in result.stderr
+        assert re.search(r"whose response_ids hold token id \d+ at position 1 of 2, outside the model's vocabulary "
+                         rf"\(ids 0\.\.{vocab_size - 1}", result.stderr), result.stderr[-2000:]
+    assert "IndexError" not in result.stderr and "Traceback" not in result.stderr
     assert "restarting" not in result.stdout  # no engine ever saw the id
