@@ -156,7 +156,24 @@ def trained_model(model_dir: Path, lora: LoraConfig | None):
                           f"of {model_dir} that are not linear layers ({error}: a mixture-of-experts model's stacked "
                           "experts or router); rlsys merges adapters into linear layers only: list target_modules "
                           f"from its linear layers, {', '.join(linear)}") from None
+    _refuse_rank_above_the_adapted_dimensions(model, lora.rank)
     return model
+
+
+def _refuse_rank_above_the_adapted_dimensions(model, rank: int) -> None:
+    """B A of a layer with in -> out features has rank at most min(in, out): a larger model.lora.rank
+    adds parameters, optimizer state and time that can never change the update."""
+    dimensions = {name: min(module.base_layer.in_features, module.base_layer.out_features)
+                  for name, module in model.named_modules()
+                  if hasattr(module, "lora_A") and hasattr(module.base_layer, "in_features")}
+    if not dimensions:
+        return
+    name, smallest = min(dimensions.items(), key=lambda item: item[1])
+    if rank > smallest:
+        raise ConfigError(f"invalid config: model.lora.rank {rank} is above the smallest dimension of the layers it "
+                          f"adapts ({smallest}: {name}); a rank above min(in, out) of a layer cannot change its "
+                          f"update and only costs memory: use model.lora.rank <= {smallest}, or target_modules "
+                          "without that layer")
 
 
 def refuse_incompatible_checkpoint(checkpoint: Path, config: RunConfig) -> None:

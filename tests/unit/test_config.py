@@ -319,6 +319,30 @@ def test_lora_targets_that_match_nothing_or_reach_past_linear_layers_are_refused
                             ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]))
 
 
+def test_a_lora_rank_above_the_smallest_adapted_dimension_is_refused_and_the_plan_counts_the_adapters(
+        tmp_path, tiny_model_dir):
+    """The tiny model's k_proj maps 64 -> 32 features: B A there has rank <= 32 whatever model.lora.rank
+    says (4096 used to run, 100000 to plan as fitting). Below it, the plan's trainer terms grow with the
+    adapters: gradients 4 and AdamW moments 8 bytes per adapter parameter."""
+    from rlsys.run.memory_plan import plan_memory
+    from rlsys.run.model_shape import ModelShape
+
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    for command in ("train", "plan"):
+        stderr = refused_by_cli(command, str(path), "model.lora.rank=4096")
+        assert "model.lora.rank 4096 is above the smallest dimension of the layers it adapts (32: " \
+               "model.layers.0.self_attn.k_proj)" in stderr, (command, stderr)
+    terms = {}
+    for rank in (8, 32):
+        config = load_config(path, [f"model.lora.rank={rank}", "trainer.num_ranks=1"])
+        shape = ModelShape.from_model_dir(config.model.path, config.model.lora)
+        terms[rank] = (shape.adapter_params, plan_memory(config, shape, 2**40, on_gpu=False).terms)
+    (small, small_terms), (large, large_terms) = terms[8], terms[32]
+    assert large == 4 * small > 0  # every adapter is r x (in + out)
+    assert large_terms["optimizer_states"] - small_terms["optimizer_states"] == 8 * (large - small)
+    assert large_terms["trainer_grads"] - small_terms["trainer_grads"] == 4 * (large - small)
+
+
 @pytest.mark.parametrize(("model_type", "why"), [("foonet", "transformers cannot read its config.json"),
                                                  ("t5", "is not a causal language model")])
 def test_an_architecture_transformers_cannot_build_as_a_causal_lm_is_refused_by_train_and_plan(
