@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+from rlsys.system.working_dir import working_directory
+
 RewardFn = Callable[[str, str, str, dict], float]
 
 
@@ -62,13 +64,13 @@ def _import_module(module_name: str, field: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        if error.name != module_name.split(".")[0] or str(Path.cwd()) in sys.path:
+        if error.name != module_name.split(".")[0] or working_directory() in sys.path:
             raise RewardFunctionError(f"{field}: cannot import module {module_name!r}: {error}") from error
     except Exception as error:  # the module exists but raised while importing
         raise RewardFunctionError(f"{field}: importing {module_name!r} failed: {error!r}") from error
     # `python -m` puts the working directory on the path; the `rlsys` script does not. Look there
     # too, so a module next to the config works however rlsys is started.
-    sys.path.insert(0, str(Path.cwd()))
+    sys.path.insert(0, working_directory())
     return _import_module(module_name, field)
 
 

@@ -28,6 +28,7 @@ from rlsys.errors import RunFailed
 from rlsys.records import RewardCall, RewardOutcome
 from rlsys.rewards.loading import RewardFn, load_reward_function, score
 from rlsys.system.interrupts import children_shielded_from_stop_signals
+from rlsys.system.working_dir import working_directory
 
 # How long idle workers get to take the executor's exit request at close before they are killed.
 CLOSE_GRACE_S = 10.0
@@ -116,9 +117,10 @@ class RewardPool:
             # spawn, not fork: the driver holds Ray's and uvicorn's threads, which a fork would copy
             context = multiprocessing.get_context("spawn")
             self._progress = context.RawArray("q", 2 * self.num_workers)
+            working_dir = working_directory()  # before spawning: spawn records the parent's os.getcwd() too
             self._executor = ProcessPoolExecutor(
                 self.num_workers, mp_context=context,
-                initializer=_load_in_worker, initargs=(self.function_path, os.getcwd(), self._progress),
+                initializer=_load_in_worker, initargs=(self.function_path, working_dir, self._progress),
             )
         return self._executor
 

@@ -141,24 +141,6 @@ def _shm(cluster: NamespaceCluster) -> dict[str, set[str]]:
     return {name: set(cluster.shm_files(name)) for name in cluster.nodes}
 
 
-def test_a_run_dir_the_worker_nodes_cannot_see_is_refused_before_anything_trains(cluster, tiny_model_dir):
-    """A path on the head's own disk (node-local scratch; like an emptyDir on a KubeRay head)."""
-    run_dir = cluster.local_path / "run"
-    job = _submit(cluster, "quickstart.yaml", tiny_model_dir, f"run_dir={run_dir}", ON_TRAINER_NODES)
-    output = job.stdout + job.stderr
-    assert job.returncode != 0
-    assert f"run_dir {run_dir} is not on storage that every node of the run sees" in output, output[-3000:]
-    trainer_node = cluster.nodes["a"].address
-    assert f"node {trainer_node} (" in output and "trainer rank 0" in output
-    assert "does not see the driver's files there" in output and "Set run_dir to a directory on a filesystem" in output
-    # Nothing was trained or checkpointed: on the head the run directory holds the driver's own
-    # files only, and no node wrote anything of it.
-    head_copy = cluster.workdir / "nodes" / "head" / "local" / "run"
-    assert not (head_copy / "checkpoints").exists() and not (head_copy / "metrics.jsonl").exists()
-    assert json.loads((head_copy / "status.json").read_text())["state"] == "failed"
-    assert not (cluster.workdir / "nodes" / "a" / "local" / "run").exists()
-
-
 @pytest.fixture(scope="module")
 def hub_caches(cluster, tiny_model_dir):
     """The tiny model in the node-local hub caches: HUB_ID on the head and node a, HEAD_ONLY on the head."""
@@ -167,21 +149,12 @@ def hub_caches(cluster, tiny_model_dir):
     fill_hub_cache(cluster.workdir / "nodes" / "head" / "local" / "hub", HEAD_ONLY, tiny_model_dir)
 
 
-def test_a_hub_id_a_worker_node_cannot_resolve_is_refused_naming_the_node(cluster, hub_caches, tmp_path):
-    job = _submit(cluster, "quickstart.yaml", HEAD_ONLY, f"run_dir={tmp_path / 'run'}", ON_TRAINER_NODES)
-    output = job.stdout + job.stderr
-    assert job.returncode != 0
-    assert f"model {HEAD_ONLY} at commit" in output, output[-3000:]  # the driver resolved it in the head's cache
-    assert "is not on every node that loads it" in output, output[-3000:]
-    assert f"node {cluster.nodes['a'].address} (" in output
-    assert f"{HEAD_ONLY} at 1a2b3c4d1a2b is not in this node's hub cache" in output and "HF_HUB_OFFLINE" in output
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
 @pytest.fixture(scope="module")
 def colocated_run(cluster, hub_caches, tmp_path_factory):
     """Colocated, 2 ranks and their engine on worker node a, the driver on the head, the model by hub
-    id: 6 steps, checkpoints every 2 (the uninterrupted run the resume test compares with)."""
+    id: 6 steps, checkpoints every 2 (the uninterrupted run the resume test compares with). The fresh
+    cluster's first job (keep it first: Ray deletes and unpacks again a fresh cluster's first
+    working_dir under its driver, which once failed the reward pool's start)."""
     run_dir = tmp_path_factory.mktemp("shared") / "colocated"
     job = _submit(cluster, "quickstart.yaml", HUB_ID, f"run_dir={run_dir}", *COLOCATED)
     return run_dir, _succeeded(job)
@@ -218,6 +191,35 @@ def test_colocated_ranks_on_one_worker_node_with_the_driver_on_the_head(cluster,
     assert listed.returncode == 0, listed.stderr
     (line,) = [line for line in listed.stdout.splitlines() if "colocated" in line]
     assert "finished" in line and "6 / 6" in line
+
+
+def test_a_run_dir_the_worker_nodes_cannot_see_is_refused_before_anything_trains(cluster, tiny_model_dir):
+    """A path on the head's own disk (node-local scratch; like an emptyDir on a KubeRay head)."""
+    run_dir = cluster.local_path / "run"
+    job = _submit(cluster, "quickstart.yaml", tiny_model_dir, f"run_dir={run_dir}", ON_TRAINER_NODES)
+    output = job.stdout + job.stderr
+    assert job.returncode != 0
+    assert f"run_dir {run_dir} is not on storage that every node of the run sees" in output, output[-3000:]
+    trainer_node = cluster.nodes["a"].address
+    assert f"node {trainer_node} (" in output and "trainer rank 0" in output
+    assert "does not see the driver's files there" in output and "Set run_dir to a directory on a filesystem" in output
+    # Nothing was trained or checkpointed: on the head the run directory holds the driver's own
+    # files only, and no node wrote anything of it.
+    head_copy = cluster.workdir / "nodes" / "head" / "local" / "run"
+    assert not (head_copy / "checkpoints").exists() and not (head_copy / "metrics.jsonl").exists()
+    assert json.loads((head_copy / "status.json").read_text())["state"] == "failed"
+    assert not (cluster.workdir / "nodes" / "a" / "local" / "run").exists()
+
+
+def test_a_hub_id_a_worker_node_cannot_resolve_is_refused_naming_the_node(cluster, hub_caches, tmp_path):
+    job = _submit(cluster, "quickstart.yaml", HEAD_ONLY, f"run_dir={tmp_path / 'run'}", ON_TRAINER_NODES)
+    output = job.stdout + job.stderr
+    assert job.returncode != 0
+    assert f"model {HEAD_ONLY} at commit" in output, output[-3000:]  # the driver resolved it in the head's cache
+    assert "is not on every node that loads it" in output, output[-3000:]
+    assert f"node {cluster.nodes['a'].address} (" in output
+    assert f"{HEAD_ONLY} at 1a2b3c4d1a2b is not in this node's hub cache" in output and "HF_HUB_OFFLINE" in output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_killed_driver_leaves_nothing_on_any_node_and_the_run_resumes_as_if_uninterrupted(

@@ -179,3 +179,37 @@ def test_workers_ignore_a_stop_signal_meant_for_the_driver(pool, signal_name):
         os.kill(pid, signal.Signals[signal_name])
     assert [o.value for o in pool.score(_calls("8", "7"))] == [0.0, 1.0]
     assert live_workers() == workers  # the same workers served these calls: none died, none was replaced
+
+
+WORKING_DIR_MADE_AGAIN = '''
+import os, shutil, sys
+from rlsys.rewards.pool import RewardPool
+from rlsys.records import RewardCall
+
+job = sys.argv[1]
+os.chdir(job)
+source = open("user_rewards.py").read()
+shutil.rmtree(job)  # what Ray's runtime env does to a fresh cluster's first job: deletes its working_dir ...
+os.makedirs(job)    # ... and unpacks it again at the same path
+open(os.path.join(job, "user_rewards.py"), "w").write(source)
+pool = RewardPool("user_rewards.py:by_label", num_workers=1, timeout_s=5.0)
+try:
+    print([o.value for o in pool.score([RewardCall(prompt="p", response="7", label="7", metadata={})])])
+finally:
+    pool.close()
+'''
+
+
+def test_a_working_directory_deleted_and_made_again_under_the_driver_still_scores(tmp_path):
+    """A fresh Ray cluster's first job (deploy/submit.sh): the driver's working directory was deleted
+    and unpacked again before the reward pool started; its spawn used to fail with FileNotFoundError."""
+    import subprocess
+    import sys
+
+    job = tmp_path / "_ray_pkg_0123"
+    job.mkdir()
+    (job / "user_rewards.py").write_text(REWARDS)
+    result = subprocess.run([sys.executable, "-c", WORKING_DIR_MADE_AGAIN, str(job)], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[1.0]"
