@@ -166,3 +166,56 @@ def test_the_status_document_is_built_once_per_change(tmp_path, monkeypatch):
     assert len(builds) == 1 and all(doc == first[0] for doc in first)
     status.record_step({"step": 3, "reward_mean": 0.4, "time_step_s": 0.5, "synced_weight_version": 4})
     assert client.get("/api/v1/status").json()["step"] == 4 and len(builds) == 2
+
+
+def test_idle_and_half_sent_connections_do_not_lock_live_clients_or_the_operator_out(tmp_path):
+    """300 connections held open from this machine, 100 of them stopped halfway through a request's
+    headers (the server's bound is 256 open): health, status and a stop with the token are answered at
+    once, the held connections are closed (the longest idle first, then all at the request timeout),
+    and the server still answers after. Loopback only; bounded in count (300) and time (the timeout)."""
+    import socket
+
+    from rlsys.observability.status.server import StatusServer
+
+    status = _status(tmp_path)
+    server = StatusServer(status, "127.0.0.1", 0, token="s3cret", request_timeout_s=3.0)
+    url = server.start()
+    port = int(url.rsplit(":", 1)[1])
+    held = []
+    try:
+        for index in range(300):
+            connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if index % 3 == 0:
+                connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+            held.append(connection)
+        time.sleep(0.5)  # the server has taken them all
+
+        def answer(path: str, method: str = "GET", token: str | None = None) -> int:
+            request = urllib.request.Request(url + path, method=method,
+                                             headers={"Authorization": f"Bearer {token}"} if token else {})
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status
+
+        assert answer("/healthz") == 200 and answer("/api/v1/status") == 200
+        assert answer("/api/v1/stop", "POST", "s3cret") == 200 and status.stop_requested
+
+        def closed(connection: socket.socket) -> bool:
+            connection.settimeout(0.05)
+            try:
+                return connection.recv(1) == b""
+            except TimeoutError:
+                return False
+            except ConnectionError:
+                return True
+
+        evicted = sum(closed(connection) for connection in held)
+        assert 300 - 256 < evicted < 300  # beyond the bound the longest idle went; not yet the rest
+        deadline = time.monotonic() + 3.0 + 5.0  # the request timeout, and room for a loaded machine
+        while not all(closed(connection) for connection in held) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(closed(connection) for connection in held)
+        assert answer("/healthz") == 200
+    finally:
+        for connection in held:
+            connection.close()
+        server.stop()

@@ -23,6 +23,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
+from rlsys.observability.status.connections import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, guarded_protocol
 from rlsys.observability.status.state import RunStatus
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -185,7 +186,6 @@ def build_app(status: RunStatus, token: str | None, read_token: str | None = Non
     return app
 
 
-MAX_CONCURRENT_REQUESTS = 256  # open requests at most (memory); beyond this uvicorn answers 503
 # Every read waits this long before it is answered, without using CPU: a client polling in a tight
 # loop then gets at most 1 / READ_PACING_S answers per connection per second and cannot take the
 # trainers' cores (the dashboard polls every 2 s).
@@ -250,11 +250,14 @@ class StatusServer:
     """uvicorn serving `build_app` on a background thread."""
 
     def __init__(self, status: RunStatus, host: str, port: int, token: str | None,
-                 allow_unauthenticated_read: bool = False, option_prefix: str = "status."):
+                 allow_unauthenticated_read: bool = False, option_prefix: str = "status.",
+                 max_connections: int = MAX_CONNECTIONS, request_timeout_s: float = REQUEST_TIMEOUT_S):
         read_token = read_token_for(host, token, allow_unauthenticated_read)
         self._socket = listening_socket(host, port, option_prefix)
+        # Not uvicorn's limit_concurrency: it counts idle connections too (connections.py says why).
         config = uvicorn.Config(build_app(status, token, read_token), host=host, port=port, log_level="warning",
-                                access_log=False, lifespan="off", limit_concurrency=MAX_CONCURRENT_REQUESTS)
+                                access_log=False, lifespan="off",
+                                http=guarded_protocol(max_connections, request_timeout_s))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="rlsys-status", daemon=True)
