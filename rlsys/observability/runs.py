@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlsys.errors import UsageError
 from rlsys.observability.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
@@ -132,9 +133,13 @@ def plot_compare(name_a: str, rows_a: list[dict], name_b: str, rows_b: list[dict
         axis.set_xlabel("step")
         axis.legend()
     figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(out, dpi=100)
+    except OSError as error:  # a parent that is a file, no permission, a full disk
+        raise UsageError(f"--plot {out}: cannot write the plot there ({error.strerror or error})") from None
+    finally:
+        plt.close(figure)
     return out
 
 

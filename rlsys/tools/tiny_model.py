@@ -9,6 +9,7 @@ SGLang and transformers load from disk.
 from __future__ import annotations
 
 import json
+import math
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,8 @@ class TinyModelSpec:
                              f"attention heads of an even size), got {self.hidden_size}")
         if self.num_layers < 1:
             raise UsageError(f"--num-layers must be at least 1, got {self.num_layers}")
+        if not math.isfinite(self.init_std) or self.init_std < 0:
+            raise UsageError(f"--init-std must be a finite number >= 0, got {self.init_std}")
         if self.arch not in ARCHITECTURES:
             raise UsageError(f"--arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
 

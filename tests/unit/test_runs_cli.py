@@ -73,6 +73,14 @@ def test_compare_writes_a_png_plot(runs_root, tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
 
 
+def test_compare_refuses_a_plot_path_under_a_file_as_a_usage_error(runs_root, tmp_path):
+    (tmp_path / "afile").write_text("keep me")
+    out_png = tmp_path / "afile" / "x.png"
+    stderr = refused_by_cli("compare", str(runs_root / "baseline"), str(runs_root / "dapo"), "--plot", str(out_png))
+    assert f"--plot {out_png}: cannot write the plot there (" in stderr
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
 def test_compare_names_what_is_wrong(runs_root, capsys):
     assert main(["compare", str(runs_root / "baseline"), str(runs_root / "not-a-run")]) == 2
     assert "not a run directory" in capsys.readouterr().err
@@ -139,7 +147,9 @@ def test_make_tiny_model_refuses_a_file_in_the_way_and_impossible_sizes(tmp_path
     assert a_file.read_text() == "keep me"
     for flags, message in [(["--hidden-size", "-4"], "--hidden-size must be a positive multiple of 8"),
                            (["--hidden-size", "12"], "--hidden-size must be a positive multiple of 8"),
-                           (["--num-layers", "0"], "--num-layers must be at least 1, got 0")]:
+                           (["--num-layers", "0"], "--num-layers must be at least 1, got 0"),
+                           (["--init-std", "nan"], "--init-std must be a finite number >= 0, got nan"),
+                           (["--init-std", "-0.1"], "--init-std must be a finite number >= 0, got -0.1")]:
         assert message in refused_by_cli("make-tiny-model", str(tmp_path / "new"), *flags)
         assert not (tmp_path / "new").exists()
 
