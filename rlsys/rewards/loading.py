@@ -49,13 +49,14 @@ def load_user_function(import_path: str, field: str) -> Callable:
     return function
 
 
-def load_reward_function(import_path: str) -> RewardFn:
-    function = load_user_function(import_path, "reward.function")
+def load_reward_function(import_path: str, field: str = "reward.function") -> RewardFn:
+    """The reward function at `import_path`; errors name the config `field` it came from."""
+    function = load_user_function(import_path, field)
     try:
         inspect.signature(function).bind("prompt", "response", "label", {})
     except TypeError as error:
         raise RewardFunctionError(
-            f"reward.function {import_path!r} must accept (prompt, response, label, metadata): {error}"
+            f"{field} {import_path!r} must accept (prompt, response, label, metadata): {error}"
         ) from error
     return function
 

@@ -269,7 +269,7 @@ def load_assets(config: RunConfig) -> RunAssets:
         load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
     for eval_set in config.eval.datasets:
         if eval_set.reward_function:
-            load_reward_function(eval_set.reward_function)
+            load_reward_function(eval_set.reward_function, f"eval.datasets[{eval_set.name}].reward_function")
     splits = load_splits(config.data, config.seed)
     budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
     if budget < 1:

@@ -107,8 +107,13 @@ def test_bad_eval_sets_are_refused_before_anything_starts(tmp_path, tiny_model_d
                                                                 "reward_function": "no_such_module:fn"}))
     from rlsys.rewards.loading import RewardFunctionError
 
-    with pytest.raises(RewardFunctionError, match="no_such_module"):
+    with pytest.raises(RewardFunctionError,
+                       match=r"^eval.datasets\[r\].reward_function: cannot import module 'no_such_module'"):
         load_assets(bad_reward)
+    missing_file = load_config(_config(tmp_path, tiny_model_dir, {"name": "f", "path": str(tmp_path / "set.jsonl"),
+                                                                  "reward_function": str(tmp_path / "gone.py") + ":fn"}))
+    with pytest.raises(RewardFunctionError, match=r"^eval.datasets\[f\].reward_function: .*gone.py"):
+        load_assets(missing_file)
 
 
 def test_train_refuses_a_missing_eval_set_file_in_one_line(tmp_path, tiny_model_dir, capsys):
