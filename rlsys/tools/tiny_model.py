@@ -1,7 +1,7 @@
 """Build a tiny random-init model (Qwen2, Qwen3, Llama or Qwen3-MoE) and a character-level
 tokenizer into a local directory.
 
-Nothing here touches a model hub: the tokenizer is built with the `tokenizers` library and the
+Nothing here touches a model hub: the tokenizer is built with transformers' Qwen2 tokenizer class and the
 model from its transformers config class, then both are saved in the Hugging Face format that
 SGLang and transformers load from disk.
 """
@@ -23,7 +23,7 @@ CHARACTERS = list(string.digits + string.ascii_lowercase + string.ascii_uppercas
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Architecture of the tiny model; defaults give ~0.3 M parameters."""
+    """Architecture of the tiny model; defaults give 133,696 parameters (qwen2; 80-token vocabulary)."""
 
     hidden_size: int = 64
     num_layers: int = 2
@@ -89,24 +89,27 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(chat: bool = False):
     """A character-level tokenizer: every character is one token; decoding concatenates. With
-    `chat`, also "\n", Qwen's <|im_start|>/<|im_end|> and its chat template, <|im_end|> as EOS."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    `chat`, also "\n", Qwen's <|im_start|>/<|im_end|> and its chat template, <|im_end|> as EOS.
 
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS + (["\n"] if chat else []))}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    # "[\s\S]": every character, the newline too ("." would leave it out)
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]" if chat else "."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
+    Built as what it is served as: a Qwen2 tokenizer (byte-level BPE) with no merges, so each
+    character stays one token. transformers' AutoTokenizer builds a Qwen2Tokenizer for any
+    directory whose config.json says qwen2, whatever tokenizer_config names (qwen2 is in its
+    MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), from tokenizer.json's vocabulary and merges: a
+    tokenizer of another kind there (the word-level one this was) lost its spaces, so `generate` on
+    an export disagreed with `rlsys eval`. Characters outside the vocabulary are dropped, as Qwen2's
+    BPE (unk_token None) drops them."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    as_bytes = bytes_to_unicode()  # byte-level BPE's spelling of each byte (" " is "Ġ", "\n" is "Ċ")
+    characters = ["".join(as_bytes[b] for b in c.encode()) for c in CHARACTERS + (["\n"] if chat else [])]
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + characters + (CHAT_TOKENS if chat else []))}
     if not chat:
-        return PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-        )
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<pad>",
-                                   unk_token="<unk>", additional_special_tokens=CHAT_TOKENS)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+        return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<unk>", eos_token="<|im_end|>", pad_token="<pad>",
+                               additional_special_tokens=CHAT_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _make_output_dir(out_dir: str | Path) -> Path:
@@ -130,10 +133,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
 
     out_dir = _make_output_dir(out_dir)
     tokenizer = build_tokenizer(chat)
-    # Twice: beside the model (rlsys loads it from there), and alone in tokenizer/. transformers'
-    # AutoTokenizer (SGLang's loader) builds a Qwen2 BPE tokenizer for a directory whose config.json
-    # says qwen2, whatever tokenizer_config names; without a config.json it takes tokenizer.json.
-    # So an engine that runs with its tokenizer gets model.tokenizer_path=DIR/tokenizer.
+    # Twice: beside the model, and alone in tokenizer/ (for model.tokenizer_path: the same tokenizer
+    # from a directory of its own).
     for directory in (out_dir, out_dir / "tokenizer"):
         _save_tokenizer(tokenizer, directory)
 
@@ -170,8 +171,6 @@ def _save_tokenizer(tokenizer, directory: Path) -> None:
     tokenizer.save_pretrained(str(directory))
     config_path = directory / "tokenizer_config.json"
     tokenizer_config = json.loads(config_path.read_text())
-    # The class explicit, so every loader that reads it takes tokenizer.json.
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     template = directory / "chat_template.jinja"
     if template.is_file():  # inside tokenizer_config.json, where Qwen's releases keep it
         tokenizer_config["chat_template"] = template.read_text()

@@ -77,10 +77,11 @@ def test_one_engine_serves_what_two_sharded_ranks_hold_through_both_transports(a
 @pytest.mark.parametrize("arch", DENSE)
 def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_path, ray_address):
     import torch
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlsys.config import load_config
     from rlsys.data.tasks import generate_task
+    from rlsys.data.tokenizer import load_tokenizer
 
     model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(arch=arch))
     run_dir = tmp_path / "run"
@@ -109,9 +110,15 @@ def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     assert type(model).__name__ == json.loads((model_dir / "config.json").read_text())["architectures"][0]
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(exported)
-    # transformers, from the exported files alone, answers the eval prompts as the run's last eval did
+    # The Auto classes, from the exported files alone, tokenize as the run did and answer the eval
+    # prompts as its last eval did (AutoTokenizer builds a Qwen2Tokenizer for a qwen2 config.json
+    # whatever tokenizer_config says: a tokenizer of another kind once lost its spaces there).
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    ran_with = load_tokenizer(model_dir)
     _, eval_rows = generate_task(load_config(run_dir / "config.yaml").data.synthetic)
+    assert [tokenizer(row.prompt).input_ids for row in eval_rows] == [ran_with(row.prompt).input_ids for row in eval_rows]
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.chat_template) == \
+        (ran_with.eos_token_id, ran_with.pad_token_id, ran_with.chat_template)
     right = 0
     for row in eval_rows:
         ids = tokenizer(row.prompt, return_tensors="pt").input_ids
