@@ -4,7 +4,7 @@ A row maps to `PromptRecord(prompt, label, metadata)` through `data.prompt_key` 
 "prompt"), `data.label_key` ("label") and `data.metadata_keys` (columns gathered into metadata;
 a `metadata` object field is kept too). Formats, by path:
 - `.jsonl`: one JSON object per line; a field that is not mapped is an error (a typo, most likely);
-- `.parquet` and `.csv`: read with pyarrow (CSV column types inferred, as `datasets` does);
+- `.parquet` and `.csv`: read with pyarrow (a CSV's values as the strings written: `007` stays `007`);
 - `.json`: a JSON array of objects, or JSON lines;
 - a directory saved by `datasets` (`save_to_disk`): a Dataset, or a DatasetDict whose split
   `data.train_split` / `data.eval_split` is used.
@@ -202,11 +202,23 @@ def _undecoded_byte(value) -> int | None:
     return next((byte for item in items if (byte := _undecoded_byte(item)) is not None), None)
 
 
+def _csv_header(path: Path) -> list[str]:
+    """The CSV's column names (its first record, quoting as the csv module reads it)."""
+    import csv as csv_module
+
+    with path.open(newline="", encoding="utf-8", errors="replace") as file:
+        return next(csv_module.reader(file), [])
+
+
 def _csv_table(path: Path):
-    """The CSV as an Arrow table (types inferred), and (where, DatasetError) of each line with the
-    wrong number of fields, which pyarrow leaves out of the table."""
+    """The CSV as an Arrow table of strings, and (where, DatasetError) of each line with the wrong
+    number of fields, which pyarrow leaves out of the table. Strings, not inferred types: a CSV says
+    nothing of types, and inferring them turned a label `007` into `7` and metadata "006" into 6."""
+    import pyarrow
+
     csv = _import("pyarrow.csv", "CSV")
     bad_lines = []
+    as_written = {name: pyarrow.string() for name in _csv_header(path)}
 
     def wrong_field_count(row) -> str:
         where = f"{path}:{row.number}"
@@ -217,7 +229,8 @@ def _csv_table(path: Path):
     try:  # one thread: pyarrow then knows each bad line's number; strings are checked row by row below
         table = csv.read_csv(path, read_options=csv.ReadOptions(use_threads=False),
                              parse_options=csv.ParseOptions(invalid_row_handler=wrong_field_count),
-                             convert_options=csv.ConvertOptions(check_utf8=False))
+                             convert_options=csv.ConvertOptions(check_utf8=False, column_types=as_written,
+                                                                strings_can_be_null=False))
     except Exception as error:  # noqa: BLE001 - pyarrow's ArrowInvalid names the problem
         raise DatasetError(f"dataset {path}: cannot be read as CSV: {error}") from None
     return table, bad_lines

@@ -34,7 +34,22 @@ def test_json_and_csv_files_load_through_datasets(tmp_path):
     (tmp_path / "d.json").write_text("\n".join(json.dumps(row) for row in ROWS))
     assert read_records(tmp_path / "d.json", COLUMNS)[0] == EXPECTED
     (tmp_path / "d.csv").write_text("question,answer,source,level\n2+2?,4,gsm8k,1\n3*3?,9,math,2\n")
-    assert read_records(tmp_path / "d.csv", COLUMNS)[0] == EXPECTED
+    # A CSV declares no types: its values are the strings written (the level too)
+    assert read_records(tmp_path / "d.csv", COLUMNS)[0] == [
+        PromptRecord(r.prompt, r.label, {**r.metadata, "level": str(r.metadata["level"])}) for r in EXPECTED]
+
+
+def test_every_format_keeps_values_as_the_file_writes_them(tmp_path):
+    """A label `007` stays "007" and metadata "006" stays "006" (CSV used to guess 7 and 6); where a
+    format declares a type (JSON numbers, Parquet columns) that type is kept."""
+    columns = Columns(prompt="question", label="answer", metadata=("code", "n"))
+    (tmp_path / "d.csv").write_text('question,answer,code,n\n"a, b",007,"006",\n')
+    assert read_records(tmp_path / "d.csv", columns)[0] == [PromptRecord("a, b", "007", {"code": "006", "n": ""})]
+    (tmp_path / "d.jsonl").write_text(json.dumps({"question": "a, b", "answer": "007", "code": "006", "n": 5}) + "\n")
+    assert read_records(tmp_path / "d.jsonl", columns)[0] == [PromptRecord("a, b", "007", {"code": "006", "n": 5})]
+    rows = [{"question": "a, b", "answer": "007", "code": "006", "n": 5}]
+    assert read_records(_parquet(tmp_path / "d.parquet", rows), columns)[0] == \
+        [PromptRecord("a, b", "007", {"code": "006", "n": 5})]
 
 
 def test_a_saved_dataset_and_a_dataset_dict_split(tmp_path):
