@@ -49,7 +49,7 @@ from rlsys.run.lifecycle import (
 )
 from rlsys.run.nonfinite import NonfiniteGuard
 from rlsys.run.partial_rollouts import PartialRollouts
-from rlsys.run.reporting import HealthMonitor, new_status, status_server
+from rlsys.run.reporting import HealthMonitor, ProgressLines, new_status, status_server
 from rlsys.run.standing_engines import cluster_address
 from rlsys.system.cluster import ray_cluster
 from rlsys.system.model_source import resolve_model_paths
@@ -87,10 +87,15 @@ class Run:
     # so it must be told this version (the sync it died in expects it).
     trainer_version: int = 0
     nonfinite: NonfiniteGuard | None = None  # set from trainer.max_nonfinite_steps
+    progress: ProgressLines | None = None  # set from logging
 
     def __post_init__(self):
         if self.nonfinite is None:
             self.nonfinite = NonfiniteGuard(self.config.trainer.max_nonfinite_steps)
+        if self.progress is None:
+            logging_config = self.config.logging
+            self.progress = ProgressLines(self.config.trainer.total_steps, logging_config.progress_bar,
+                                          logging_config.summary_interval_s)
 
     @contextmanager
     def phase(self, row: dict, state: str, timing: str):
@@ -412,6 +417,7 @@ def _record(run: Run, row: dict, last_step: bool) -> None:
     run.log.append(row)
     run.trackers.log(row)
     run.status.record_step(row)
+    run.progress.step(row, last_step)
     if run.health.due(last_step):
         run.health.refresh(run.status)
     run.status.save_snapshot()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import uuid
 from contextlib import contextmanager
@@ -47,6 +48,33 @@ class HealthMonitor:
     def refresh(self, status: RunStatus) -> None:
         status.set_actors(collect_actor_health(self.parts.trainer, self.parts.rollout))
         self._last = time.monotonic()
+
+
+class ProgressLines:
+    """What a run says as it goes where no progress bar shows it (logging.progress_bar off, as in a
+    `ray job submit` log): a line for every eval, and a step summary at most every `interval_s` (the
+    first and last steps always). With the bar on they are debug lines (`-v`)."""
+
+    EVAL_KEY = re.compile(r"^eval_(?:.+_)?(?:reward_mean|pass@\d+)$")
+
+    def __init__(self, total_steps: int, progress_bar: bool, interval_s: float, clock=time.monotonic):
+        self.total_steps, self.interval_s, self.clock = total_steps, interval_s, clock
+        self.level = logging.DEBUG if progress_bar else logging.INFO
+        self._last = float("-inf")
+
+    def step(self, row: dict, last_step: bool) -> None:
+        where = f"step {row['step'] + 1}/{self.total_steps}"
+        evals = {key: value for key, value in row.items() if self.EVAL_KEY.match(key) and isinstance(value, float)}
+        if evals:
+            logger.log(self.level, "%s: %s", where, ", ".join(f"{key} {value:.3f}" for key, value in evals.items()))
+        now = self.clock()
+        if row["step"] == 0 or last_step or now - self._last >= self.interval_s:
+            self._last = now
+            shown = [f"{name} {row[key]:.3g}" for key, name in (("reward_mean", "reward"), ("loss", "loss"),
+                                                                ("kl", "kl"), ("response_len_mean", "response_len"))
+                     if isinstance(row.get(key), float)]
+            logger.log(self.level, "%s: %s; %.2f s", where, ", ".join(shown) or "no sample scored",
+                       row.get("time_step_s", 0.0))
 
 
 def new_status(config: RunConfig, run_dir: Path, assets: RunAssets) -> RunStatus:

@@ -1,6 +1,7 @@
 """End to end: the CPU quickstart learns, logs what a user reads, and leaves nothing behind."""
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -44,6 +45,11 @@ def test_quickstart_learns_and_cleans_up(leftovers, tmp_path, tiny_model_dir):
     assert evals[-1] >= 0.9 and max(evals[:-1]) < 0.9, f"eval reward over the run: {evals}"
     assert "eval_reward_mean" in rows[-1] and len(rows) < 200  # the run ended with the step whose eval reached 0.9
     assert "reached eval.stop_at_reward 0.9" in result.stdout
+    # no progress bar: a line per eval, and step summaries (the first and the last step's at least)
+    eval_lines = [line for line in result.stdout.splitlines() if re.match(r"rlsys: step \d+/\d+: eval_reward_mean ", line)]
+    assert [float(line.rsplit(" ", 1)[1]) for line in eval_lines] == pytest.approx(evals, abs=5e-4)
+    summaries = re.findall(r"rlsys: step (\d+)/\d+: reward [-\d.e]+, loss ", result.stdout)
+    assert summaries[0] == "1" and summaries[-1] == str(len(rows))
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{len(rows):08d}"]
     # the engine's weights advance one version per step and match the trainer (fp32)
