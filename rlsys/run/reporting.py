@@ -55,7 +55,7 @@ class ProgressLines:
     `ray job submit` log): a line for every eval, and a step summary at most every `interval_s` (the
     first and last steps always). With the bar on they are debug lines (`-v`)."""
 
-    EVAL_KEY = re.compile(r"^eval_(?:.+_)?(?:reward_mean|pass@\d+)$")
+    EVAL_KEY = re.compile(r"^eval_(?:.+_)?(?:reward_mean|pass_at_\d+)$")
 
     def __init__(self, total_steps: int, progress_bar: bool, interval_s: float, clock=time.monotonic):
         self.total_steps, self.interval_s, self.clock = total_steps, interval_s, clock

@@ -16,13 +16,13 @@ def test_each_eval_gets_a_line_and_summaries_come_at_most_every_interval(caplog)
     with caplog.at_level(logging.INFO, logger="rlsys.run.reporting"):
         lines.step(_row(0, eval_reward_mean=0.1), last_step=False)
         lines.step(_row(1), last_step=False)
-        lines.step(_row(2, eval_reward_mean=0.4, eval_gsm_reward_mean=0.5, **{"eval_gsm_pass@4": 0.75}), last_step=False)
+        lines.step(_row(2, eval_reward_mean=0.4, eval_gsm_reward_mean=0.5, eval_gsm_pass_at_4=0.75), last_step=False)
         lines.step(_row(3), last_step=False)  # 31 s after the last summary
         lines.step(_row(4, reward_mean=None), last_step=True)
     assert [record.getMessage() for record in caplog.records] == [
         "step 1/5: eval_reward_mean 0.100",
         "step 1/5: reward 0.25, loss 0.01, kl 0, response_len 3; 0.50 s",
-        "step 3/5: eval_reward_mean 0.400, eval_gsm_reward_mean 0.500, eval_gsm_pass@4 0.750",
+        "step 3/5: eval_reward_mean 0.400, eval_gsm_reward_mean 0.500, eval_gsm_pass_at_4 0.750",
         "step 4/5: reward 0.25, loss 0.01, kl 0, response_len 3; 0.50 s",
         "step 5/5: loss 0.01, kl 0, response_len 3; 0.50 s",
     ]

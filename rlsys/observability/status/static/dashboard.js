@@ -17,7 +17,7 @@ const CHARTS = [
   // Algorithm options (algorithm.*): empty until the option that fills them is on.
   { id: "chart-sampling", series: [["filtered_groups", "filtered groups", "#e53935"],
                                    ["sampling_rounds", "sampling rounds", "#1e88e5"]] },
-  { id: "chart-truncation", series: [["truncated_fraction", "truncated fraction", "#fb8c00"],
+  { id: "chart-truncation", series: [["truncated_fraction", "hit max_new_tokens (no EOS/stop)", "#fb8c00"],
                                      ["overlong_penalty_mean", "overlong penalty", "#8e24aa"]] },
   { id: "chart-policy", series: [["clip_fraction", "tokens clipped", "#e53935"],
                                  ["seq_clip_fraction", "responses clipped (gspo, luspo)", "#fb8c00"],
@@ -114,7 +114,7 @@ function addEvalSetCharts() {
     const ks = [...passKeys].sort((a, b) => Number(a.split("_").pop()) - Number(b.split("_").pop()));
     const keys = [[`eval_${name}_reward_mean`, "reward mean (pass@1)"],
                   ...ks.map(key => [key, `pass@${key.split("_").pop()}`]),
-                  [`eval_${name}_truncated_fraction`, "truncated"]];
+                  [`eval_${name}_truncated_fraction`, "hit max_new_tokens"]];
     const series = keys.map(([key, label], i) => [key, label, EVAL_SET_COLORS[i % EVAL_SET_COLORS.length]]);
     const known = CHARTS.find(c => c.id === id);
     if (known && known.series.length === series.length) continue;
