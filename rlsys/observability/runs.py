@@ -29,7 +29,7 @@ class RunSummary:
     total_steps: int | None
     last_reward: float | None
     last_eval: float | None
-    wall_s: float | None  # start to finish (or to the last step of a run that has not finished)
+    wall_s: float | None  # start to finish (or to the last step), every process of a resumed run together
     started_at: float | None
 
     @classmethod
@@ -46,7 +46,7 @@ class RunSummary:
             total_steps=status.get("total_steps"),
             last_reward=_last(rows, "reward_mean"),
             last_eval=_last(rows, "eval_reward_mean"),
-            wall_s=(ended - started) if started and ended else None,
+            wall_s=(status.get("earlier_s") or 0.0) + (ended - started) if started and ended else None,
             started_at=started,
         )
 

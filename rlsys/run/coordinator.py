@@ -561,7 +561,7 @@ def run(config: RunConfig) -> Path:
         logger.info("%s", note)
     if checkpoint is not None:
         logger.info("resuming from %s", checkpoint)
-    status = new_status(config, run_dir, assets)
+    status = new_status(config, run_dir, assets, resuming=checkpoint is not None)
     layout = Topology.from_config(config, has_gpu=False)  # CPU counts do not depend on the GPUs
     with ExitStack() as stack:
         stack.callback(lock.release)

@@ -77,11 +77,14 @@ class ProgressLines:
                        row.get("time_step_s", 0.0))
 
 
-def new_status(config: RunConfig, run_dir: Path, assets: RunAssets) -> RunStatus:
+def new_status(config: RunConfig, run_dir: Path, assets: RunAssets, resuming: bool = False) -> RunStatus:
+    """A fresh status; a resumed run's carries the seconds its earlier processes ran (read from the
+    status.json they left, before this one overwrites it)."""
     dataset = {"train_prompts": len(assets.train), "eval_prompts": len(assets.eval),
                "skipped_rows": assets.skipped_rows, "too_long_prompts": assets.too_long_prompts}
     return RunStatus(run_id=f"{run_dir.name}-{uuid.uuid4().hex[:6]}", total_steps=config.trainer.total_steps,
-                     run_dir=str(run_dir), dataset=dataset)
+                     run_dir=str(run_dir), dataset=dataset,
+                     earlier_s=RunStatus.seconds_run_so_far(run_dir) if resuming else 0.0)
 
 
 @contextmanager

@@ -284,3 +284,24 @@ def test_runs_compare_and_serve_name_the_file_and_line_of_any_other_bad_metrics_
                     ["serve", str(runs_root / "dapo"), "--port", "0"]):
         assert main(command) == 2
         assert capsys.readouterr().err.startswith(f"rlsys: error: {metrics}:5: not a JSON object")
+
+
+def test_a_resumed_runs_wall_time_counts_every_process_it_ran_in(tmp_path):
+    """A run stopped after 100 s and resumed for 25 s more shows 125 s in `rlsys runs`, not 25 (the
+    resumed process's own)."""
+    from rlsys.observability.runs import RunSummary
+    from rlsys.observability.status.state import RunStatus
+
+    first = RunStatus(run_id="r", total_steps=10, run_dir=str(tmp_path), started_at=1000.0)
+    first.set_state("stopped")
+    first.finished_at = 1100.0
+    first.save_snapshot()
+    assert RunStatus.seconds_run_so_far(tmp_path) == 100.0
+    resumed = RunStatus(run_id="r", total_steps=10, run_dir=str(tmp_path), started_at=5000.0,
+                        earlier_s=RunStatus.seconds_run_so_far(tmp_path))
+    resumed.set_state("finished")
+    resumed.finished_at = 5025.0
+    resumed.save_snapshot()
+    assert RunSummary.read(tmp_path).wall_s == 125.0
+    assert RunStatus.from_run_dir(tmp_path).earlier_s == 100.0
+    assert RunStatus.seconds_run_so_far(tmp_path / "nothing-here") == 0.0

@@ -37,6 +37,7 @@ class StatusResponse(BaseModel):
     weight_version: int
     started_at: float
     finished_at: float | None
+    earlier_s: float = 0.0  # a resumed run: what its earlier processes ran, before started_at
     eta_seconds: float | None
     last_metrics: dict | None
     error: str | None

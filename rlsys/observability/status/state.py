@@ -39,6 +39,7 @@ class RunStatus:
     weight_version: int = 0
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
+    earlier_s: float = 0.0  # seconds the run's earlier processes ran (a resumed run), before started_at
     error: str | None = None
     metrics: list[dict] = field(default_factory=list)
     actors: list[ActorHealth] = field(default_factory=list)
@@ -128,6 +129,7 @@ class RunStatus:
                 "weight_version": self.weight_version,
                 "started_at": self.started_at,
                 "finished_at": self.finished_at,
+                "earlier_s": self.earlier_s,
                 "eta_seconds": self.eta_seconds(),
                 "last_metrics": dict(self.metrics[-1]) if self.metrics else None,
                 "error": self.error,
@@ -162,6 +164,19 @@ class RunStatus:
             return
         os.replace(temporary, path)
 
+    @staticmethod
+    def seconds_run_so_far(run_dir: str | Path) -> float:
+        """What the processes that wrote `run_dir`'s status.json ran, all together: its earlier ones'
+        and the last one's, from its start to its end (or to its last snapshot, when it was killed).
+        0.0 without a status.json."""
+        path = Path(run_dir) / "status.json"
+        try:
+            snapshot = json.loads(path.read_text())
+            ended = snapshot.get("finished_at") or path.stat().st_mtime
+            return float(snapshot.get("earlier_s") or 0.0) + max(0.0, ended - float(snapshot["started_at"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0.0
+
     @classmethod
     def from_run_dir(cls, run_dir: str | Path) -> RunStatus:
         """A read-only status of a run that is over (or whose coordinator is gone)."""
@@ -178,6 +193,7 @@ class RunStatus:
             total_steps=snapshot.get("total_steps", len(rows)),
             run_dir=str(run_dir),
             started_at=snapshot.get("started_at", time.time()),
+            earlier_s=snapshot.get("earlier_s", 0.0),
             dataset=snapshot.get("dataset", {}),
         )
         for row in rows:
