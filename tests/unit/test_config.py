@@ -405,3 +405,23 @@ def test_a_float_setting_at_infinity_or_nan_is_refused_naming_the_field(tmp_path
     with pytest.raises(ConfigError) as refused:
         load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), [f"{field}={value}"])
     assert field in str(refused.value) and "finite number" in str(refused.value)
+
+
+def test_the_run_config_names_data_and_user_function_files_by_absolute_paths(tmp_path, tiny_model_dir, monkeypatch):
+    """RUN_DIR/config.yaml runs again from any directory: relative data, eval-set and function files
+    are made absolute against the directory the run started in; module-style functions stay."""
+    from rlsys.run.coordinator import with_absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1 2>", "label": "2"}\n')
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir, data={"train_path": "train.jsonl", "eval_path": "e.jsonl"},
+                        reward={"function": "rewards.py:score"},
+                        eval={"datasets": [{"name": "a", "path": "a.jsonl", "reward_function": "sub/r.py:fn"},
+                                           {"name": "b", "path": "/abs/b.jsonl", "reward_function": "pkg.mod:fn"}]})
+    config = with_absolute_paths(load_config(path, ["rollout.generate_function=gen.py:generate"]), "run")
+    assert (config.data.train_path, config.data.eval_path) == (str(tmp_path / "train.jsonl"), str(tmp_path / "e.jsonl"))
+    assert config.reward.function == f"{tmp_path / 'rewards.py'}:score"
+    assert config.rollout.generate_function == f"{tmp_path / 'gen.py'}:generate"
+    assert [(s.path, s.reward_function) for s in config.eval.datasets] == [
+        (str(tmp_path / "a.jsonl"), f"{tmp_path / 'sub/r.py'}:fn"), ("/abs/b.jsonl", "pkg.mod:fn")]
+    assert config.run_dir == str(tmp_path / "run")
