@@ -172,6 +172,7 @@ def _status(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.parse
     import urllib.request
+    from datetime import datetime
 
     from rich.console import Console
     from rich.table import Table
@@ -202,6 +203,10 @@ def _status(args: argparse.Namespace) -> int:
     ]:
         table.add_row(key, str(value))
     for key, value in (status.get("last_metrics") or {}).items():
+        if key == "step":  # the step row above says it
+            continue
+        if key == "timestamp" and isinstance(value, (int, float)):
+            key, value = "last step ended", datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S")
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else "-" if value is None else str(value))
     if status.get("error"):
         table.add_row("error", status["error"])

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,7 +29,8 @@ def _status(tmp_path, steps: int = 3) -> RunStatus:
                        dataset={"train_prompts": 90, "eval_prompts": 10, "skipped_rows": 2, "too_long_prompts": 1})
     for step in range(steps):
         status.record_step({"step": step, "reward_mean": 0.1 * step, "kl": 0.0, "time_step_s": 0.5,
-                            "synced_weight_version": step + 1, "eval_reward_mean": float("nan")})
+                            "synced_weight_version": step + 1, "eval_reward_mean": float("nan"),
+                            "timestamp": 1.8e9 + step})
     status.set_actors([ActorHealth("trainer-rank-0", "trainer", True, time.time(), 123, ""),
                        ActorHealth("engine-0", "engine", False, None, None, "gone")])
     status.set_state("training")
@@ -105,6 +107,9 @@ def test_serve_shows_a_finished_run_directory(tmp_path):
                              capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert cli.returncode == 0 and "finished" in cli.stdout and "4 / 10" in cli.stdout
         assert "2 rows skipped, 1 prompts too long" in cli.stdout
+        # the last step's metrics without a second `step` row, its end as a time of day
+        assert [line.split()[1] for line in cli.stdout.splitlines() if line.split()[1:2] == ["step"]] == ["step"]
+        assert re.search(r"last step ended +│ \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", cli.stdout), cli.stdout
 
 
 def test_serve_rejects_a_directory_that_is_not_a_run(tmp_path):
