@@ -249,7 +249,9 @@ def _compare(args: argparse.Namespace) -> int:
     from rlsys.observability.metrics import read_metrics
     from rlsys.observability.runs import compare_table, is_run_dir, plot_compare
 
-    runs = [Path(args.run_a), Path(args.run_b)]
+    runs = [Path(run) for run in args.runs]
+    if len(runs) < 2:
+        raise UsageError("rlsys compare needs two runs or more")
     for run in runs:
         if not is_run_dir(run):
             logger.error("error: %s is not a run directory (no metrics.jsonl or status.json)", run)
@@ -259,15 +261,15 @@ def _compare(args: argparse.Namespace) -> int:
     known = {key for run_rows in rows for row in run_rows for key in row}
     unknown = [m for m in metrics if m not in known]
     if unknown:
-        logger.error("error: neither run logged %s; some that they did: %s", ", ".join(unknown),
+        logger.error("error: no run logged %s; some that they did: %s", ", ".join(unknown),
                      ", ".join(sorted(known)[:30]))
         return 2
-    names = [run.name if run.name != runs[1 - i].name else str(run) for i, run in enumerate(runs)]
-    Console(width=max(Console().width, 40 + 24 * len(metrics))).print(
-        compare_table(names[0], rows[0], names[1], rows[1], metrics))
+    names = [run.name if [other.name for other in runs].count(run.name) == 1 else str(run) for run in runs]
+    named = list(zip(names, rows, strict=True))
+    Console(width=max(Console().width, 40 + (12 * len(runs)) * len(metrics))).print(compare_table(named, metrics))
     if args.plot:
         try:
-            out = plot_compare(names[0], rows[0], names[1], rows[1], metrics, Path(args.plot))
+            out = plot_compare(named, metrics, Path(args.plot))
         except RuntimeError as error:
             logger.error("error: %s", error)
             return 2
@@ -367,9 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("dir", nargs="?", default="runs")
     runs.set_defaults(handler=_runs)
 
-    compare = commands.add_parser("compare", help="two runs' metric curves side by side (and as a plot)")
-    compare.add_argument("run_a")
-    compare.add_argument("run_b")
+    compare = commands.add_parser("compare", help="runs' metric curves side by side (and as a plot): two or more, "
+                                  "e.g. a sweep's runs/lr-*")
+    compare.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (two or more)")
     compare.add_argument("--metrics", default="reward_mean,eval_reward_mean,response_len_mean",
                          help="comma-separated metrics.jsonl keys (default: %(default)s)")
     compare.add_argument("--plot", metavar="PNG", default=None, help="also write the curves to this PNG file")

@@ -80,41 +80,53 @@ def runs_table(runs: list[RunSummary], title: str):
     return table
 
 
-def compare_rows(a: list[dict], b: list[dict], metrics: tuple[str, ...], max_rows: int = 25) -> list[int]:
-    """The steps to show: those where either run evaluated (when eval is compared), else evenly
-    spaced ones, at most `max_rows`, always with the first and the last step."""
-    steps = sorted({r["step"] for r in a} | {r["step"] for r in b})
+def compare_rows(runs: list[list[dict]], metrics: tuple[str, ...], max_rows: int = 25) -> list[int]:
+    """The steps to show: those where any run evaluated (when eval is compared), else evenly spaced
+    ones, at most `max_rows`, always with the first and the last step."""
+    every = [row for rows in runs for row in rows]
+    steps = sorted({r["step"] for r in every})
     if not steps:
         return []
     if any(m.startswith("eval_") for m in metrics):
-        evaluated = sorted({r["step"] for r in a + b if r.get("eval_reward_mean") is not None})
+        evaluated = sorted({r["step"] for r in every if r.get("eval_reward_mean") is not None})
         if evaluated:
             steps = evaluated
     stride = max(1, math.ceil(len(steps) / max_rows))
-    chosen = steps[::stride]
-    last = max(max((r["step"] for r in a), default=0), max((r["step"] for r in b), default=0))
-    return sorted(set(chosen) | {last})
+    return sorted(set(steps[::stride]) | {max(r["step"] for r in every)})
 
 
-def compare_table(name_a: str, rows_a: list[dict], name_b: str, rows_b: list[dict], metrics: tuple[str, ...]):
+def run_letters(count: int) -> list[str]:
+    """A, B, ... Z, then AA, AB, ...: how the tables name the runs compared."""
+    letters = []
+    for index in range(count):
+        name, index = "", index + 1
+        while index:
+            index, rest = divmod(index - 1, 26)
+            name = chr(ord("A") + rest) + name
+        letters.append(name)
+    return letters
+
+
+def compare_table(runs: list[tuple[str, list[dict]]], metrics: tuple[str, ...]):
+    """One row per chosen step, one column per metric holding every run's value ("A / B / ...")."""
     from rich.table import Table
 
-    by_step_a, by_step_b = {r["step"]: r for r in rows_a}, {r["step"]: r for r in rows_b}
-    table = Table(title=f"{name_a} (A) vs {name_b} (B)")
+    letters = run_letters(len(runs))
+    by_step = [{r["step"]: r for r in rows} for _, rows in runs]
+    table = Table(title=" vs ".join(f"{name} ({letter})" for (name, _), letter in zip(runs, letters, strict=True)))
     table.add_column("step", justify="right")
     for metric in metrics:
-        table.add_column(f"{metric}\nA / B", justify="right", no_wrap=True)
-    for step in compare_rows(rows_a, rows_b, metrics):
+        table.add_column(f"{metric}\n{' / '.join(letters)}", justify="right", no_wrap=True)
+    for step in compare_rows([rows for _, rows in runs], metrics):
         cells = [str(step)]
         for metric in metrics:
-            cells.append(f"{_fmt(by_step_a.get(step, {}).get(metric))} / {_fmt(by_step_b.get(step, {}).get(metric))}")
+            cells.append(" / ".join(_fmt(steps.get(step, {}).get(metric)) for steps in by_step))
         table.add_row(*cells)
     return table
 
 
-def plot_compare(name_a: str, rows_a: list[dict], name_b: str, rows_b: list[dict], metrics: tuple[str, ...],
-                 out: Path) -> Path:
-    """One panel per metric, both runs' curves in each; written as a PNG."""
+def plot_compare(runs: list[tuple[str, list[dict]]], metrics: tuple[str, ...], out: Path) -> Path:
+    """One panel per metric, every run's curve in each; written as a PNG."""
     try:
         import matplotlib
 
@@ -124,7 +136,7 @@ def plot_compare(name_a: str, rows_a: list[dict], name_b: str, rows_b: list[dict
         raise RuntimeError("rlsys compare --plot needs matplotlib: pip install 'rlsys[plot]'") from None
     figure, axes = plt.subplots(len(metrics), 1, figsize=(8, 2.6 * len(metrics)), squeeze=False)
     for axis, metric in zip(axes[:, 0], metrics, strict=True):
-        for name, rows in ((name_a, rows_a), (name_b, rows_b)):
+        for name, rows in runs:
             points = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
             if points:
                 axis.plot(*zip(*points, strict=True), marker="o" if metric.startswith("eval_") else None,

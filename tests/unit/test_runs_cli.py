@@ -67,6 +67,19 @@ def test_compare_shows_both_curves_at_the_eval_steps_and_the_last(runs_root, cap
     assert rows["29"] == ["0.725 / -", "1 / -"]  # the shorter run has no row there
 
 
+def test_compare_takes_a_sweep_of_runs(runs_root, tmp_path, capsys):
+    _fake_run(runs_root, "lr-3", "finished", [i / 80 for i in range(20)], started=1_800_001_000.0)
+    assert main(["compare", str(runs_root / "baseline"), str(runs_root / "dapo"), str(runs_root / "lr-3"),
+                 "--metrics", "reward_mean", "--plot", str(tmp_path / "sweep.png")]) == 0
+    out = capsys.readouterr().out
+    assert "baseline (A) vs dapo (B) vs lr-3 (C)" in " ".join(out.split())
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in out.splitlines() if "│" in line and line.split("│")[1].strip().isdigit()}
+    assert rows["0"] == ["0 / 0 / 0"] and rows["29"] == ["0.725 / - / -"]
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert "needs two runs or more" in refused_by_cli("compare", str(runs_root / "baseline"))
+
+
 def test_compare_writes_a_png_plot(runs_root, tmp_path, capsys):
     out_png = tmp_path / "plots" / "cmp.png"
     assert main(["compare", str(runs_root / "baseline"), str(runs_root / "dapo"), "--plot", str(out_png)]) == 0
@@ -86,12 +99,12 @@ def test_compare_names_what_is_wrong(runs_root, capsys):
     assert "not a run directory" in capsys.readouterr().err
     assert main(["compare", str(runs_root / "baseline"), str(runs_root / "dapo"), "--metrics", "rewrd_mean"]) == 2
     err = capsys.readouterr().err
-    assert "neither run logged rewrd_mean" in err and "reward_mean" in err
+    assert "no run logged rewrd_mean" in err and "reward_mean" in err
 
 
 def test_compare_rows_thin_out_long_runs():
     rows = [{"step": s} for s in range(200)]
-    steps = compare_rows(rows, rows, ("reward_mean",), max_rows=25)
+    steps = compare_rows([rows, rows], ("reward_mean",), max_rows=25)
     assert len(steps) <= 26 and steps[0] == 0 and steps[-1] == 199
 
 
