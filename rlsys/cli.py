@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -57,7 +58,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import contextlib
     import json
     from pathlib import Path
 
@@ -69,7 +69,8 @@ def _eval(args: argparse.Namespace) -> int:
     config = load_config(args.config, list(args.overrides))
     try:
         # --json: stdout holds the one JSON object; the progress lines go to stderr meanwhile.
-        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), \
+                _library_output_hidden(args.log_level):
             metrics = evaluate_model(config, checkpoint=Path(args.checkpoint) if args.checkpoint else None,
                                      model=Path(args.model) if args.model else None)
     except RunFailed as error:
@@ -130,10 +131,34 @@ def _engines(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _library_output_hidden(log_level: int):
+    """For a command whose output is its result (`export`, `eval`): transformers' and
+    huggingface_hub's progress bars and Python's warnings off, unless -v asks for everything."""
+    if log_level <= logging.DEBUG:
+        yield
+        return
+    import warnings
+
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers_logging.enable_progress_bar()
+        enable_progress_bars()
+
+
 def _export(args: argparse.Namespace) -> int:
     from rlsys.tools.export import export_hf
 
-    out = export_hf(args.run_dir, args.step, args.out_dir, merged=args.merged)
+    with _library_output_hidden(args.log_level):
+        out = export_hf(args.run_dir, args.step, args.out_dir, merged=args.merged)
     logger.info("Hugging Face checkpoint written to %s", out)
     return 0
 

@@ -217,6 +217,8 @@ def test_export_passes_over_a_truncated_checkpoint_and_refuses_a_file_as_output(
     assert result.returncode == 0, result.stderr
     assert "step_00000002 is incomplete (dcp/__0_0.distcp is truncated" in result.stderr
     assert "exporting step_00000001, the latest complete checkpoint" in result.stderr
+    # only rlsys's own lines: no library progress bars or warnings in the command's output
+    assert all(line.startswith("rlsys: ") for line in (result.stdout + result.stderr).splitlines()), result.stderr
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert exported.keys() == weights[1].keys()
     assert all(torch.equal(exported[name], weights[1][name]) for name in exported)
