@@ -145,3 +145,54 @@ def test_dashboard_renders_server_strings_as_text(tmp_path):
         assert "&lt;img id=\"injected\"" in dom and 'id="injected"' not in dom.replace("&lt;img id=\"injected\"", "")
         assert "&lt;b id='bold-error'&gt;" in dom or "&lt;b id=\"bold-error\"&gt;" in dom
         assert "<title>owned</title>" not in dom
+
+
+OFF_IN_THIS_RUN = ["chart-sampling", "chart-tis", "chart-tools", "chart-staleness", "chart-partial"]
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                    reason="Debian's chromium is not installed (make test installs it)")
+def test_a_finished_runs_dashboard_hides_what_is_off_and_shows_the_latest_values(tmp_path):
+    """A finished quickstart-like run (no dynamic sampling, TIS, tools, staleness or partial rollouts;
+    KL 0 throughout): the charts of the features that are off are hidden, not empty boxes, and a
+    note names them; the flat KL sits on a narrow axis around 0, not 0..100; each legend shows the
+    last step's value without hovering; the header has the latest reward and eval; actors stopped
+    with the run are not shown as failures."""
+    from rlsys.observability.status.state import ActorHealth, RunStatus
+
+    status = RunStatus(run_id="finished", total_steps=6, run_dir=str(tmp_path))
+    for step in range(6):
+        status.record_step({"step": step, "reward_mean": 0.25 + 0.1 * step, "kl": 0.0, "loss": 0.01 * step,
+                            "clip_fraction": 0.0, "entropy": 2.0, "response_len_mean": 2.0, "time_step_s": 0.4,
+                            "time_generate_s": 0.2, "time_train_s": 0.1, "time_sync_s": 0.1, "truncated_fraction": 1.0,
+                            "synced_weight_version": step + 1,
+                            **({"eval_reward_mean": 0.1 * step} if step % 2 == 0 or step == 5 else {})})
+    status.set_actors([ActorHealth("trainer-rank-0", "trainer", False, None, None, ""),
+                       ActorHealth("engine-0", "engine", False, None, None, "")])
+    status.set_state("finished")
+    status.save_snapshot()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in status.metrics_since(0)))
+    with served_run_dir(tmp_path) as url:
+        dom = _chromium("--dump-dom", f"{url}/")
+    assert 'data-loaded="true"' in dom, dom[:2000]
+    charts = {m.group(1): m.group(0) for m in re.finditer(r'<div class="chart" id="(chart-[a-z-]+)"[^>]*>', dom)}
+    for chart in OFF_IN_THIS_RUN:
+        assert " hidden" in charts[chart], charts[chart]
+    for chart in ("chart-reward", "chart-kl", "chart-loss", "chart-truncation", "chart-policy"):
+        assert " hidden" not in charts[chart], charts[chart]
+    note = re.search(r'<p id="charts-off">([^<]*)</p>', dom).group(1)
+    assert note.startswith("Not shown, no data in this run (the feature is off): ")
+    for title in ("dynamic sampling", "truncated importance sampling", "multi-turn", "asynchronous training",
+                  "partial rollouts"):
+        assert title in note, note
+    assert "reward (train, eval)" not in note and "KL to reference" not in note
+    y_min, y_max = (float(v) for v in re.search(r'data-y-range="([^"]+)"', charts["chart-kl"]).group(1).split(","))
+    assert y_min < 0 < y_max <= 1  # a narrow axis around the flat 0
+    kl_legend = dom[dom.index('id="chart-kl"'):dom.index('id="chart-loss"')]
+    assert re.search(r'class="u-value">0<', kl_legend), kl_legend[-1500:]
+    reward_legend = dom[dom.index('id="chart-reward"'):dom.index('id="chart-kl"')]
+    assert re.search(r'class="u-value">0\.75<', reward_legend) and re.search(r'class="u-value">0\.5<', reward_legend)
+    loss_legend = dom[dom.index('id="chart-loss"'):dom.index('id="chart-entropy"')]
+    assert re.search(r'class="u-value">0\.05<', loss_legend)
+    assert re.search(r'id="reward">0\.75<', dom) and re.search(r'id="eval-reward">0\.5<', dom)
+    assert dom.count("stopped (run finished)") == 2 and 'class="dead"' not in dom

@@ -69,6 +69,22 @@ function fmtTick(v) {
   return String(+v.toPrecision(3));
 }
 
+function yRange(min, max) {
+  if (min === null || max === null) return [0, 1];
+  if (min === max) {
+    const pad = min === 0 ? 1 : Math.abs(min) * 0.1;
+    return [min - pad, max + pad];
+  }
+  const pad = (max - min) * 0.08;
+  return [min - pad, max + pad];
+}
+
+// A chart has data once any of its series has a value: a feature that is off (dynamic sampling,
+// TIS, tools, staleness, partial rollouts) leaves its chart empty, and an empty chart is hidden.
+function hasData(chart) {
+  return chart.series.some(([key]) => rows.some(r => r[key] !== undefined && r[key] !== null));
+}
+
 function chartData(chart) {
   const xs = rows.map(r => r.step);
   const scale = chart.scale || 1;
@@ -85,9 +101,11 @@ function ensurePlots() {
     el.appendChild(title);
     plots[chart.id] = new uPlot({
       width: Math.max(el.clientWidth - 12, 300), height: 190,
-      scales: { x: { time: false } },
+      // A flat series (KL 0 without a KL term, no clipping) gets a narrow axis around its value,
+      // not uPlot's default 0..100 for a constant.
+      scales: { x: { time: false }, y: { range: (u, min, max) => yRange(min, max) } },
       series: [{ label: "step" }, ...chart.series.map(([, label, color]) => ({ label, stroke: color, spanGaps: true,
-               points: { show: true, size: 3 } }))],
+               points: { show: true, size: 3 }, value: (u, v) => (v === null || v === undefined ? "–" : fmtTick(v)) }))],
       axes: [{ label: "step" }, { size: 60, values: (u, ticks) => ticks.map(fmtTick) }],
     }, chartData(chart), el);
   }
@@ -156,11 +174,27 @@ function redrawPlots() {
   addEvalSetCharts();
   addStalenessShares();
   ensurePlots();
+  const off = [];
   for (const chart of CHARTS) {
-    plots[chart.id].setData(chartData(chart));
+    const el = document.getElementById(chart.id);
+    const shown = hasData(chart);
+    if (shown && el.hidden) {  // a feature's first values: drawn at the width it now has
+      el.hidden = false;
+      plots[chart.id].setSize({ width: Math.max(el.clientWidth - 12, 300), height: 190 });
+    }
+    el.hidden = !shown;
+    if (!shown) off.push(el.dataset.title);
+    const plot = plots[chart.id];
+    plot.setData(chartData(chart));
+    // the legend shows the latest step's values until the cursor points elsewhere
+    if (rows.length) plot.setLegend({ idx: rows.length - 1 });
+    el.dataset.yRange = `${plot.scales.y.min},${plot.scales.y.max}`;  // drawn on a canvas: here for readers
     // One point per finished step: exposed for tests and for people reading the DOM.
-    document.getElementById(chart.id).dataset.points = String(rows.length);
+    el.dataset.points = String(rows.length);
   }
+  const note = document.getElementById("charts-off");
+  note.hidden = !off.length;
+  note.textContent = off.length ? `Not shown, no data in this run (the feature is off): ${off.join("; ")}.` : "";
 }
 
 function redrawTimeline() {
@@ -211,13 +245,18 @@ function cell(text, className) {
   return td;
 }
 
-function redrawActors(actors) {
+const ENDED = new Set(["finished", "stopped"]);
+
+function redrawActors(actors, state) {
   const body = document.querySelector("#actors tbody");
   const now = Date.now() / 1000;
   body.replaceChildren(...actors.map(a => {
     const tr = document.createElement("tr");
     tr.dataset.kind = a.kind;
-    tr.append(cell(a.name), cell(a.kind), cell(a.alive ? "yes" : "no", a.alive ? "alive" : "dead"),
+    // a run that ended well stopped its actors: that is no failure
+    const alive = a.alive ? cell("yes", "alive") : ENDED.has(state) ? cell(`stopped (run ${state})`, "ended")
+                                                                     : cell("no", "dead");
+    tr.append(cell(a.name), cell(a.kind), alive,
               cell(a.last_heartbeat ? fmtSeconds(now - a.last_heartbeat) + " ago" : "–"),
               cell(a.memory_bytes ? (a.memory_bytes / 2 ** 20).toFixed(0) + " MiB" : "–"), cell(a.detail || ""));
     return tr;
@@ -235,6 +274,10 @@ function redrawStatus(s) {
   document.getElementById("eta").textContent = fmtSeconds(s.eta_seconds);
   const last = s.last_metrics || {};
   document.getElementById("tps").textContent = last.tokens_per_s ? last.tokens_per_s.toFixed(0) : "–";
+  const fmt = v => (v === undefined || v === null ? "–" : (+v.toPrecision(3)).toString());
+  document.getElementById("reward").textContent = fmt(last.reward_mean);
+  const evals = rows.filter(r => r.eval_reward_mean !== undefined && r.eval_reward_mean !== null);
+  document.getElementById("eval-reward").textContent = evals.length ? fmt(evals[evals.length - 1].eval_reward_mean) : "–";
   const error = document.getElementById("error");
   error.hidden = !s.error;
   error.textContent = s.error || "";
@@ -252,7 +295,7 @@ async function poll() {
     redrawStatus(status);
     redrawPlots();
     redrawTimeline();
-    redrawActors(actors.actors);
+    redrawActors(actors.actors, status.state);
     document.body.dataset.loaded = "true";
   } catch (err) {
     document.getElementById("state").textContent = "disconnected";
