@@ -43,7 +43,7 @@ class NonfiniteGuard:
     def stop_if_exceeded(self, step: int) -> None:
         if self.in_a_row >= self.limit:
             raise NonfiniteSteps(
-                f"step {step}: {self._shown}, the {self.in_a_row}th step in a row whose loss or gradient norm is "
+                f"step {step}: {self._shown}; {self.in_a_row} steps in a row had a loss or gradient norm that is "
                 "not finite (trainer.max_nonfinite_steps): nothing was learned in them. Usual causes: a coefficient "
                 "or learning rate too large (algorithm.kl_coef, entropy_coef, trainer.lr), rewards far larger than "
                 "the others (see reward_std), a model dtype that overflows (model.dtype)")
