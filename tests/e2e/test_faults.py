@@ -66,6 +66,28 @@ def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_pat
     assert [r["step"] for r in evals] == [0, 2] and all(r["eval_reward_errors"] > 0 for r in evals)
 
 
+@pytest.mark.slow
+def test_steps_whose_loss_is_not_finite_are_said_counted_and_stop_the_run(tmp_path, tiny_model_dir, ray_address,
+                                                                          quickstart_engines):
+    """An entropy bonus of 1e38 (finite, so the config takes it) times an entropy of ~4 overflows
+    float32: every step's loss is -inf and its update is skipped. Such a run used to log `loss: null`
+    for every step and end "finished" with exit 0, having learned nothing."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=10", "eval.interval=100",
+                      "algorithm.entropy_coef=1e38", "trainer.max_nonfinite_steps=2", ray_address, quickstart_engines),
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite_steps_in_a_row"] for r in rows] == [1, 2]  # recorded, then the run stopped
+    assert "step 0: loss " in result.stderr and "its optimizer update was skipped, the weights are unchanged " \
+        "(1 in a row; the run stops at 2, trainer.max_nonfinite_steps)" in result.stderr
+    assert "rlsys: run failed: step 1: " in result.stderr and "2 steps in a row had a loss or gradient norm that is " \
+        "not finite (trainer.max_nonfinite_steps)" in result.stderr
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+
+
 def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float = 600) -> None:
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
