@@ -231,7 +231,7 @@ class RewardPool:
         _kill_and_join(processes)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._executor, self._workers = None, {}
-        return {process.pid: process.exitcode for process in processes}
+        return {process.pid: _exit_code(process) for process in processes}
 
     def close(self) -> None:
         """Let idle workers exit on the executor's request, then kill any left. Not the executor's
@@ -255,6 +255,17 @@ class RewardPool:
         """The workers as started (the executor forgets one once its manager thread has seen it
         die) and as the executor holds them now."""
         return list({**self._workers, **(getattr(self._executor, "_processes", None) or {})}.values())
+
+
+def _exit_code(process, wait_s: float = 1.0) -> int | None:
+    """A joined worker's exit code. The executor's manager thread polls its workers too (is_alive
+    when the pool breaks): when its waitpid reaps the worker first, ours gets ECHILD and Python's
+    Popen.poll answers None until that thread has stored the code, a moment later. Waited for
+    here, since a None reads as "an unknown exit" (CI saw one on a loaded machine)."""
+    deadline = time.monotonic() + wait_s
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return process.exitcode
 
 
 def _kill_and_join(processes: list) -> None:
