@@ -41,7 +41,7 @@ import tempfile
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -127,6 +127,7 @@ class Proof:
     worker: object = None
     sequences: list = field(default_factory=list)
     figures: dict = field(default_factory=dict)
+    reference: bool = True  # the KL term's reference model (algorithm.use_kl_loss)
 
     @property
     def gpu(self) -> bool:
@@ -198,7 +199,7 @@ def run_config(proof: Proof):
                     "engine": {"context_length": work.prompt_len + work.response_len}},
         "trainer": {"num_ranks": 1, "packing": True, "max_tokens_per_microbatch": work.tokens_per_microbatch,
                     "gradient_checkpointing": True, "total_steps": 10, "lr": 1e-5},
-        "algorithm": {"use_kl_loss": True, "kl_coef": 0.001},
+        "algorithm": {"use_kl_loss": proof.reference, "kl_coef": 0.001 if proof.reference else 0.0},
         "weight_sync": {"bucket_size_mb": work.bucket_mb[1]},
         "placement": {"mode": "colocated", "device": "cuda" if proof.gpu else "cpu"},
     })
@@ -645,9 +646,11 @@ def check_step_profile(proof: Proof, fields: dict) -> None:
     # The step's parts, unprofiled: the reference's log-probs (its weights streamed from the host
     # layer by layer), the policy's forward alone, and the whole step.
     worker, sequences = proof.worker, proof.sequences
-    fields["parts_s"] = {"reference_logprobs": timed(lambda: worker.compute_log_probs(sequences, reference=True)),
-                         "policy_logprobs": timed(lambda: worker.compute_log_probs(sequences)),
-                         "train_step": timed(lambda: worker.train_step([sequences]))}
+    fields["parts_s"] = {
+        **({"reference_logprobs": timed(lambda: worker.compute_log_probs(sequences, reference=True))}
+           if proof.reference else {}),
+        "policy_logprobs": timed(lambda: worker.compute_log_probs(sequences)),
+        "train_step": timed(lambda: worker.train_step([sequences]))}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if proof.gpu else [])
     proof.synchronize()
     tick = time.perf_counter()
@@ -666,6 +669,8 @@ def check_step_profile(proof: Proof, fields: dict) -> None:
     host_syncs = {event.key: event.count for event in averages
                   if event.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
                                    "cudaEventSynchronize", "aten::item", "aten::_local_scalar_dense")}
+    # device_busy: kernel seconds over the step's seconds, summed over streams (copies on their own
+    # stream overlap compute, so it can pass 1: then it says little about idle gaps).
     fields.update(step_s=round(step_s, 3), device_kernel_s=round(kernel_us / 1e6, 3),
                   device_busy=round(kernel_us / 1e6 / step_s, 3) if proof.gpu else None,
                   top_device=top("self_device_time_total") if proof.gpu else [], top_cpu=top("self_cpu_time_total"),
@@ -712,12 +717,20 @@ def check_speed(proof: Proof, fields: dict) -> None:
 
 
 # ---- the run --------------------------------------------------------------------------------
-def run(device: torch.device, model: str, out: Path | None, budget_s: float, workdir: Path) -> bool:
+def run(device: torch.device, model: str, out: Path | None, budget_s: float, workdir: Path,
+        only: set[str] | None = None, tokens_per_microbatch: int | None = None, reference: bool = True) -> bool:
+    """Every check (environment, model and trainer_steps always; of the rest, `only` when given);
+    `tokens_per_microbatch` and `reference` vary the trainer's step for speed comparisons."""
     report = Report(out)
-    proof = Proof(device, MODELS[model], workdir / "model", Workload.for_device(device.type == "cuda"))
+    work = Workload.for_device(device.type == "cuda")
+    if tokens_per_microbatch:
+        work = replace(work, tokens_per_microbatch=tokens_per_microbatch)
+    proof = Proof(device, MODELS[model], workdir / "model", work, reference=reference)
     deadline = time.monotonic() + budget_s
 
     def within_budget(name: str) -> bool:
+        if only is not None and name not in only:
+            return False
         if time.monotonic() < deadline:
             return True
         report.emit(name, None, skipped=f"past --budget-s {budget_s:.0f}")
@@ -762,6 +775,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     parser.add_argument("--budget-s", type=float, default=330.0,
                         help="checks not started by then are reported as skipped (default 330)")
+    parser.add_argument("--only", help="comma-separated checks to run besides environment, model and trainer_steps "
+                        "(e.g. speed,step_profile)")
+    parser.add_argument("--tokens-per-microbatch", type=int, help="trainer.max_tokens_per_microbatch of the step")
+    parser.add_argument("--no-reference", action="store_true", help="no KL term, so no reference model")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this machine has no CUDA device (use --device cpu for the CPU twin)")
@@ -770,7 +787,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         torch.cuda.set_device(device)
     with tempfile.TemporaryDirectory(prefix="rlsys-gpu-proof-") as workdir:
-        return 0 if run(device, model, args.out, args.budget_s, Path(workdir)) else 1
+        only = set(args.only.split(",")) if args.only else None
+        return 0 if run(device, model, args.out, args.budget_s, Path(workdir), only, args.tokens_per_microbatch,
+                        not args.no_reference) else 1
 
 
 if __name__ == "__main__":
