@@ -27,6 +27,23 @@ def by_label(prompt, response, label, metadata):
 '''
 
 
+def _wait_until_dead(workers, timeout_s: float = 30.0) -> None:
+    """Until each killed worker is a zombie (or gone), without reaping it: psutil.wait_procs would reap
+    the pool's children behind multiprocessing's back, whose Popen then never learns the exit code, and
+    the executor's manager thread spun on is_alive() forever (a hang at the end of the test session)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    for worker in workers:
+        while time.monotonic() < deadline:
+            try:
+                if worker.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
+
+
 def _calls(*labels: str) -> list[RewardCall]:
     return [RewardCall(prompt="p", response="7", label=label, metadata={}) for label in labels]
 
@@ -112,7 +129,7 @@ def test_workers_killed_between_steps_are_replaced_for_the_next_step(pool):
     assert len(workers) == 2
     for worker in workers:
         os.kill(worker.pid, signal.SIGKILL)
-    psutil.wait_procs(workers)
+    _wait_until_dead(workers)
     assert [o.value for o in pool.score(_calls("8", "7", "7"))] == [0.0, 1.0, 1.0]
 
 
@@ -129,7 +146,7 @@ def test_closing_a_pool_whose_idle_worker_was_killed_returns_and_leaves_no_worke
     workers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
     assert len(workers) == 2
     os.kill(workers[0].pid, signal.SIGKILL)
-    psutil.wait_procs(workers[:1])
+    _wait_until_dead(workers[:1])
     closing = threading.Thread(target=pool.close, daemon=True)
     closing.start()
     closing.join(timeout=60)
