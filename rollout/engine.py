@@ -192,6 +192,26 @@ class RolloutEngine:
         self._call(lambda: self.client.update_weights_from_disk(model_path, str(weight_version)))
         return self.weight_version()
 
+    def restart_random_stream(self, seed: int) -> None:
+        """Restart the server's sampling random stream at `seed`, as a fresh server started with
+        `--random-seed seed` holds it: an attached run then samples the same whatever earlier runs
+        drew from this engine. Sent as a weightless entry through our weight loader, the one piece
+        of our code that runs inside the server (weight_sync/engine_loader.py)."""
+        import torch
+
+        from rlsys.weight_sync.colocated import serialize_named_tensors
+        from rlsys.weight_sync.engine_loader import LOAD_FORMAT, random_seed_entry
+
+        # An empty tensor pickles without any shared memory (torch's reductions special-case size 0),
+        # so the entry reaches a server on another node too.
+        payload = serialize_named_tensors([(random_seed_entry(seed), torch.empty(0))])
+        self._call(self.client.begin_weight_update)
+        try:
+            self._call(lambda: self.client.update_weights_from_tensor([payload] * self.server.spec.engine.tp_size,
+                                                                      LOAD_FORMAT))
+        finally:
+            self._call(self.client.end_weight_update)
+
     def address(self) -> EngineAddress:
         """Where the (started) server listens: what an attaching run's trainers post weights to."""
         return self.server.address

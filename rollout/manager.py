@@ -442,6 +442,11 @@ class RolloutManager:
                 answers.append(ray.get(getattr(self.engines[index], method).remote(*args)))
         return answers
 
+    def restart_random_streams(self, seed: int) -> None:
+        """Every engine's sampling stream restarted at `seed` (a run attached to standing engines,
+        after its first weight push: its samples then follow from its seed alone)."""
+        self._on_every_engine("restart_random_stream", seed)
+
     def end_abandoned_weight_updates(self) -> list[bool]:
         """After a trainer rank died mid-sync: close the weight-update session it left open."""
         return self._on_every_engine("end_abandoned_weight_update")

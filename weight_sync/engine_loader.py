@@ -38,11 +38,24 @@ LOAD_THREADS_ENV = "RLSYS_WEIGHT_LOAD_THREADS"
 # (one request fewer than a separate empty bucket: each costs a round trip through the scheduler).
 END_OF_SYNC = "rlsys.end_of_sync"
 _KEPT_STORAGE_ATTR = "_rlsys_kept_staging_storage"
+# An entry named this plus a number carries no weights: it restarts the engine's random streams at
+# that seed, as `--random-seed` did at start-up. A run attached to standing engines sends it after
+# its first weight push, so what it samples follows from its own seed, not from what earlier runs
+# drew from the same engine (`RolloutEngine.restart_random_stream`).
+RANDOM_SEED_ENTRY = "rlsys.random_seed="
+
+
+def random_seed_entry(seed: int) -> str:
+    return f"{RANDOM_SEED_ENTRY}{int(seed)}"
 
 
 def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     ends_sync = not named_tensors or named_tensors[-1][0] == END_OF_SYNC
-    weights = [(name, tensor) for name, tensor in named_tensors if name != END_OF_SYNC]
+    for name, _ in named_tensors:
+        if name.startswith(RANDOM_SEED_ENTRY):
+            _restart_random_streams(int(name[len(RANDOM_SEED_ENTRY):]))
+    weights = [(name, tensor) for name, tensor in named_tensors
+               if name != END_OF_SYNC and not name.startswith(RANDOM_SEED_ENTRY)]
     if weights:
         first = weights[0][1]
         _keep_host_staging_mapped(model, first)
@@ -54,6 +67,16 @@ def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Ten
             _finish_device_reads(first.device)
     if ends_sync:
         setattr(model, _KEPT_STORAGE_ATTR, None)
+
+
+def _restart_random_streams(seed: int) -> None:
+    """SGLang's own seeding (sglang/srt/utils/common.py, set_random_seed: Python, NumPy, torch and
+    every CUDA device), the call its scheduler and TP worker make once at start-up. Sampling draws
+    from torch's default generator of the device (layers/sampler.py, torch.multinomial), which this
+    process owns: the loader runs in the TP worker that samples."""
+    from sglang.srt.utils import set_random_seed
+
+    set_random_seed(seed)
 
 
 def _finish_device_reads(device: torch.device) -> None:

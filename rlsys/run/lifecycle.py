@@ -179,8 +179,10 @@ def restore(config: RunConfig, parts: Components, checkpoint: Path | None) -> Co
     """Load the trainer from `checkpoint` and bring the engines to the same weights and version."""
     if checkpoint is None:
         if parts.rollout.standing is not None:
-            # Standing engines hold whatever the last run left: this run's weights, as version 0.
+            # Standing engines hold whatever the last run left: this run's weights, as version 0,
+            # and its seed's random stream (else what it samples depends on the runs before it).
             push_weights(config, parts, 0)
+            parts.rollout.restart_random_streams(config.seed)
         return CoordinatorState(next_step=0, weight_version=0, data_epoch=0, data_index=0)
     state = CheckpointStore.load_state(checkpoint)
     parts.trainer.load_checkpoint(str(checkpoint))

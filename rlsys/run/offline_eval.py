@@ -121,6 +121,7 @@ def _evaluate_on_standing_engines(config: RunConfig, assets, maker: SampleMaker,
         stack.callback(rollout.shutdown)
         rollout.wait_ready()
         ray.get([engine.load_weights_from_disk.remote(str(model_dir.resolve()), 0) for engine in rollout.engines])
+        rollout.restart_random_streams(config.seed)  # pass@k samples follow from the seed, not from earlier runs
         rewards = make_reward_scorer(config.reward)
         stack.callback(rewards.close)
         rewards.start()

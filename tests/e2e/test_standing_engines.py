@@ -48,7 +48,9 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
                                                                    quickstart_engines):
     """Two runs in a row on the same engines: the first trains them far from the model (a large
     learning rate); the second's step-0 eval (greedy, before it trains) equals the first's step-0
-    eval, and its weight versions are its own from 0, with verify on (engine == trainer)."""
+    eval, its step-0 samples are the first's (same seed: the engine's random stream restarts at the
+    run's seed, it does not go on from where the first run left it), and its weight versions are its
+    own from 0, with verify on (engine == trainer)."""
     first, second = tmp_path / "first", tmp_path / "second"
     for run_dir, steps, lr in ((first, 4, "0.01"), (second, 1, "0.0005")):
         result = subprocess.run(
@@ -62,6 +64,10 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
     evals_first = [r["eval_reward_mean"] for r in rows_first if "eval_reward_mean" in r]
     assert len(evals_first) == 2 and evals_first[1] != evals_first[0]  # the first run left other weights
     assert rows_second[0]["eval_reward_mean"] == evals_first[0]
+    # Same prompts, weights and seed: the same 256 samples, so the same rewards, and the same entropy
+    # and gradient (computed before the first update, whatever the learning rate) to the last bit.
+    for key in ("reward_mean", "entropy", "grad_norm"):
+        assert rows_second[0][key] == rows_first[0][key], key
     assert [r["weight_version"] for r in rows_second] == [0]
     assert _set_engine()["weight_version"] == 1 and _lease() is None
 

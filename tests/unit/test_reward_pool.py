@@ -103,8 +103,10 @@ def test_the_exit_code_of_a_worker_the_executor_already_forgot_is_still_read(tmp
     replace = pool._replace_pool
 
     def after_the_manager_thread_forgot():
+        # A new empty table rather than clearing the one the manager thread iterates (that raced
+        # it: "dictionary changed size during iteration" in the thread); the pool reads the new one.
         if pool._executor is not None and pool._executor._processes:
-            pool._executor._processes.clear()
+            pool._executor._processes = {}
         return replace()
 
     monkeypatch.setattr(pool, "_replace_pool", after_the_manager_thread_forgot)
