@@ -127,6 +127,15 @@ class TrainerGroup:
                 reports.append({"rank": rank, "alive": False, "memory_bytes": None, "error": str(error)[:200]})
         return reports
 
+    def start_profile(self) -> None:
+        """Every rank starts recording torch.profiler (profile.steps)."""
+        ray.get([w.start_profile.remote() for w in self.workers])
+
+    def stop_profile(self, directory: str, timeout_s: float | None = None) -> list[str]:
+        """Every rank stops and writes its trace into `directory`; the files written."""
+        answers = ray.get([w.stop_profile.remote(directory) for w in self.workers], timeout=timeout_s)
+        return [path for paths in answers for path in paths]
+
     def describe(self) -> dict:
         return ray.get(self.workers[0].describe.remote())
 

@@ -42,6 +42,7 @@ from rlsys.actors.lora import (
 )
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize, pin_host_shards, reshard, uses_fsdp
+from rlsys.actors.profiling import RankProfiler
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import kl_estimate, masked_sum
 from rlsys.algorithms.losses import SEQUENCE_RATIO_LOSSES, flagged_sequences, micro_batch_loss
@@ -180,6 +181,7 @@ class TrainerWorker:
         self.shared_staging: SharedStaging | None = None  # set by connect_engines
         self.gather_scratch = StagingBuffer(share_memory=False)  # ranks that only join all-gathers
         self.context_parallel = None  # this rank's CP group (setup), None without context parallelism
+        self.profiler = RankProfiler(self.backend, rank)  # records only between start_profile and stop_profile
 
     # ---- set-up -------------------------------------------------------------------------
     def node_address(self) -> str:
@@ -559,6 +561,13 @@ class TrainerWorker:
             self.transport = None
         if self.shared_staging is not None:
             self.shared_staging.release()
+
+    # ---- profiling (profile.steps) ------------------------------------------------------------
+    def start_profile(self) -> None:
+        self.profiler.start()
+
+    def stop_profile(self, directory: str) -> list[str]:
+        return self.profiler.stop(directory)
 
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)

@@ -6,6 +6,7 @@ raises `ConfigError` naming every bad field and why, before any actor starts.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from pathlib import Path
@@ -617,6 +618,19 @@ class WeightSyncConfig(_Section):
     )
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# What placement.env may not replace: each is chosen per process, and a run-wide value would break it.
+_ENV_SET_BY_RLSYS = {
+    "CUDA_VISIBLE_DEVICES": "Ray for each actor (the GPUs of its placement bundle)",
+    "OMP_NUM_THREADS": "rlsys from the cores each process shares (TrainerSpec.threads, ServerSpec.threads)",
+    "MKL_NUM_THREADS": "rlsys from the cores each process shares (TrainerSpec.threads, ServerSpec.threads)",
+    "MASTER_ADDR": "rlsys from the trainer ranks' rendezvous",
+    "MASTER_PORT": "rlsys from the trainer ranks' rendezvous",
+    "RANK": "torch.distributed for each rank",
+    "WORLD_SIZE": "torch.distributed for each rank",
+}
+
+
 class PlacementConfig(_Section):
     mode: Literal["colocated", "disaggregated"] = Field(
         "colocated", description="colocated: engine i shares trainer rank i's device; disaggregated: trainers "
@@ -643,6 +657,31 @@ class PlacementConfig(_Section):
         default_factory=dict, description="Ray custom resources each engine's bundle also asks for (see "
         "trainer_node_resources).",
     )
+
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables of every trainer rank and every engine's SGLang "
+        "server, where the collectives run: NCCL_DEBUG, NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_DISABLE, "
+        "TORCH_NCCL_*, GLOO_SOCKET_IFNAME (which then replaces the interface rlsys picks), ... Numbers and true/false "
+        "are passed as YAML spells them. Standing engines keep the env of `rlsys engines up`.",
+    )
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_as_text(cls, env):
+        if isinstance(env, dict):
+            return {name: yaml.safe_dump(value).splitlines()[0] if isinstance(value, bool | int | float) else value
+                    for name, value in env.items()}
+        return env
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not _ENV_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an environment variable name (letters, digits and _)")
+            if name in _ENV_SET_BY_RLSYS:
+                raise ValueError(f"{name} is set by {_ENV_SET_BY_RLSYS[name]}; placement.env cannot replace it")
+        return env
 
     @field_validator("trainer_node_resources", "engine_node_resources")
     @classmethod
@@ -739,6 +778,21 @@ class LoggingConfig(_Section):
     run_name: str | None = Field(None, description="Run name in wandb/MLflow; default: the run directory's name.")
 
 
+class ProfileConfig(_Section):
+    steps: tuple[int, int] | None = Field(
+        None, description="First and last step (inclusive) to profile: torch.profiler traces of every trainer rank "
+        "(all they do in those steps, the weight sync and sleep/wake included) and a timeline of the driver's phases, "
+        "written to RUN_DIR/profile/ (docs/operations.md \"Profiling\"). None: off, nothing recorded, no cost.",
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _ordered(cls, steps):
+        if steps is not None and not 0 <= steps[0] <= steps[1]:
+            raise ValueError(f"profile.steps must be [first, last] with 0 <= first <= last (got {list(steps)})")
+        return steps
+
+
 def check_context_parallel(trainer: TrainerConfig, algorithm: AlgorithmConfig) -> None:
     """What context parallelism cannot do yet, refused before anything starts: each CP rank holds
     two chunks of a sequence, so a per-sequence sum (GSPO's and LUSPO's sequence ratio, VESPO's
@@ -775,6 +829,15 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
     status: StatusConfig = Field(default_factory=StatusConfig, description="The dashboard and REST API.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress and experiment tracking.")
+    profile: ProfileConfig = Field(default_factory=ProfileConfig, description="Profiling of chosen steps.")
+
+    @model_validator(mode="after")
+    def _profiled_steps_run(self):
+        steps, total = self.profile.steps, self.trainer.total_steps
+        if steps is not None and steps[0] >= total:
+            raise ValueError(f"profile.steps starts at step {steps[0]}, but the run's steps are 0..{total - 1} "
+                             f"(trainer.total_steps={total})")
+        return self
 
     @model_validator(mode="after")
     def _context_parallel_fits_algorithm(self):

@@ -49,6 +49,7 @@ from rlsys.run.lifecycle import (
 )
 from rlsys.run.nonfinite import NonfiniteGuard
 from rlsys.run.partial_rollouts import PartialRollouts
+from rlsys.run.profiling import StepProfiler
 from rlsys.run.reporting import HealthMonitor, ProgressLines, new_status, status_server
 from rlsys.run.standing_engines import cluster_address
 from rlsys.system.cluster import ray_cluster
@@ -88,8 +89,11 @@ class Run:
     trainer_version: int = 0
     nonfinite: NonfiniteGuard | None = None  # set from trainer.max_nonfinite_steps
     progress: ProgressLines | None = None  # set from logging
+    profiler: StepProfiler | None = None  # set from profile
 
     def __post_init__(self):
+        if self.profiler is None:
+            self.profiler = StepProfiler(self.config.profile.steps, Path(self.config.run_dir), lambda: self.parts.trainer)
         if self.nonfinite is None:
             self.nonfinite = NonfiniteGuard(self.config.trainer.max_nonfinite_steps)
         if self.progress is None:
@@ -103,7 +107,8 @@ class Run:
         self.status.set_state(state)
         start = time.perf_counter()
         try:
-            yield
+            with self.profiler.span(row["step"], timing):
+                yield
         finally:
             row[f"time_{timing}_s"] = row.get(f"time_{timing}_s", 0.0) + time.perf_counter() - start
 
@@ -152,6 +157,7 @@ def train_loop(run: Run) -> None:
     try:
         for step in run.steps():
             row: dict = {"step": step}
+            run.profiler.step_starting(step)
             step_start = time.perf_counter()
             batch = ahead.take(row, state.weight_version) if ahead else None
             if batch is None:
@@ -192,12 +198,14 @@ def train_loop(run: Run) -> None:
             row.update(_rollout_metrics(batch.generations, row["time_step_s"]), synced_weight_version=state.weight_version,
                        engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
             _record(run, row, last_step=last_step)
+            run.profiler.step_ended(step, last_step)
             run.nonfinite.stop_if_exceeded(step)
             if last_step:
                 break
     finally:
         if ahead:
             ahead.close()
+        run.profiler.finish()  # a run that ended before the last profiled step keeps what it recorded
     if run.status.stop_requested:
         _checkpoint_before_stopping(run)
 

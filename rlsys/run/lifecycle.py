@@ -69,6 +69,9 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     stack.callback(parts.shutdown)
     check_placement_nodes(config, topology, parts.placement, run_dir)  # before any trainer or engine starts
     parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
+    if config.placement.env:
+        logger.info("placement.env of the trainer ranks and engine servers: %s",
+                    " ".join(f"{name}={value}" for name, value in sorted(config.placement.env.items())))
     server = server_spec(config, topology, parts.cpu_sharers[1])
     parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
                                    parts.placement.engine_options(), standing=attached.record if attached else None)
@@ -118,8 +121,13 @@ def check_placement_nodes(config: RunConfig, topology: Topology, placement: Plac
 
 def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:
     spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
-    return TrainerGroup(spec, parts.topology.num_ranks,
-                        parts.placement.trainer_options(), env_vars=ACTOR_ENV)
+    return TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(), env_vars=trainer_env(config))
+
+
+def trainer_env(config: RunConfig) -> dict[str, str]:
+    """The trainer ranks' environment: one BLAS thread to start with (TrainerSpec.threads sets the
+    count), and the run's placement.env (NCCL and gloo settings), which the engines' servers get too."""
+    return {**ACTOR_ENV, **config.placement.env}
 
 
 def restart_trainers(config: RunConfig, parts: Components) -> None:

@@ -87,7 +87,7 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
             placement = create_placement(engines)
             stack.callback(placement.remove)
             server = ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=has_gpu,
-                                radix_cache=config.rollout.uses_radix_cache(has_gpu))
+                                radix_cache=config.rollout.uses_radix_cache(has_gpu), env=dict(config.placement.env))
             rollout = RolloutManager(server, engines.num_engines, scratch, placement.engine_options())
             stack.callback(rollout.shutdown)
             rewards = make_reward_scorer(config.reward)

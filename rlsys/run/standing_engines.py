@@ -108,7 +108,7 @@ def server_spec(config: RunConfig, topology: Topology, cpu_sharers: int) -> Serv
     return ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
                       memory_saver=topology.trainers_sleep, cpu_sharers=cpu_sharers,
                       radix_cache=config.rollout.uses_radix_cache(topology.has_gpu),
-                      pipelined_sync=config.weight_sync.pipelined)
+                      pipelined_sync=config.weight_sync.pipelined, env=dict(config.placement.env))
 
 
 # ---- up / status / down -------------------------------------------------------------------
@@ -297,6 +297,10 @@ def attach(config: RunConfig, topology: Topology, run_dir: Path, command: str) -
         raise StandingEnginesError(
             f"rollout.attach={name}: the standing engines do not match this run:\n  - " + "\n  - ".join(differences)
             + "\nstart a set for this config (`rlsys engines up CONFIG --name OTHER`) or attach to a matching one")
+    if record.spec.env != config.placement.env:
+        logger.warning("placement.env differs from the standing engines' (%s): their servers keep the env of `rlsys "
+                       "engines up`; this run's trainer ranks get %s", _env_text(record.spec.env),
+                       _env_text(config.placement.env))
     lease = Lease.take(name, command, str(run_dir))
     try:
         revived = _revive_dead_engines(record)
@@ -310,6 +314,10 @@ def attach(config: RunConfig, topology: Topology, run_dir: Path, command: str) -
                 record.log_dir, f"; restarted {', '.join(f'engine-{i}' for i in revived)}" if revived else "",
                 f"; left by the last run: {'; '.join(tidied)}" if tidied else "")
     return Attached(record, lease, Placement(record.placement_group, topology, owned=False))
+
+
+def _env_text(env: dict[str, str]) -> str:
+    return " ".join(f"{name}={value}" for name, value in sorted(env.items())) or "none"
 
 
 def _revive_dead_engines(record: StandingRecord) -> list[int]:

@@ -96,6 +96,13 @@ class Backend:
             torch.cuda.empty_cache()
 
 
+    def profiler_activities(self) -> list:
+        """What torch.profiler records on this backend: host ops always, CUDA kernels and copies
+        (through CUPTI) on a GPU."""
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if self.has_gpu else [ProfilerActivity.CPU]
+
     def held_memory_bytes(self) -> int:
         """Memory this process holds on its device: the caching allocator's reservation on GPU
         (what another process on the GPU cannot use), the resident set on CPU (host is the device)."""

@@ -51,6 +51,7 @@ class ServerSpec:
     # its threads are the node's cores over this. None (standalone engines): one thread.
     cpu_sharers: int | None = None
     pipelined_sync: bool = True  # weight_sync.pipelined: the trainers gather the next bucket during a load
+    env: dict[str, str] = field(default_factory=dict)  # placement.env: the collectives' settings (NCCL_*, ...)
 
     @property
     def dtype(self) -> str:
@@ -234,6 +235,7 @@ def nvml_device_keys(visible: str | None, device_count: int) -> list[int | str]:
 
 def build_env(spec: ServerSpec, backend: Backend, host: str = "127.0.0.1") -> dict[str, str]:
     env = dict(os.environ)
+    env.update(spec.env)
     env.update(gloo_interface_env(host, env))  # its weight-update group spans nodes (rlsys/system/node.py)
     served = served_model_class(spec.model.path)
     if served is not None and "SGLANG_EXTERNAL_MODEL_PACKAGE" not in env:

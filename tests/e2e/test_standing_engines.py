@@ -47,16 +47,16 @@ def _server_listening_on(url: str) -> psutil.Process:
 def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, tiny_model_dir, ray_address,
                                                                    quickstart_engines):
     """Two runs in a row on the same engines: the first trains them far from the model (a large
-    learning rate); the second's step-0 eval (greedy, before it trains) equals the first's step-0
+    learning rate, profiling steps 1-2); the second's step-0 eval (greedy, before it trains) equals the first's step-0
     eval, its step-0 samples are the first's (same seed: the engine's random stream restarts at the
     run's seed, it does not go on from where the first run left it), and its weight versions are its
     own from 0, with verify on (engine == trainer)."""
     first, second = tmp_path / "first", tmp_path / "second"
-    for run_dir, steps, lr in ((first, 4, "0.01"), (second, 1, "0.0005")):
+    for run_dir, steps, lr, profile in ((first, 4, "0.01", "[1, 2]"), (second, 1, "0.0005", "null")):
         result = subprocess.run(
             train_command("quickstart.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={steps}",
-                          "eval.interval=3", f"trainer.lr={lr}", "weight_sync.verify=true", ray_address,
-                          quickstart_engines),
+                          "eval.interval=3", f"trainer.lr={lr}", "weight_sync.verify=true", f"profile.steps={profile}",
+                          ray_address, quickstart_engines),
             capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "attached to standing engines 'quickstart'" in result.stdout
@@ -70,6 +70,18 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
         assert rows_second[0][key] == rows_first[0][key], key
     assert [r["weight_version"] for r in rows_second] == [0]
     assert _set_engine()["weight_version"] == 1 and _lease() is None
+    # The first run profiled steps 1-2 (profile.steps): each rank's trace holds its backward passes
+    # and weight sync, the driver's timeline each phase of those steps; the second run wrote none.
+    profile = first / "profile"
+    for rank in (0, 1):
+        names = {e.get("name", "") for e in json.loads((profile / f"trainer-rank{rank}.json").read_text())["traceEvents"]}
+        assert any("Backward" in name for name in names) and any(name.startswith("c10d::") for name in names), rank
+        assert "aten::" in (profile / f"trainer-rank{rank}-ops.txt").read_text()
+    timeline = json.loads((profile / "driver-timeline.json").read_text())["traceEvents"]
+    phases = {(e["args"]["step"], e["name"]) for e in timeline if e["ph"] == "X"}
+    assert {(s, p) for s in (1, 2) for p in ("generate", "train", "sync")} <= phases
+    assert {step for step, _ in phases} == {1, 2}
+    assert not (second / "profile").exists()
 
 
 @pytest.mark.slow

@@ -425,3 +425,35 @@ def test_the_run_config_names_data_and_user_function_files_by_absolute_paths(tmp
     assert [(s.path, s.reward_function) for s in config.eval.datasets] == [
         (str(tmp_path / "a.jsonl"), f"{tmp_path / 'sub/r.py'}:fn"), ("/abs/b.jsonl", "pkg.mod:fn")]
     assert config.run_dir == str(tmp_path / "run")
+
+
+def test_placement_env_reaches_the_trainer_ranks_and_the_engine_servers_and_bad_names_are_refused(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """placement.env (NCCL and gloo settings) in one place: the trainer ranks' runtime env and every
+    engine's SGLang server env get it, a GLOO_SOCKET_IFNAME there replaces the one rlsys picks, YAML
+    numbers and booleans pass as YAML spells them, and what rlsys sets per process is refused."""
+    from rlsys.rollout.sglang.server import build_env
+    from rlsys.run.lifecycle import trainer_env
+    from rlsys.run.standing_engines import server_spec
+    from rlsys.system.backend import make_backend
+    from rlsys.system.topology import Topology
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    config = load_config(path, ["placement.env={NCCL_DEBUG: INFO, NCCL_IB_DISABLE: 1, TORCH_NCCL_BLOCKING_WAIT: true, "
+                                "GLOO_SOCKET_IFNAME: lo}"])
+    wanted = {"NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1", "TORCH_NCCL_BLOCKING_WAIT": "true",
+              "GLOO_SOCKET_IFNAME": "lo"}
+    assert config.placement.env == wanted
+    ranks = trainer_env(config)
+    assert ranks["OMP_NUM_THREADS"] == "1" and all(ranks[k] == v for k, v in wanted.items())
+    topology = Topology.from_config(config, has_gpu=False)
+    server = build_env(server_spec(config, topology, 1), make_backend(False), host="127.0.0.1")
+    assert all(server[k] == v for k, v in wanted.items())  # lo, not the interface of 127.0.0.1 rlsys would pick
+    assert "NCCL_DEBUG" not in build_env(server_spec(load_config(path), topology, 1), make_backend(False))
+
+    for override, message in (("placement.env={CUDA_VISIBLE_DEVICES: '0'}", "CUDA_VISIBLE_DEVICES is set by Ray"),
+                              ("placement.env={OMP_NUM_THREADS: 4}", "OMP_NUM_THREADS is set by rlsys"),
+                              ("placement.env={'NCCL-DEBUG': INFO}", "'NCCL-DEBUG' is not an environment variable")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, [override])
