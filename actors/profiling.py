@@ -2,12 +2,16 @@
 
 Started before the first profiled step and stopped after the last, so the trace holds everything
 the rank did between: forward and backward passes, collectives, the weight sync, sleep and wake.
-It writes a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing) and a table of
-the ops that took the most time, for reading without a browser."""
+The rank's phases (`rlsys.train_step`, `rlsys.old_and_ref_logprobs`, `rlsys.backward`,
+`rlsys.optimizer`, `rlsys.sync_weights`, `rlsys.sleep`, ...) are marked in it as ranges that hold
+their ops. It writes a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing) and a
+table of the ops that took the most time, for reading without a browser."""
 
 from __future__ import annotations
 
+import functools
 import os
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from rlsys.system.backend import Backend
@@ -25,6 +29,13 @@ class RankProfiler:
     @property
     def recording(self) -> bool:
         return self._profile is not None
+
+    def phase(self, name: str):
+        """A range named `rlsys.<name>` in the trace around the block while recording; nothing
+        (not even torch's record_function) otherwise."""
+        if self._profile is None:
+            return nullcontext()
+        return _range(name)
 
     def start(self) -> None:
         from torch.profiler import profile
@@ -55,3 +66,22 @@ class RankProfiler:
         table = out / f"trainer-rank{self.rank}-ops.txt"
         table.write_text(profile.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS) + "\n")
         return [str(trace), str(table)]
+
+
+@contextmanager
+def _range(name: str):
+    from torch.profiler import record_function
+
+    with record_function(f"rlsys.{name}"):
+        yield
+
+
+def profiled_phase(name: str):
+    """Marks a TrainerWorker method as phase `name` of the rank's trace (see RankProfiler.phase)."""
+    def decorate(method):
+        @functools.wraps(method)
+        def marked(self, *args, **kwargs):
+            with self.profiler.phase(name):
+                return method(self, *args, **kwargs)
+        return marked
+    return decorate

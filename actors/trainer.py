@@ -42,7 +42,7 @@ from rlsys.actors.lora import (
 )
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize, pin_host_shards, reshard, uses_fsdp
-from rlsys.actors.profiling import RankProfiler
+from rlsys.actors.profiling import RankProfiler, profiled_phase
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import kl_estimate, masked_sum
 from rlsys.algorithms.losses import SEQUENCE_RATIO_LOSSES, flagged_sequences, micro_batch_loss
@@ -331,6 +331,7 @@ class TrainerWorker:
             into[index] = values[row, first:end].tolist()
 
     @torch.no_grad()
+    @profiled_phase("log_probs")
     def compute_log_probs(self, sequences: list[TrainSequence], reference: bool = False,
                           temperature: float | None = None) -> list[list[float]]:
         """Trainer log-probs of each sequence's response tokens (collective: all ranks call);
@@ -418,6 +419,7 @@ class TrainerWorker:
             start += len(mini)
         return plan
 
+    @profiled_phase("train_step")
     def train_step(self, mini_batches: list[list[TrainSequence]]) -> dict[str, float]:
         """Old/ref log-probs, then one optimizer step per mini-batch. Collective.
 
@@ -427,20 +429,14 @@ class TrainerWorker:
         """
         started = time.perf_counter()
         plan = self._plan(mini_batches)
-        self._attach_old_and_ref_logprobs(plan)
+        with self.profiler.phase("old_and_ref_logprobs"):
+            self._attach_old_and_ref_logprobs(plan)
         sums, grad_norms = LossSums(), []
         for batches in plan:
-            sums += self._backward_mini_batch(batches)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.trainer.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            grad_norms.append(float(grad_norm))
-            if not math.isfinite(grad_norms[-1]):
-                # Skip the update rather than poison the weights; the coordinator reports it.
-                self.optimizer.zero_grad(set_to_none=True)
-                continue
-            self.optimizer.step()
-            self.scheduler.step()
+            with self.profiler.phase("backward"):
+                sums += self._backward_mini_batch(batches)
+            with self.profiler.phase("optimizer"):
+                grad_norms.append(self._optimizer_step())
         self.optimizer.zero_grad(set_to_none=True)  # no gradients held between steps
         return {
             **sums.all_reduced(self.device).metrics(with_tis=self.spec.uses_tis,
@@ -450,6 +446,20 @@ class TrainerWorker:
             "lr": self.scheduler.get_last_lr()[0],
             "trainer_compute_s": time.perf_counter() - started,  # this rank's own seconds (time_train_s: the driver's)
         }
+
+    def _optimizer_step(self) -> float:
+        """Clip, then step (skipped when the gradient norm is not finite); the norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.trainer.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        norm = float(grad_norm)
+        if not math.isfinite(norm):
+            # Skip the update rather than poison the weights; the coordinator reports it.
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
+        self.optimizer.step()
+        self.scheduler.step()
+        return norm
 
     def loss_gradients(self, sequences: list[TrainSequence]) -> dict[str, torch.Tensor]:
         """Full gradients of the step's loss on `sequences` as one mini-batch, no update (tests)."""
@@ -472,6 +482,7 @@ class TrainerWorker:
         self.backend.empty_device_cache()
         return {"held_bytes": self.backend.held_memory_bytes()}
 
+    @profiled_phase("sleep")
     def sleep(self) -> dict:
         """Move parameters, gradients and optimizer state off the device, drop the weight-sync
         staging buffer (the next sync allocates it again), then return the freed blocks to the
@@ -487,6 +498,7 @@ class TrainerWorker:
         report.held_bytes = self.backend.held_memory_bytes()
         return report.__dict__
 
+    @profiled_phase("wake_up")
     def wake_up(self) -> dict:
         report = self.offloader.wake_up()
         report.held_bytes = self.backend.held_memory_bytes()
@@ -501,6 +513,7 @@ class TrainerWorker:
         return dict(self.load_memory)
 
     # ---- checkpoints --------------------------------------------------------------------
+    @profiled_phase("save_checkpoint")
     def save_checkpoint(self, directory: str) -> None:
         save_trainer_checkpoint(Path(directory), self.model, self.optimizer, self.scheduler, self.rank,
                                 trained_only=self.spec.model.lora is not None)
@@ -545,6 +558,7 @@ class TrainerWorker:
         dist.all_gather_object(memories, node_memory_identity(node_address()))
         return SharedStaging() if len(set(memories)) == 1 else None
 
+    @profiled_phase("sync_weights")
     def sync_weights(self, bucket_bytes: int, weight_version: int, pipelined: bool = True) -> dict:
         """Gather the weights bucket by bucket and hand them to this rank's transport. Collective."""
         named, merge = (merged_parameters(self.model) if self.spec.model.lora is not None

@@ -70,12 +70,14 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
         assert rows_second[0][key] == rows_first[0][key], key
     assert [r["weight_version"] for r in rows_second] == [0]
     assert _set_engine()["weight_version"] == 1 and _lease() is None
-    # The first run profiled steps 1-2 (profile.steps): each rank's trace holds its backward passes
-    # and weight sync, the driver's timeline each phase of those steps; the second run wrote none.
+    # The first run profiled steps 1-2 (profile.steps): each rank's trace holds its phases (train step,
+    # backward, optimizer, weight sync) and their ops and collectives, the driver's timeline each phase
+    # of those steps; the second run wrote none.
     profile = first / "profile"
     for rank in (0, 1):
         names = {e.get("name", "") for e in json.loads((profile / f"trainer-rank{rank}.json").read_text())["traceEvents"]}
         assert any("Backward" in name for name in names) and any(name.startswith("c10d::") for name in names), rank
+        assert {"rlsys.train_step", "rlsys.backward", "rlsys.optimizer", "rlsys.sync_weights"} <= names, rank
         assert "aten::" in (profile / f"trainer-rank{rank}-ops.txt").read_text()
     timeline = json.loads((profile / "driver-timeline.json").read_text())["traceEvents"]
     phases = {(e["args"]["step"], e["name"]) for e in timeline if e["ph"] == "X"}

@@ -4,6 +4,7 @@ and the attention choice table; both computable without a GPU."""
 import pytest
 
 from rlsys.actors.packed_attention import PACKED_SDPA
+from rlsys.actors.profiling import RankProfiler
 from rlsys.config import ConfigError, RunConfig
 from rlsys.system.backend import (
     Backend,
@@ -165,7 +166,8 @@ def _sync_dtype(spec, monkeypatch):
 
     monkeypatch.setattr(trainer_module, "sync_weights", fake_sync_weights)
     worker = types.SimpleNamespace(spec=spec, model=torch.nn.Linear(2, 2), transport=None, backend=_gpu_backend(),
-                                   gather_scratch=None, gather_dst=None, checkpoint_pieces=None, shared_staging=None)
+                                   gather_scratch=None, gather_dst=None, checkpoint_pieces=None, shared_staging=None,
+                                   profiler=RankProfiler(_gpu_backend(), rank=0))
     trainer_module.TrainerWorker.sync_weights(worker, 2**20, weight_version=1)
     return seen["engine_dtype"]
 

@@ -1,6 +1,7 @@
 """profile.steps: the ranks' torch.profiler traces and the driver's phase timeline, written for the
 chosen steps only; bad step ranges are refused before anything starts."""
 
+import contextlib
 import json
 import logging
 
@@ -30,12 +31,18 @@ def test_a_step_range_that_cannot_be_profiled_is_refused(tmp_path, tiny_model_di
 def test_a_rank_profile_holds_the_ops_it_ran_and_a_table_of_them(tmp_path):
     profiler = RankProfiler(make_backend(False), rank=1)
     assert profiler.stop(str(tmp_path)) == []  # nothing recording: nothing written
+    assert isinstance(profiler.phase("train_step"), contextlib.nullcontext)  # off: not even a record_function
     profiler.start()
-    torch.ones(64, 64) @ torch.ones(64, 64)
+    with profiler.phase("train_step"):
+        torch.ones(64, 64) @ torch.ones(64, 64)
     trace, table = profiler.stop(str(tmp_path / "profile"))
     assert trace.endswith("trainer-rank1.json") and table.endswith("trainer-rank1-ops.txt")
-    names = {event.get("name") for event in json.loads(open(trace).read())["traceEvents"]}
+    events = json.loads(open(trace).read())["traceEvents"]
+    names = {event.get("name") for event in events}
     assert "aten::mm" in names
+    phase = next(e for e in events if e.get("name") == "rlsys.train_step")
+    matmul = next(e for e in events if e.get("name") == "aten::mm")
+    assert phase["ts"] <= matmul["ts"] <= matmul["ts"] + matmul["dur"] <= phase["ts"] + phase["dur"]  # holds its ops
     assert "aten::mm" in open(table).read()
     assert not profiler.recording
 
