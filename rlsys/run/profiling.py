@@ -74,7 +74,10 @@ class StepProfiler:
             written = self._trainer().stop_profile(str(self.directory), timeout_s=STOP_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - a dead or stuck rank: the driver's timeline is still written
             logger.warning("the trainer ranks' profiles could not be written: %s", str(error).splitlines()[0])
-        written.append(str(self._write_timeline()))
+        try:
+            written.append(str(self._write_timeline()))
+        except OSError as error:  # a full disk or an unwritable run_dir: the run's own end matters more
+            logger.warning("the driver's profile timeline could not be written: %s", error)
         logger.info("profile written: %s (open the .json files in https://ui.perfetto.dev)",
                     ", ".join(Path(path).name for path in written))
 

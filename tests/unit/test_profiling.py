@@ -100,3 +100,10 @@ def test_off_records_nothing_and_a_run_ending_early_or_a_dead_rank_still_leaves_
     assert (tmp_path / "dead" / "profile" / TIMELINE_FILE).is_file()
     profiler.finish()  # once only
     assert dead.calls == ["start", "stop"]
+
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "profile").write_text("a file where the directory would go")
+    blocked = StepProfiler((0, 0), tmp_path / "blocked", lambda: group)
+    with caplog.at_level(logging.WARNING, logger="rlsys.run.profiling"):
+        _run_steps(blocked, range(1), last=0)  # does not raise: the run ends as it would have
+    assert "profile timeline could not be written" in caplog.text
