@@ -1,4 +1,4 @@
-"""`rlsys` command line: train, eval, plan, engines, export, serve, status, runs, compare, make-tiny-model."""
+"""`rlsys` command line: train, eval, plan, doctor, engines, export, serve, status, runs, compare, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -55,6 +55,30 @@ def _plan(args: argparse.Namespace) -> int:
     plan = memory_plan(load_config(args.config, list(args.overrides)), args.gpus_per_node)
     print_plan(plan, args.json)
     return 0 if plan.fits else 1
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """`rlsys doctor [CONFIG]` (rlsys/run/doctor.py): 1 when a check found a blocker."""
+    import json
+
+    from rlsys.config import load_config
+    from rlsys.errors import RunFailed
+    from rlsys.run.doctor import examine, print_report
+
+    config = load_config(args.config, list(args.overrides)) if args.config else None
+    if config is None and args.overrides:
+        raise UsageError("overrides need a config: rlsys doctor CONFIG key=value ...")
+    try:
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            report = examine(config, args.address)
+    except RunFailed as error:
+        logger.error("doctor failed: %s", error)
+        return 1
+    if args.json:
+        print(json.dumps(report.as_json(), default=str))
+    else:
+        print_report(report)
+    return 1 if report.blockers else 0
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -421,6 +445,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
                       help="GPUs of a node, for the host memory per node (default 8)")
     plan.set_defaults(handler=_plan)
+
+    doctor = commands.add_parser("doctor", help="check the nodes a config's run would use before a job: resources, "
+                                 "/dev/shm, GPUs, versions, run_dir and model, ports, clocks, a collective test")
+    doctor.add_argument("config", nargs="?", help="YAML config (without one: every node of the cluster, without the "
+                        "run's own checks)")
+    doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.num_ranks=4")
+    doctor.add_argument("--address", metavar="RAY_ADDRESS", help="the Ray cluster to check (default: "
+                        "placement.ray_address, RAY_ADDRESS, else a local cluster on this machine)")
+    doctor.add_argument("--json", action="store_true", help="one JSON object (ok, nodes, collectives, problems, env)")
+    doctor.set_defaults(handler=_doctor)
 
     tiny = commands.add_parser("make-tiny-model", help="build a local random-init model + tokenizer")
     tiny.add_argument("out_dir")

@@ -28,6 +28,7 @@ from rlsys.system.cluster import ACTOR_ENV
 from rlsys.system.node import node_address
 from rlsys.system.node_checks import (
     HubSnapshot,
+    NodeReport,
     PlacementNodes,
     device_memory_budget,
     probe_nodes,
@@ -94,17 +95,34 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
 def check_placement_nodes(config: RunConfig, topology: Topology, placement: Placement, run_dir: Path) -> None:
     """Every node the placement got sees run_dir and the model, and its devices fit the memory plan
     (rlsys/system/node_checks.py); otherwise a ConfigError naming the node and what to set."""
+    judge_placement_nodes(config, topology, probe_placement_nodes(config, topology, placement, run_dir), run_dir)
+
+
+def model_paths(config: RunConfig) -> tuple[str, ...]:
+    """The directories every node that loads the model must see: the model's, and a separate tokenizer's."""
+    engine = config.rollout.engine
+    return (config.model.path,) + ((config.model.tokenizer_path,)
+                                   if config.model.tokenizer_path and not engine.skip_tokenizer_init else ())
+
+
+def probe_placement_nodes(config: RunConfig, topology: Topology, placement: Placement,
+                          run_dir: Path | None) -> list[NodeReport]:
+    """Each node of the placement's report (rlsys/system/node_checks.py), naming the roles it holds;
+    `rlsys doctor` asks the same."""
     bundle_nodes = placement.bundle_nodes()
     placed = PlacementNodes()
     for bundle, roles in sorted(topology.roles_by_bundle().items()):
         for role in roles:
             placed.add(bundle_nodes[bundle], role)
-    engine = config.rollout.engine
-    models = (config.model.path,) + ((config.model.tokenizer_path,)
-                                     if config.model.tokenizer_path and not engine.skip_tokenizer_init else ())
     hub = ((HubSnapshot(config.model.hub_id, config.model.revision, config.model.path),)
            if config.model.hub_id and config.model.revision else ())
-    reports = probe_nodes(placed, run_dir, models, hub)
+    return probe_nodes(placed, run_dir, model_paths(config), hub)
+
+
+def judge_placement_nodes(config: RunConfig, topology: Topology, reports: list[NodeReport], run_dir: Path) -> None:
+    """NodeCheckFailed (a ConfigError) for a node that cannot see run_dir or the model, ConfigError
+    when the memory plan does not fit the nodes' devices; logs the plan and the nodes."""
+    models = model_paths(config)
     refuse_unusable_nodes(reports, run_dir, models)
     memory, source = device_memory_budget(reports, topology.has_gpu)
     trainer_nodes = [r for r in reports if any(role.startswith("trainer") for role in r.roles)]

@@ -69,7 +69,7 @@ def cluster_gpus_and_memory(address: str) -> tuple[float, int | None]:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rlsys.system.backend import cluster_gpus
-    from rlsys.system.node_checks import _smallest_gpu_bytes
+    from rlsys.system.node_checks import smallest_gpu_bytes
 
     joined = not ray.is_initialized()
     if joined:
@@ -82,7 +82,7 @@ def cluster_gpus_and_memory(address: str) -> tuple[float, int | None]:
                               "placement.gpu_memory_gb=80") from None
     try:
         gpus = cluster_gpus()
-        probe = ray.remote(num_cpus=0, max_retries=0)(_smallest_gpu_bytes)
+        probe = ray.remote(num_cpus=0, max_retries=0)(smallest_gpu_bytes)
         calls = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
                  for node in ray.nodes() if node["Alive"] and node["Resources"].get("GPU", 0) > 0]
         try:

@@ -16,14 +16,21 @@
   (rlsys/system/backend.py: flash_attn_available; False on a node without GPUs). Never the driver's
   own devices: under `ray job submit` the driver usually sits on a head without GPUs.
 
+The same probe also reads what `rlsys doctor` (rlsys/run/doctor.py) reports beside these checks:
+CPUs, the size of /dev/shm, each GPU (NVML), and the versions of the packages a run imports.
+`rlsys train` only refuses on the checks above; the doctor judges the rest too.
+
 Nodes other than the driver's run their part in a zero-CPU Ray task pinned to the node (it fits
 on any node, busy or not); the driver's own node answers in-process.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import platform
 import secrets
+import shutil
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +39,21 @@ from rlsys.config import ConfigError
 from rlsys.system.backend import flash_attn_available
 
 MARKER_PREFIX = ".rlsys-shared-check-"
+# The distributions whose versions must agree across a run's nodes (ray refuses a mismatch itself,
+# torch and sglang pickle tensors and requests between nodes; flash-attn changes the trainer's numerics).
+PACKAGES = ("torch", "sglang", "transformers", "flash_attn", "ray")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as NVML reports it (every GPU of the node, whatever CUDA_VISIBLE_DEVICES says)."""
+
+    index: int
+    name: str
+    memory_bytes: int
+    compute_mode: str  # "default", "exclusive_process", "prohibited"
+    driver: str
+    cuda: str  # the CUDA version the driver supports, e.g. "13.0"
 
 
 @dataclass(frozen=True)
@@ -45,6 +67,11 @@ class NodeReport:
     host_memory_bytes: int
     gpu_memory_bytes: int | None  # the node's smallest GPU (NVML); None without GPUs
     flash_attn_installed: bool
+    cpus: int = 0
+    shm_total_bytes: int = 0  # /dev/shm on this node (0: none)
+    shm_free_bytes: int = 0
+    gpus: tuple[GpuInfo, ...] = ()
+    versions: dict[str, str | None] = field(default_factory=dict)  # PACKAGES (None: not installed) + python
 
     def describe(self) -> str:
         return f"node {self.address} ({self.hostname}; {', '.join(self.roles)})"
@@ -63,24 +90,48 @@ class HubSnapshot:
     path: str
 
 
-def probe_this_node(run_dir: str, marker: str, token: str, model_paths: tuple[str, ...], node_id: str,
+def probe_this_node(run_dir: str | None, marker: str, token: str, model_paths: tuple[str, ...], node_id: str,
                     roles: tuple[str, ...], hub: tuple[HubSnapshot, ...] = ()) -> NodeReport:
     """This node's part of the checks (runs on the node)."""
     import psutil
 
     from rlsys.system.node import node_address
 
-    gpu_memory_bytes = _smallest_gpu_bytes()
+    gpus = read_gpus()
+    gpu_memory_bytes = min((gpu.memory_bytes for gpu in gpus), default=None)
+    shm_total, shm_free = _shm_bytes()
     return NodeReport(
         node_id=node_id, address=node_address(), hostname=socket.gethostname(), roles=roles,
-        run_dir_problem=_run_dir_problem(Path(run_dir), marker, token),
+        run_dir_problem=_run_dir_problem(Path(run_dir), marker, token) if run_dir else None,
         model_problem=_model_problem(model_paths, hub),
         host_memory_bytes=int(psutil.virtual_memory().total),
         gpu_memory_bytes=gpu_memory_bytes,
         # Ray (2.60) leaves a zero-GPU task's CUDA_VISIBLE_DEVICES alone, so this probe sees the node's
         # GPUs as a rank would; a node without GPUs runs no flash-attn (nor imports torch to say so).
         flash_attn_installed=gpu_memory_bytes is not None and flash_attn_available(),
+        cpus=os.cpu_count() or 0, shm_total_bytes=shm_total, shm_free_bytes=shm_free, gpus=gpus,
+        versions=package_versions(),
     )
+
+
+def package_versions() -> dict[str, str | None]:
+    """The installed version of each of PACKAGES (None: not installed) and of Python, read from
+    the distributions' metadata (importing them would take seconds)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def _shm_bytes(path: str = "/dev/shm") -> tuple[int, int]:
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return 0, 0
+    return usage.total, usage.free
 
 
 def _run_dir_problem(run_dir: Path, marker: str, token: str) -> str | None:
@@ -127,23 +178,42 @@ def _fetch_snapshot(snapshot: HubSnapshot) -> str | None:
     return None
 
 
-def _smallest_gpu_bytes() -> int | None:
+def read_gpus() -> tuple[GpuInfo, ...]:
+    """Every GPU of this node (NVML); () without a driver or without pynvml."""
     try:
         import pynvml
     except ImportError:
-        return None
+        return ()
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        return None  # no driver: no GPU on this node
+        return ()  # no driver: no GPU on this node
+    modes = {pynvml.NVML_COMPUTEMODE_DEFAULT: "default", pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "exclusive_process",
+             pynvml.NVML_COMPUTEMODE_PROHIBITED: "prohibited"}
     try:
-        count = pynvml.nvmlDeviceGetCount()
-        sizes = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total for i in range(count)]
-        return int(min(sizes)) if sizes else None
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # e.g. 13000
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            gpus.append(GpuInfo(index, _text(pynvml.nvmlDeviceGetName(handle)),
+                                int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                                modes.get(pynvml.nvmlDeviceGetComputeMode(handle), "unknown"), driver,
+                                f"{cuda // 1000}.{cuda % 1000 // 10}"))
+        return tuple(gpus)
     except pynvml.NVMLError:
-        return None
+        return ()
     finally:
         pynvml.nvmlShutdown()
+
+
+def smallest_gpu_bytes() -> int | None:
+    """The memory of this node's smallest GPU (NVML); None without GPUs."""
+    return min((gpu.memory_bytes for gpu in read_gpus()), default=None)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 @dataclass
@@ -156,29 +226,33 @@ class PlacementNodes:
         self.roles.setdefault(node_id, []).append(role)
 
 
-def probe_nodes(nodes: PlacementNodes, run_dir: Path, model_paths: tuple[str, ...],
+def probe_nodes(nodes: PlacementNodes, run_dir: Path | None, model_paths: tuple[str, ...],
                 hub: tuple[HubSnapshot, ...] = ()) -> list[NodeReport]:
-    """Every node's report (module docstring); the driver's run-dir marker is removed after."""
+    """Every node's report (module docstring); the driver's run-dir marker is removed after. No
+    run_dir: that check is not made (`rlsys doctor` without a config)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     token = secrets.token_hex(16)
     marker = f"{MARKER_PREFIX}{token[:8]}"
-    (run_dir / marker).write_text(token)
+    if run_dir is not None:
+        (run_dir / marker).write_text(token)
     try:
         here = ray.get_runtime_context().get_node_id()
         remote_probe = ray.remote(num_cpus=0, max_retries=0)(probe_this_node)
         pending = {
             node_id: remote_probe.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
-                str(run_dir), marker, token, model_paths, node_id, tuple(roles), hub)
+                run_dir and str(run_dir), marker, token, model_paths, node_id, tuple(roles), hub)
             for node_id, roles in nodes.roles.items() if node_id != here
         }
-        reports = [probe_this_node(str(run_dir), marker, token, model_paths, here, tuple(nodes.roles[here]), hub)] \
+        shared = run_dir and str(run_dir)
+        reports = [probe_this_node(shared, marker, token, model_paths, here, tuple(nodes.roles[here]), hub)] \
             if here in nodes.roles else []
         reports += [ray.get(call) for call in pending.values()]
     finally:
-        (run_dir / marker).unlink(missing_ok=True)
+        if run_dir is not None:
+            (run_dir / marker).unlink(missing_ok=True)
     return reports
 
 

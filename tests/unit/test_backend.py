@@ -225,7 +225,8 @@ def test_a_gpu_node_reports_flash_attn_as_transformers_decides_it(tmp_path, monk
     import rlsys.system.node_checks as node_checks
     from rlsys.system.backend import flash_attn_available
 
-    monkeypatch.setattr(node_checks, "_smallest_gpu_bytes", lambda: 80 * 2**30)
+    monkeypatch.setattr(node_checks, "read_gpus",
+                        lambda: (node_checks.GpuInfo(0, "NVIDIA H100", 80 * 2**30, "default", "580.1", "13.0"),))
     # e.g. a flash_attn package older than transformers accepts, or none at all while transformers finds one
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: transformers_says)
     assert flash_attn_available() is transformers_says
@@ -237,6 +238,6 @@ def test_a_node_without_gpus_runs_no_flash_attn(tmp_path, monkeypatch):
 
     import rlsys.system.node_checks as node_checks
 
-    monkeypatch.setattr(node_checks, "_smallest_gpu_bytes", lambda: None)
+    monkeypatch.setattr(node_checks, "read_gpus", lambda: ())
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
     assert _probe_node(tmp_path).flash_attn_installed is False
