@@ -11,7 +11,7 @@ STAMP := $(VENV)/.rlsys-installed
 # step keeps setuptools' "editable installation" note out of the build output.
 PIP := $(BIN)/pip install -qq
 
-.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium bench check-install check-python
+.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium iptables bench check-install check-python
 
 # torch first (2.14.1 lies on local disk), then SGLang's pure-Python runtime deps, then sglang
 # itself without its CUDA-only kernel packages, then rlsys. See requirements/sglang-cpu.txt.
@@ -65,7 +65,12 @@ chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq chromium >/dev/null) || echo "rlsys: could not install chromium"
 
-test: install chromium
+# The multi-node tests' firewalled node drops packets with iptables (in the node's namespace only).
+iptables:
+	@command -v iptables >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq iptables >/dev/null) || echo "rlsys: could not install iptables"
+
+test: install chromium iptables
 	$(BIN)/python -m pytest -q --durations=15 tests
 
 # The `gpu`-marked tests (they skip without CUDA), then the one-GPU smoke run.

@@ -21,7 +21,7 @@ import pytest
 
 from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO, check_tracking, fill_hub_cache
-from tests.multinode import NamespaceCluster, NodeSpec, our_namespaces, unavailable_reason
+from tests.multinode import SHM_SIZE, NamespaceCluster, NodeSpec, our_namespaces, unavailable_reason
 
 pytestmark = pytest.mark.slow
 
@@ -220,6 +220,97 @@ def test_a_hub_id_a_worker_node_cannot_resolve_is_refused_naming_the_node(cluste
     assert f"node {cluster.nodes['a'].address} (" in output
     assert f"{HEAD_ONLY} at 1a2b3c4d1a2b is not in this node's hub cache" in output and "HF_HUB_OFFLINE" in output
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# The doctor's run: trainer rank 0 on node a, one engine on each of b and c (5 of a node's 8 engine_node).
+DOCTOR_RUN = ("trainer.num_ranks=1", "rollout.num_engines=2", ON_TRAINER_NODES,
+              "placement.engine_node_resources={engine_node: 5}", "status.port=0")
+
+
+def _doctor(cluster: NamespaceCluster, model_dir: Path, run_dir: Path) -> tuple[int, dict, str]:
+    """`rlsys doctor --json` on the head, as an operator would run it there before a job."""
+    done = cluster.run_on("head", [sys.executable, "-m", "rlsys.cli", "doctor",
+                                   str(REPO / "configs" / "quickstart_disaggregated.yaml"), f"model.path={model_dir}",
+                                   f"run_dir={run_dir}", *DOCTOR_RUN, "--address", f"{cluster.head_address}:6379",
+                                   "--json"], cwd=REPO, timeout_s=300)
+    assert done.stdout.strip(), done.stderr[-3000:]
+    return done.returncode, json.loads(done.stdout), done.stderr
+
+
+def _node_problems(report: dict, address: str) -> list[str]:
+    return [p["what"] for p in report["problems"] if p["where"].startswith(f"node {address} (")]
+
+
+def test_the_doctor_passes_a_healthy_cluster_and_measures_its_links(cluster, tiny_model_dir, tmp_path):
+    code, report, stderr = _doctor(cluster, tiny_model_dir, tmp_path / "runs" / "doctor")
+    assert code == 0 and report["ok"] and report["problems"] == [], (report["problems"], stderr[-2000:])
+    a, b, c = (cluster.nodes[name].address for name in "abc")
+    roles = {row["report"]["address"]: row["report"]["roles"] for row in report["nodes"]}
+    assert roles == {a: ["trainer rank 0"], b: ["engine-0"], c: ["engine-1"]} or \
+        roles == {a: ["trainer rank 0"], b: ["engine-1"], c: ["engine-0"]}
+    for row in report["nodes"]:
+        assert row["report"]["versions"]["sglang"] == report["driver_versions"]["sglang"]
+        assert row["report"]["shm_free_bytes"] >= row["shm_needed_bytes"] and row["unreachable"] == []
+        assert abs(row["clock_skew_s"]) < 1.0  # one machine's clock
+    collectives = report["collectives"]
+    assert collectives["backend"] == "gloo" and sorted(collectives["nodes"]) == sorted([a, b, c])
+    assert len(collectives["broadcast_gbps"]) == 3 and all(v > 0 for v in collectives["broadcast_gbps"].values())
+    assert collectives["all_reduce_bus_gbps"] > collectives["bound_gbps"] > 0
+    assert not (tmp_path / "runs").exists()  # what the doctor made for its check is gone
+
+
+def test_the_doctor_names_each_node_that_cannot_run_its_part(cluster, tiny_model_dir, tmp_path):
+    """Node a with another sglang in its environment, b with a small /dev/shm, c behind a firewall
+    that drops new connections to its free ports and with another directory at run_dir."""
+    import importlib.metadata
+    import re
+
+    a, b, c = (cluster.nodes[name].address for name in "abc")
+    metadata = Path(importlib.metadata.distribution("sglang")._path) / "METADATA"
+    other_sglang = tmp_path / "METADATA"
+    other_sglang.write_text(re.sub(r"^Version: .*$", "Version: 0.5.22", metadata.read_text(), count=1, flags=re.M))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    used = int(cluster.run_on("b", ["df", "-B1", "--output=used", "/dev/shm"]).stdout.split()[-1])
+    listening = {int(line.split()[3].rsplit(":", 1)[1])
+                 for line in cluster.run_on("c", ["ss", "-ltnH"]).stdout.splitlines() if line.strip()}
+    first = next(start for start in range(40000, 60000, 500) if not any(start <= p < start + 500 for p in listening))
+    ports = f"{first}:{first + 499}"
+    firewall = ["iptables", "-A", "INPUT", "-p", "tcp", "--syn", "--dport", ports, "-j", "DROP"]
+    changes = [  # (node, do, undo)
+        ("a", ["mount", "--bind", str(other_sglang), str(metadata)], ["umount", str(metadata)]),
+        ("b", ["mount", "-o", f"remount,size={used + 16 * 2**20}", "/dev/shm"],
+         ["mount", "-o", f"remount,size={SHM_SIZE}", "/dev/shm"]),
+        ("c", ["mount", "--bind", str(tmp_path / "elsewhere"), str(tmp_path / "runs")], ["umount", str(tmp_path / "runs")]),
+        ("c", ["sysctl", "-qw", f"net.ipv4.ip_local_port_range={first} {first + 499}"],
+         ["sysctl", "-qw", "net.ipv4.ip_local_port_range=32768 60999"]),
+        ("c", firewall, ["iptables", "-D", *firewall[2:]]),
+    ]
+    done = []
+    try:
+        for node, do, undo in changes:
+            made = cluster.run_on(node, do)
+            assert made.returncode == 0, f"{node}: {' '.join(do)}: {made.stderr}"
+            done.append((node, undo))
+        code, report, stderr = _doctor(cluster, tiny_model_dir, tmp_path / "runs" / "doctor")
+    finally:
+        for node, undo in reversed(done):
+            cluster.run_on(node, undo)
+    assert code == 1 and not report["ok"], stderr[-2000:]
+    assert any("sglang 0.5.22 here, 0.5.23 on the driver and the other nodes" in what
+               for what in _node_problems(report, a)), report["problems"]
+    assert any("/dev/shm has" in what and "the run needs 64 MiB there" in what
+               for what in _node_problems(report, b)), report["problems"]
+    unreachable = [what for what in _node_problems(report, c) if "cannot be reached from" in what]
+    assert {what.split("cannot be reached from ")[1].split(":")[0] for what in unreachable} == \
+        {a, b, f"the driver ({cluster.head_address})"}, unreachable
+    (run_dir_refusal,) = [p["what"] for p in report["problems"] if "is not on storage that every node" in p["what"]]
+    assert f"node {c} (" in run_dir_refusal and "does not see the driver's files there" in run_dir_refusal
+    assert a not in run_dir_refusal and b not in run_dir_refusal
+    assert "cannot reach each other's ports" in report["collectives"]["skipped"]
+    # each problem names only its own node: a's and b's ports, c's /dev/shm and sglang were fine
+    assert not any("cannot be reached" in what for what in _node_problems(report, a) + _node_problems(report, b))
+    assert cluster.run_on("b", ["df", "-B1", "--output=size", "/dev/shm"]).stdout.split()[-1] == str(2 * 2**30)
 
 
 def test_a_killed_driver_leaves_nothing_on_any_node_and_the_run_resumes_as_if_uninterrupted(

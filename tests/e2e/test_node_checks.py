@@ -210,3 +210,35 @@ def test_a_key_that_begins_with_a_dash_reaches_sglang_as_the_key(tiny_model_dir)
                             "-Xk_3")
     arguments = command[command.index("sglang.launch_server") + 1:]
     assert parser.parse_args(arguments).api_key == "-Xk_3"
+
+
+def test_the_doctor_passes_this_machine_for_the_quickstart_and_leaves_nothing_behind(tiny_model_dir, tmp_path):
+    """`rlsys doctor` as a user runs it before a first job (one node: its collective test is between
+    two processes of it); then without a config, every node of the cluster, as a table."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    run_dir = tmp_path / "runs" / "first"
+    done = subprocess.run([sys.executable, "-m", "rlsys.cli", "doctor", str(REPO / "configs" / "quickstart.yaml"),
+                           f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "status.port=0", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["problems"] == []
+    (node,) = report["nodes"]
+    assert sorted(node["report"]["roles"]) == ["engine-0", "trainer rank 0", "trainer rank 1"]
+    assert node["shm_needed_bytes"] == (64 + 2 * 16) * 2**20  # the floor and the colocated sync's two 16 MiB buckets
+    assert report["collectives"]["backend"] == "gloo" and len(report["collectives"]["nodes"]) == 2
+    assert report["collectives"]["full_sync_s"] > 0
+    assert not (tmp_path / "runs").exists()
+
+    bare = subprocess.run([sys.executable, "-m", "rlsys.cli", "doctor"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    for shown in ("rlsys doctor: the run's nodes", "/dev/shm free (needs)", "clock vs driver",
+                  "collective test (gloo, 16 MiB over 2 processes", "rlsys doctor: every check passed"):
+        assert shown in bare.stdout, bare.stdout
+    assert not any(tmp_path.iterdir())  # nothing written where it ran
