@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import ray
@@ -11,6 +12,17 @@ from rlsys.actors.trainer import TrainerSpec, TrainerWorker
 from rlsys.algorithms.losses import sequence_loss_weights
 from rlsys.records import TrainSequence
 from rlsys.system.topology import Topology
+
+
+class TrainerHang(Exception):
+    """Trainer ranks that did not answer a call within trainer.call_timeout_s (a rank stopped or
+    deadlocked, the others waiting for it in a collective). `detail`: where each rank was
+    (rlsys/system/stacks.py), when the group's `on_hang` collected it."""
+
+    def __init__(self, what: str, ranks: list[int], timeout_s: float, detail: str = ""):
+        self.what, self.ranks, self.timeout_s, self.detail = what, ranks, timeout_s, detail
+        super().__init__(f"trainer rank(s) {', '.join(map(str, ranks))} did not finish {what} within {timeout_s:g} s "
+                         f"(trainer.call_timeout_s){': ' + detail if detail else ''}")
 
 
 class TrainerGroup:
@@ -28,9 +40,30 @@ class TrainerGroup:
             )
             for rank in range(num_ranks)
         ]
+        # Called with (what, ranks that did not answer) when a call passes trainer.call_timeout_s, before
+        # TrainerHang is raised; returns where each rank was (the coordinator collects the stacks).
+        self.on_hang: Callable[[str, list[int]], str] | None = None
+        self.hung = False
         address, port = ray.get(self.workers[0].rendezvous_address.remote())
-        self.nodes = ray.get([worker.node_address.remote() for worker in self.workers])  # rank -> node address
+        self.processes = ray.get([worker.process.remote() for worker in self.workers])  # rank -> (pid, node id, address)
+        self.nodes = [address for _, _, address in self.processes]  # rank -> node address
         ray.get([worker.setup.remote(address, port) for worker in self.workers])
+
+    def _wait(self, calls: list, what: str) -> list:
+        """The ranks' answers to one call each, within trainer.call_timeout_s (TrainerHang past it; a
+        rank that failed meanwhile raises its error, as ray.get would)."""
+        timeout_s = self.spec.trainer.call_timeout_s
+        if timeout_s is None:
+            return ray.get(calls)
+        ready, pending = ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        if pending:
+            for call in ready:
+                ray.get(call)  # a rank that died is the cause, not a hang
+            ranks = [calls.index(call) for call in pending]
+            self.hung = True  # its ranks will not answer a shutdown either
+            detail = self.on_hang(what, ranks) if self.on_hang is not None else ""
+            raise TrainerHang(what, ranks, timeout_s, detail)
+        return ray.get(calls)
 
     @property
     def _context_parallel_size(self) -> int:
@@ -44,8 +77,8 @@ class TrainerGroup:
         """`method`'s per-sequence results from the ranks, in the caller's order: each sequence's
         from the first rank of the group that took it (a CP group's ranks return the same)."""
         shares = self._shares(sequences)
-        results = ray.get([getattr(w, method).remote([sequences[i] for i in share], *args)
-                           for w, share in zip(self.workers, shares, strict=True)])
+        results = self._wait([getattr(w, method).remote([sequences[i] for i in share], *args)
+                              for w, share in zip(self.workers, shares, strict=True)], method)
         ordered: list = [None] * len(sequences)
         for rank in range(0, self.num_ranks, self._context_parallel_size):
             for index, result in zip(shares[rank], results[rank], strict=True):
@@ -62,7 +95,8 @@ class TrainerGroup:
         shares = [self._shares(mini) for mini in minis]
         per_rank = [[[mini[i] for i in share[rank]] for mini, share in zip(minis, shares, strict=True)]
                     for rank in range(self.num_ranks)]
-        results = ray.get([w.train_step.remote(parts) for w, parts in zip(self.workers, per_rank, strict=True)])
+        results = self._wait([w.train_step.remote(parts) for w, parts in zip(self.workers, per_rank, strict=True)],
+                             "train_step")
         group_tokens = [[sum(len(mini[i].token_ids) for i in share[rank])
                          for rank in range(0, self.num_ranks, self._context_parallel_size)]
                         for mini, share in zip(minis, shares, strict=True)]
@@ -76,7 +110,8 @@ class TrainerGroup:
     def sync_weights(self, bucket_bytes: int, weight_version: int, pipelined: bool = True) -> list[dict]:
         """Trainer weights into the engines of the last `connect_engines`; per-rank statistics
         (weight_sync.sync.SyncStats)."""
-        return ray.get([w.sync_weights.remote(bucket_bytes, weight_version, pipelined) for w in self.workers])
+        return self._wait([w.sync_weights.remote(bucket_bytes, weight_version, pipelined) for w in self.workers],
+                          "sync_weights")
 
     def loss_gradients(self, sequences: list[TrainSequence]) -> dict:
         """Gradients of the loss of `sequences` as one mini-batch (tests)."""
@@ -90,7 +125,7 @@ class TrainerGroup:
 
     def sleep(self) -> dict:
         """Offload every rank; returns summed bytes and the slowest rank's seconds."""
-        report = _combine(ray.get([w.sleep.remote() for w in self.workers]))
+        report = _combine(self._wait([w.sleep.remote() for w in self.workers], "sleep"))
         self.asleep = True
         return report
 
@@ -100,15 +135,15 @@ class TrainerGroup:
         return {"held_bytes": max(held) if held else None}
 
     def wake_up(self) -> dict:
-        report = _combine(ray.get([w.wake_up.remote() for w in self.workers]))
+        report = _combine(self._wait([w.wake_up.remote() for w in self.workers], "wake_up"))
         self.asleep = False
         return report
 
     def save_checkpoint(self, directory: str) -> None:
-        ray.get([w.save_checkpoint.remote(directory) for w in self.workers])
+        self._wait([w.save_checkpoint.remote(directory) for w in self.workers], "save_checkpoint")
 
     def load_checkpoint(self, directory: str) -> None:
-        ray.get([w.load_checkpoint.remote(directory) for w in self.workers])
+        self._wait([w.load_checkpoint.remote(directory) for w in self.workers], "load_checkpoint")
 
     def load_memory_reports(self) -> list[dict]:
         return ray.get([w.load_memory_report.remote() for w in self.workers])
@@ -147,7 +182,8 @@ class TrainerGroup:
 
     def shutdown(self) -> None:
         try:
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+            if not self.hung:
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
         except Exception:  # noqa: BLE001 - a dead rank must not stop the others from being killed
             pass
         for worker in self.workers:

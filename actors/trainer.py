@@ -187,6 +187,12 @@ class TrainerWorker:
     def node_address(self) -> str:
         return node_address()
 
+    def process(self) -> tuple[int, str, str]:
+        """(pid, Ray node id, node address): where this rank's stacks are read on a hang."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id(), node_address()
+
     def rendezvous_address(self) -> tuple[str, int]:
         with socket.socket() as sock:
             sock.bind(("", 0))

@@ -382,6 +382,11 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's moment decay rates.")
     grad_clip: float = Field(1.0, gt=0.0, description="Gradient norm clipped to this before each optimizer step.")
+    call_timeout_s: float | None = Field(
+        3600.0, gt=0, description="Seconds the driver waits for the trainer ranks to finish one call (a train step, "
+        "the log-probs, a weight sync, a sleep or wake-up, a checkpoint save or load); past it the Python stacks of "
+        "every process land in RUN_DIR/hangs/ and the run stops, naming the ranks inside a collective and those "
+        "not, or restarts the trainers from a checkpoint (checkpoint.max_auto_resumes). null: no limit.")
     max_nonfinite_steps: int = Field(
         3, ge=1, description="Steps in a row whose loss or gradient norm is not finite (their updates skipped) "
         "after which the run stops with an error.")

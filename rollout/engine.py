@@ -238,6 +238,13 @@ class RolloutEngine:
                 alive = False
         return {"alive": alive, "memory_bytes": self.server.memory_bytes(), "url": self.server.url}
 
+    def process(self) -> tuple[int | None, str, str]:
+        """(the SGLang server's pid, None when it is not running; Ray node id; node address): where
+        its stacks (and its scheduler's and detokenizer's, its children) are read on a hang."""
+        import ray
+
+        return self.server.pid, ray.get_runtime_context().get_node_id(), node_address()
+
     def shutdown(self) -> None:
         self._watching.clear()
         self.server.stop()

@@ -403,6 +403,18 @@ class RolloutManager:
         """Engines whose actor or server is gone (one quick round of health checks)."""
         return [report["index"] for report in self.health() if not report["alive"]]
 
+    def server_processes(self, timeout_s: float = 10.0) -> list[tuple[int, int | None, str, str] | None]:
+        """Per engine: (index, server pid, node id, node address), None for an engine whose actor
+        does not answer within `timeout_s` (its actor answers while its server is stuck)."""
+        calls = [engine.process.remote() for engine in self.engines]
+        found = []
+        for index, call in enumerate(calls):
+            try:
+                found.append((index, *ray.get(call, timeout=timeout_s)))
+            except Exception:  # noqa: BLE001 - a dead or stuck actor: its stacks cannot be read
+                found.append(None)
+        return found
+
     def score(self, sequences: list[list[int]], engine_index: int = 0) -> list[list[float]]:
         return ray.get(self.engines[engine_index].score.remote(sequences))
 

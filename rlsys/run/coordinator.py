@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ray.exceptions import RayError
 
+from rlsys.actors.group import TrainerHang
 from rlsys.algorithms.samples import ScoredBatch, check_reward_errors, prepare, score_groups, truncated_fraction
 from rlsys.algorithms.shaping import drop_stale_groups, drop_uniform_groups
 from rlsys.config import RunConfig, dump_config
@@ -38,6 +39,7 @@ from rlsys.run.assets import RunAssets, load_assets, refuse_incompatible_checkpo
 from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume, disk_full_failure
 from rlsys.run.evaluation import Evaluator, sampling_params
 from rlsys.run.generation import SampleMaker, trajectory_metrics
+from rlsys.run.hangs import HangReporter
 from rlsys.run.lifecycle import (
     Components,
     bring_engines_up_to_date,
@@ -367,18 +369,23 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
     for resumes in itertools.count():
         try:
             return train_loop(run)
-        except RayError as error:
+        except (RayError, TrainerHang) as error:
             checkpoint, _ = store.latest_loadable()
             if resumes >= run.config.checkpoint.max_auto_resumes or checkpoint is None:
                 raise
             group = run.parts.trainer
-            dead = [rank["rank"] for rank in group.health(timeout_s=10) if not rank["alive"]]
-            if not dead:
-                raise
-            cause = getattr(error, "cause", None) or error
-            where = ", ".join(f"rank {rank} on node {group.nodes[rank]}" for rank in dead)
-            logger.warning("a trainer rank died (%s; %s); restarting the trainers from %s (%d of %d)",
-                           type(cause).__name__, where, checkpoint, resumes + 1, run.config.checkpoint.max_auto_resumes)
+            if isinstance(error, TrainerHang):  # a stuck rank is handled as a dead one (its stacks are kept)
+                logger.warning("%s; restarting the trainers from %s (%d of %d)", error, checkpoint, resumes + 1,
+                               run.config.checkpoint.max_auto_resumes)
+            else:
+                dead = [rank["rank"] for rank in group.health(timeout_s=10) if not rank["alive"]]
+                if not dead:
+                    raise
+                cause = getattr(error, "cause", None) or error
+                where = ", ".join(f"rank {rank} on node {group.nodes[rank]}" for rank in dead)
+                logger.warning("a trainer rank died (%s; %s); restarting the trainers from %s (%d of %d)",
+                               type(cause).__name__, where, checkpoint, resumes + 1,
+                               run.config.checkpoint.max_auto_resumes)
             # A rank killed between /begin_weight_update and /end_weight_update leaves the engines'
             # session open, and they would refuse the next sync.
             run.parts.rollout.end_abandoned_weight_updates()
@@ -499,6 +506,9 @@ def _failures_reported(status: RunStatus):
         failure = disk_full_failure(error, Path(status.run_dir))  # in this process or in an actor
         if failure is not None:
             message = str(failure)
+        elif isinstance(error, TrainerHang):
+            message = str(error)
+            failure = RunFailed(message)
         elif isinstance(error, (RayError, EngineRestartLimit)):
             cause = getattr(error, "cause", None) or error  # the remote exception, without Ray's wrapping
             message = f"{type(cause).__name__}: {_first_lines(str(cause), 40)}"
@@ -618,6 +628,9 @@ def run(config: RunConfig) -> Path:
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack)
+        parts.hangs = HangReporter(run_dir, parts, lambda: run.state.next_step if run is not None else 0)
+        parts.trainer.on_hang = parts.hangs.on_trainer_hang
+        run = None
         evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
         stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own
         partials = PartialRollouts(config) if config.rollout.partial_rollouts else None

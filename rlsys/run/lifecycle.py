@@ -20,6 +20,7 @@ from rlsys.errors import RunFailed
 from rlsys.rollout.manager import RolloutManager
 from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
 from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
+from rlsys.run.hangs import HangReporter
 from rlsys.run.memory_plan import plan_for_devices
 from rlsys.run.standing_engines import attach, server_spec
 from rlsys.run.verify import model_depth, verify_engine_weights
@@ -47,6 +48,7 @@ class Components:
     trainer: TrainerGroup | None = None
     handoff: DeviceHandoff | None = None
     cpu_sharers: tuple[int, int] = (1, 1)  # (trainer, engine): Topology.cpu_sharers on this placement
+    hangs: HangReporter | None = None  # set by the coordinator: stacks of every process on a hang
 
     def shutdown(self) -> None:
         """Stop whatever has started: engines, then trainer ranks, then the placement group."""
@@ -139,7 +141,10 @@ def judge_placement_nodes(config: RunConfig, topology: Topology, reports: list[N
 
 def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:
     spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
-    return TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(), env_vars=trainer_env(config))
+    group = TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(), env_vars=trainer_env(config))
+    if parts.hangs is not None:
+        group.on_hang = parts.hangs.on_trainer_hang
+    return group
 
 
 def trainer_env(config: RunConfig) -> dict[str, str]:
@@ -173,6 +178,9 @@ def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> d
     try:
         return push_weights(config, parts, weight_version)
     except RayError as error:
+        if parts.hangs is not None:  # where every process was, before a stuck engine is stopped and restarted
+            cause = str(getattr(error, "cause", None) or error).strip().splitlines()
+            parts.hangs.collect(f"weight sync to version {weight_version} failed: {cause[-1] if cause else error}")
         dead = parts.rollout.dead_engines()
         if not dead:
             raise

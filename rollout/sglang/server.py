@@ -342,6 +342,11 @@ class SGLangServer:
             f"(rollout.engine.startup_timeout_s); last lines of {self.log_path}:\n{self.log_tail()}"
         )
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process (the head of its process tree), while it runs."""
+        return self._process.pid if self._process is not None and self._process.poll() is None else None
+
     def is_alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

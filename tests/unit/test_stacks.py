@@ -1,0 +1,85 @@
+"""Where each process of a run is (rlsys/system/stacks.py): real processes in a real gloo group, one
+of them stopped before the collective the other waits in, read with py-spy."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from rlsys.system.stacks import ProcessRef, collect_stacks, read_frames, summarize
+
+# Rank 1 stops itself (SIGSTOP) before the all-reduce; rank 0 waits inside it.
+RANK = """
+import os, signal, sys, torch, torch.distributed as dist
+from datetime import timedelta
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=timedelta(seconds=120))
+print("joined", flush=True)
+def step():
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(4))
+step()
+"""
+
+PY_SPY_DUMP = """Process 42: ray::TrainerWorker.train_step
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 42 (idle): "MainThread"
+    all_reduce (torch/distributed/distributed_c10d.py:3913)
+    _exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)
+    TrainerWorker._global_max (actors/trainer.py:289)
+    TrainerWorker.train_step (actors/trainer.py:437)
+    Worker.main_loop (ray/_private/worker.py:1069)
+Thread 57 (idle): "PythonGCThread"
+    Condition.wait (threading.py:327)
+"""
+
+
+def test_frames_name_the_collective_and_where_rlsys_called_it():
+    assert read_frames(PY_SPY_DUMP) == ("all_reduce (distributed_c10d.py:3913)",
+                                        "TrainerWorker._global_max (actors/trainer.py:289)")
+    idle = PY_SPY_DUMP.replace("torch/distributed/", "torch/other/").replace("actors/", "elsewhere/")
+    assert read_frames(idle) == (None, None)
+
+
+def test_a_stopped_rank_and_the_rank_waiting_for_it_in_a_collective_are_told_apart(tmp_path):
+    with __import__("socket").socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(port)], stdout=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    try:
+        for rank in ranks:
+            assert rank.stdout.readline().strip() == "joined"
+        deadline = time.monotonic() + 60
+        while psutil.Process(ranks[1].pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, "rank 1 never stopped"
+            time.sleep(0.1)
+        time.sleep(1.0)  # rank 0 is inside the all-reduce by now (its only remaining work)
+        refs = [ProcessRef("driver", os.getpid(), "this-node", "127.0.0.1")]
+        refs += [ProcessRef(f"trainer rank {rank}", process.pid, "this-node", "127.0.0.1")
+                 for rank, process in enumerate(ranks)]
+        found = collect_stacks(refs, tmp_path / "hang")
+    finally:
+        for process in ranks:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+    by_role = {s.role: s for s in found}
+    assert by_role["trainer rank 0"].collective.startswith("all_reduce (distributed_c10d.py:")
+    assert by_role["trainer rank 1"].state == "stopped" and by_role["trainer rank 1"].collective is None
+    assert "step (<string>:" in by_role["trainer rank 1"].stacks  # read where it stopped, though stopped
+    line = summarize(found)
+    assert line.startswith(f"trainer rank 0 (pid {ranks[0].pid} on 127.0.0.1, ")
+    assert "): inside torch.distributed all_reduce (distributed_c10d.py:" in line.split(";")[0]
+    assert f"trainer rank 1 (pid {ranks[1].pid} on 127.0.0.1, stopped (SIGSTOP?)): not in a collective" in line
+    assert "driver" not in line
+    # the driver read itself in-process; every process has its file and the summary lists them all
+    assert "test_a_stopped_rank_and_the_rank_waiting_for_it" in by_role["driver"].stacks
+    names = sorted(path.name for path in (tmp_path / "hang").iterdir())
+    assert names == sorted(["summary.json", f"driver-{os.getpid()}.txt", f"trainer-rank-0-{ranks[0].pid}.txt",
+                            f"trainer-rank-1-{ranks[1].pid}.txt"])
