@@ -37,7 +37,7 @@ def releasable_bytes(server_info: dict) -> int | None:
 class RolloutEngine:
     """Plain class, wrapped with `ray.remote` at the call site."""
 
-    def __init__(self, spec: ServerSpec, name: str, log_path: str):
+    def __init__(self, spec: ServerSpec, name: str, log_path: str, hangs_dir: str | None = None):
         # Its node's address, not loopback: trainer ranks on other nodes post weights to it.
         self.server = SGLangServer(spec, make_backend(spec.has_gpu, spec.dtype), name, Path(log_path),
                                    host=node_address())
@@ -47,6 +47,8 @@ class RolloutEngine:
         self._watching = threading.Event()
         self._released: list[str] = []  # memory regions given back to the device, in release order
         self._releasable: int | None = None  # weights + KV cache bytes, read once from a GPU server
+        self.name = name
+        self.hangs_dir = hangs_dir  # where the watchdog leaves a silent server's stacks (None: nowhere)
 
     def start(self, timeout_s: float | None = None) -> EngineAddress:
         """Launch the server; `timeout_s` None: rollout.engine.startup_timeout_s or its default for
@@ -68,9 +70,28 @@ class RolloutEngine:
             except EngineError:
                 silent_since = silent_since or time.monotonic()
                 if time.monotonic() - silent_since >= self.health_timeout_s:
-                    self.server.kill(f"no answer for {self.health_timeout_s:.0f}s (rollout.engine.health_timeout_s)")
+                    stacks = self._dump_stacks()
+                    self.server.kill(f"no answer for {self.health_timeout_s:.0f}s (rollout.engine.health_timeout_s)"
+                                     + (f"; its processes' stacks are in {stacks}" if stacks else ""))
                     return
             time.sleep(min(2.0, self.health_timeout_s / 4))
+
+    def _dump_stacks(self) -> str | None:
+        """The silent server's process tree's stacks (rlsys/system/stacks.py) into
+        hangs_dir/<name>-<time>/, before it is stopped; the directory, or None."""
+        if self.hangs_dir is None or self.server.pid is None:
+            return None
+        import ray
+
+        from rlsys.system.stacks import ProcessRef, dump_on_this_node, write_stacks
+
+        out = Path(self.hangs_dir) / f"{self.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+        try:
+            write_stacks(dump_on_this_node([ProcessRef(self.name, self.server.pid, ray.get_runtime_context().get_node_id(),
+                                                       node_address(), with_children=True)]), out)
+        except Exception:  # noqa: BLE001 - the dump must never keep a silent server running
+            return None
+        return str(out)
 
     def _call(self, request):
         """Run a client call; a server that has exited raises EngineDied."""

@@ -95,9 +95,10 @@ class RolloutManager:
     the current weights and version before its unfinished requests are issued again."""
 
     def __init__(self, spec: ServerSpec, num_engines: int, log_dir: str, actor_options: list[dict],
-                 standing: StandingRecord | None = None):
+                 standing: StandingRecord | None = None, hangs_dir: str | None = None):
         self.spec = spec
         self.log_dir = log_dir
+        self.hangs_dir = hangs_dir  # a silent engine's stacks go there before it is stopped
         self.actor_options = actor_options
         # A standing set's engines (rollout/standing.py): used, restarted in their named slots, never stopped.
         self.standing = standing
@@ -126,7 +127,7 @@ class RolloutManager:
             return launch_engine(self.standing, index)
         return ray.remote(RolloutEngine).options(max_concurrency=ENGINE_ACTOR_CONCURRENCY,
                                                  **self.actor_options[index]).remote(
-            self.spec, f"engine-{index}", f"{self.log_dir}/engine_{index}.log")
+            self.spec, f"engine-{index}", f"{self.log_dir}/engine_{index}.log", self.hangs_dir)
 
     def wait_ready(self) -> list[EngineAddress]:
         if not self.addresses:

@@ -77,7 +77,8 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
                     " ".join(f"{name}={value}" for name, value in sorted(config.placement.env.items())))
     server = server_spec(config, topology, parts.cpu_sharers[1])
     parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
-                                   parts.placement.engine_options(), standing=attached.record if attached else None)
+                                   parts.placement.engine_options(), standing=attached.record if attached else None,
+                                   hangs_dir=str(run_dir / "hangs"))
     if topology.engines_start_first:
         parts.rollout.wait_ready()
     parts.trainer = _trainer_group(config, parts)

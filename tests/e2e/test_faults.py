@@ -88,10 +88,14 @@ def test_steps_whose_loss_is_not_finite_are_said_counted_and_stop_the_run(tmp_pa
     assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
 
 
-def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float = 600) -> None:
+def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float = 600,
+                    rows_after_restart: bool = False) -> None:
+    """Until metrics.jsonl holds `steps` rows (with rows_after_restart: `steps` rows written after the
+    trainers' last restart, whose replay rewrites the rows after its checkpoint)."""
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps
+               and (not rows_after_restart or json.loads(metrics.read_text().splitlines()[-1]).get("trainer_restarts"))):
         assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
         time.sleep(0.3)
 
@@ -144,13 +148,21 @@ def test_a_silent_engine_in_the_broadcast_group_is_restarted_and_the_run_goes_on
     with started_run("quickstart_disaggregated.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={total}",
                      "eval.interval=20", "rollout.engine.health_timeout_s=5") as run:
         _wait_for_steps(run, run_dir, 3)
-        os.kill(_engine_servers(leftovers, tiny_model_dir)[-1].pid, signal.SIGSTOP)
+        silent = _engine_servers(leftovers, tiny_model_dir)[-1]
+        os.kill(silent.pid, signal.SIGSTOP)
         stdout, stderr = run.communicate(timeout=900)
     assert run.returncode == 0, stderr[-3000:]
     assert "died; restarting it (1 of 3)" in stderr  # a warning
     rows = _check_every_step_once(run_dir, total)
     assert rows[-1]["engine_restarts"] >= 1
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3  # the new engine computes the trainer's policy
+    # Before it was stopped, the silent server's process tree left its stacks (its scheduler and
+    # detokenizer are its children), the server itself read as stopped where it stood.
+    (dump,) = [d for d in (run_dir / "hangs").iterdir() if d.name.startswith("engine-")]
+    summary = {entry["pid"]: entry for entry in json.loads((dump / "summary.json").read_text())}
+    assert summary[silent.pid]["state"] == "stopped" and "Thread" in (dump / f"{summary[silent.pid]['role']}-"
+                                                                        f"{silent.pid}.txt").read_text()
+    assert any("scheduler" in entry["name"] for entry in summary.values()), summary
     time.sleep(2)
     assert leftovers.processes() == [] and leftovers.shm_files() == []
 
@@ -162,25 +174,41 @@ def test_a_killed_engine_then_a_killed_trainer_rank_are_recovered_and_the_run_go
     steps after it trained again. The restarted engine serves the trainer's policy from then on
     (logprob_mismatch on every later step); that the run then learns is test_quickstart's."""
     run_dir = tmp_path / "run"
-    total = 16
+    total = 22
     with started_run("quickstart.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={total}", "eval.interval=100",
-                     "rollout.engine.health_timeout_s=5", "checkpoint.interval=3",
-                     "checkpoint.max_auto_resumes=1") as run:
+                     "rollout.engine.health_timeout_s=5", "checkpoint.interval=3", "checkpoint.max_auto_resumes=2",
+                     f"trainer.call_timeout_s={CALL_TIMEOUT_S}") as run:
         _wait_for_steps(run, run_dir, 3)
         os.kill(_engine_servers(leftovers, tiny_model_dir)[-1].pid, signal.SIGKILL)
         _wait_for_steps(run, run_dir, 8)  # the engine is back, a checkpoint at step 6 exists, and steps past it
         ranks = leftovers.new_pids("ray::TrainerWorker")
         assert ranks, "no trainer rank process found"
         os.kill(ranks[-1].pid, signal.SIGKILL)
+        _wait_for_steps(run, run_dir, 14, rows_after_restart=True)  # the trainers are back, and past step 12
+        ranks = [p for p in leftovers.new_pids("ray::TrainerWorker") if p.is_running()]
+        stopped = ranks[-1].pid
+        os.kill(stopped, signal.SIGSTOP)  # a rank that hangs: the others wait for it in their next collective
         stdout, stderr = run.communicate(timeout=900)
     assert run.returncode == 0, stderr[-3000:]
     assert "died; restarting it (1 of 3)" in stderr  # warnings
     assert "a trainer rank died" in stderr and "restarting the trainers from" in stderr
     rows = _check_every_step_once(run_dir, total)  # replayed steps replaced, none missing
-    assert rows[-1]["engine_restarts"] >= 1 and rows[-1]["trainer_restarts"] == 1
+    assert rows[-1]["engine_restarts"] >= 1 and rows[-1]["trainer_restarts"] == 2
+    # the stopped rank: past trainer.call_timeout_s every process's stacks were kept, the line named it
+    (hang,) = [line for line in stderr.splitlines() if f"within {CALL_TIMEOUT_S} s (trainer.call_timeout_s)" in line]
+    assert f"(pid {stopped} on " in hang and "stopped (SIGSTOP?)" in hang.split(f"(pid {stopped} on ")[1], hang
+    (dump,) = [d for d in (run_dir / "hangs").iterdir()
+               if (d / "what.txt").exists() and "did not finish" in (d / "what.txt").read_text()]
+    assert str(dump) in hang and "restarting the trainers from" in hang
+    roles = {entry["role"] for entry in json.loads((dump / "summary.json").read_text())}
+    assert {"driver", "trainer rank 0", "trainer rank 1", "engine-0"} <= roles
+    assert any(role.startswith("engine-0 sglang") for role in roles), roles  # the server's children too
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3
     time.sleep(2)
     assert leftovers.processes() == [] and leftovers.shm_files() == []
+
+
+CALL_TIMEOUT_S = 20  # a train call of this tiny model takes well under a second, even on a loaded machine
 
 
 def _check_every_step_once(run_dir, total: int) -> list[dict]:
