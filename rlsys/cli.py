@@ -1,4 +1,5 @@
-"""`rlsys` command line: train, eval, plan, doctor, engines, export, serve, status, runs, compare, make-tiny-model."""
+"""`rlsys` command line: train, eval, plan, doctor, engines, export, serve, status, stacks, runs, compare,
+make-tiny-model."""
 
 from __future__ import annotations
 
@@ -263,6 +264,46 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stacks(args: argparse.Namespace) -> int:
+    """`rlsys stacks RUN_DIR|URL`: every process's stacks of a live run, through its status API."""
+    import json
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    target = args.target
+    if not target.startswith(("http://", "https://")):
+        snapshot = Path(target) / "status.json"
+        try:
+            target = json.loads(snapshot.read_text()).get("status_url") or ""
+        except (OSError, ValueError) as error:
+            raise UsageError(f"{args.target} is neither a status server's http:// URL nor a run directory with a "
+                             f"status.json: {error}") from None
+        if not target:
+            raise UsageError(f"{snapshot} names no status server (status.enabled was false?)")
+    token = args.token or os.environ.get("RLSYS_STATUS_TOKEN")
+    request = urllib.request.Request(f"{target.rstrip('/')}/api/v1/stacks", method="POST",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            dump = json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        detail = error.read().decode(errors="replace")[:500]
+        hint = " (give the run's status.token: --token or RLSYS_STATUS_TOKEN)" if error.code == 401 else ""
+        logger.error("error: %s refused: HTTP %d %s%s", target, error.code, detail, hint)
+        return 1
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        logger.error("error: no rlsys status server at %s: %s", target, error)
+        return 1
+    if args.json:
+        print(json.dumps(dump))
+        return 0
+    for process in dump["processes"]:
+        print(f"== {process['summary']}\n{process['stacks']}")
+    print(f"rlsys stacks: {len(dump['processes'])} processes, also in {dump['directory']}")
+    return 0
+
+
 def _describe_dataset(dataset: dict) -> str:
     if not dataset:
         return "-"
@@ -413,6 +454,15 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="print a running (or served) run's status as a table")
     status.add_argument("url", nargs="?", default="http://127.0.0.1:8470")
     status.set_defaults(handler=_status)
+
+    stacks = commands.add_parser("stacks", help="every process's Python stacks of a live run (driver, trainer ranks, "
+                                 "engine servers), through its status API (needs status.token)")
+    stacks.add_argument("target", metavar="RUN_DIR|URL", help="the run's directory (its status.json names the server) "
+                        "or the status server's URL")
+    stacks.add_argument("--token", help="the run's status.token (default: $RLSYS_STATUS_TOKEN)")
+    stacks.add_argument("--json", action="store_true", help="one JSON object (directory, processes)")
+    stacks.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the dump (default 120)")
+    stacks.set_defaults(handler=_stacks)
 
     runs = commands.add_parser("runs", help="a table of the runs under a directory (state, steps, last rewards)")
     runs.add_argument("dir", nargs="?", default="runs")

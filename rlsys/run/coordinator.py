@@ -628,8 +628,10 @@ def run(config: RunConfig) -> Path:
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack)
-        parts.hangs = HangReporter(run_dir, parts, lambda: run.state.next_step if run is not None else 0)
+        parts.hangs = HangReporter(run_dir, parts, lambda: run.state.next_step if run is not None else 0, status)
         parts.trainer.on_hang = parts.hangs.on_trainer_hang
+        status.stacks_provider = parts.hangs.on_request
+        stack.callback(setattr, status, "stacks_provider", None)  # before the processes it reads stop
         run = None
         evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
         stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from rlsys.system.stacks import ProcessRef, ProcessStacks, collect_stacks, summarize
@@ -19,10 +20,11 @@ logger = logging.getLogger(__name__)
 class HangReporter:
     """Knows the run's processes (`parts`: its trainer group and engines) and where dumps go."""
 
-    def __init__(self, run_dir: Path, parts, step):
+    def __init__(self, run_dir: Path, parts, step, status=None):
         self.hangs_dir = run_dir / "hangs"
         self.parts = parts
         self.step = step  # () -> the step the run is in
+        self.status = status  # RunStatus: its latest_hang is the dashboard's link
         self.latest: Path | None = None
 
     def processes(self) -> list[ProcessRef]:
@@ -48,8 +50,16 @@ class HangReporter:
         found = collect_stacks(self.processes(), out)
         (out / "what.txt").write_text(what + "\n")
         self.latest = out
+        if self.status is not None:
+            self.status.set_latest_hang(str(out))
         logger.warning("%s: the stacks of %d processes are in %s", what, len(found), out)
         return out, found
+
+    def on_request(self) -> dict:
+        """`rlsys stacks` / POST /api/v1/stacks on a live run: the same dump, returned whole."""
+        out, found = self.collect("stacks on request (rlsys stacks, POST /api/v1/stacks)")
+        return {"directory": str(out),
+                "processes": [{**asdict(s), "summary": s.describe()} for s in found]}
 
     def on_trainer_hang(self, what: str, ranks: list[int]) -> str:
         """TrainerGroup.on_hang: dump, then say where each rank is (the failure line's detail)."""

@@ -99,6 +99,7 @@ def status_server(config: RunConfig, status: RunStatus):
     server = StatusServer(status, config.status.host, config.status.port, token,
                           config.status.allow_unauthenticated_read)
     url = server.start()
+    status.status_url = url
     logger.info("status and dashboard at %s/ (API: %s/api/v1/status)", url, url)
     try:
         yield url

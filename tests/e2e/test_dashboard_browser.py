@@ -114,6 +114,24 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address, quick
         later = int(re.search(r'id="chart-reward"[^>]*data-points="(\d+)"', _chromium("--dump-dom", f"{url}/")).group(1))
         assert later > before
 
+        # every process's stacks on demand, through the status API: refused without the token
+        stacks = [sys.executable, "-m", "rlsys.cli", "stacks", str(tmp_path / "run")]
+        quiet_env = {**os.environ, "RLSYS_STATUS_TOKEN": ""}
+        refused = subprocess.run(stacks, capture_output=True, text=True, timeout=120, env=quiet_env)
+        assert refused.returncode == 1 and "HTTP 401" in refused.stderr and "--token" in refused.stderr
+        dumped = subprocess.run([*stacks, "--token", "let-me-in", "--json"], capture_output=True, text=True,
+                                timeout=180, env=quiet_env)
+        assert dumped.returncode == 0, dumped.stderr[-3000:]
+        dump = json.loads(dumped.stdout)
+        roles = [process["role"] for process in dump["processes"]]
+        assert roles[:4] == ["driver", "trainer rank 0", "trainer rank 1", "engine-0"], roles
+        assert any(role.startswith("engine-0 sglang::scheduler") for role in roles), roles
+        assert all("Thread" in process["stacks"] for process in dump["processes"]), dump["processes"]
+        assert (Path(dump["directory"]) / "summary.json").exists()
+        time.sleep(3)  # the dashboard polls every 2 s: it now links the dump
+        hang_link = re.search(r'<div id="latest-hang"[^>]*>.*?</div>', _chromium("--dump-dom", f"{url}/"), re.S)
+        assert hang_link and "hidden" not in hang_link.group(0).split(">")[0] and dump["directory"] in hang_link.group(0)
+
         assert _post(f"{url}/api/v1/stop", None) == 401
         assert _post(f"{url}/api/v1/stop", "let-me-in") == 200
         run.wait(timeout=120)

@@ -52,7 +52,8 @@ def test_every_read_endpoint_matches_its_schema(tmp_path):
     assert HealthResponse.model_validate(client.get("/healthz").json()).ok
     paths = client.get("/openapi.json").json()["paths"]
     for path in ("/api/v1/status", "/api/v1/metrics", "/api/v1/actors", "/healthz", "/metrics",
-                 "/api/v1/pause", "/api/v1/resume", "/api/v1/checkpoint", "/api/v1/stop"):
+                 "/api/v1/pause", "/api/v1/resume", "/api/v1/checkpoint", "/api/v1/stop", "/api/v1/stacks",
+                 "/api/v1/hangs/latest"):
         assert path in paths
 
 
@@ -226,3 +227,32 @@ def test_idle_and_half_sent_connections_do_not_lock_live_clients_or_the_operator
         for connection in held:
             connection.close()
         server.stop()
+
+
+def test_stacks_on_request_need_the_token_and_a_live_run_and_the_latest_dump_is_read_back(tmp_path):
+    from rlsys.observability.status.server import StacksResponse
+    from rlsys.system.stacks import ProcessRef, dump_on_this_node, write_stacks
+
+    status = _status(tmp_path)
+    client = TestClient(build_app(status, token="s3cret"))
+    assert client.post("/api/v1/stacks").status_code == 401
+    assert client.post("/api/v1/stacks", headers={"Authorization": "Bearer s3cret"}).status_code == 409  # none yet
+    assert client.get("/api/v1/hangs/latest").status_code == 404
+
+    def provider() -> dict:  # what rlsys/run/hangs.py's on_request returns, for this very process
+        found = dump_on_this_node([ProcessRef("driver", os.getpid(), "node", "127.0.0.1")])
+        write_stacks(found, tmp_path / "hangs" / "00000003-now")
+        status.set_latest_hang(str(tmp_path / "hangs" / "00000003-now"))
+        return {"directory": str(tmp_path / "hangs" / "00000003-now"),
+                "processes": [{**p.__dict__, "summary": p.describe()} for p in found]}
+
+    status.stacks_provider = provider
+    answer = client.post("/api/v1/stacks", headers={"Authorization": "Bearer s3cret"})
+    assert answer.status_code == 200, answer.text
+    dump = StacksResponse.model_validate(answer.json())
+    assert [p.role for p in dump.processes] == ["driver"] and "MainThread" in dump.processes[0].stacks
+    latest = StacksResponse.model_validate(client.get("/api/v1/hangs/latest").json())
+    assert latest.directory == dump.directory and latest.processes[0].pid == os.getpid()
+    assert client.get("/api/v1/status").json()["latest_hang"] == dump.directory
+    status.set_state("finished")
+    assert client.post("/api/v1/stacks", headers={"Authorization": "Bearer s3cret"}).status_code == 409

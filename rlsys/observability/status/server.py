@@ -2,6 +2,8 @@
 
 GET  /api/v1/status   /api/v1/metrics?since=STEP   /api/v1/actors   /healthz   /metrics (Prometheus)
 POST /api/v1/pause    /api/v1/resume   /api/v1/checkpoint   /api/v1/stop   (bearer token)
+POST /api/v1/stacks   every process's Python stacks, now (bearer token; also written to RUN_DIR/hangs/)
+GET  /api/v1/hangs/latest   the latest stack dump's summary (a hang's, or the last on request)
 GET  /                the live dashboard (JS served from this package: works offline)
 """
 
@@ -44,6 +46,25 @@ class StatusResponse(BaseModel):
     paused: bool
     run_dir: str
     dataset: dict[str, int] = {}
+    latest_hang: str | None = None  # RUN_DIR/hangs/...: the latest stack dump (GET /api/v1/hangs/latest)
+    status_url: str | None = None
+
+
+class ProcessStacksResponse(BaseModel):
+    role: str
+    pid: int
+    address: str
+    name: str
+    state: str
+    collective: str | None
+    where: str | None
+    summary: str
+    stacks: str | None = None  # the dump itself (POST /api/v1/stacks); files beside summary.json otherwise
+
+
+class StacksResponse(BaseModel):
+    directory: str
+    processes: list[ProcessStacksResponse]
 
 
 class MetricsResponse(BaseModel):
@@ -177,6 +198,27 @@ def build_app(status: RunStatus, token: str | None, read_token: str | None = Non
 
     for what in ("pause", "resume", "checkpoint", "stop"):
         app.post(f"/api/v1/{what}", response_model=ControlResponse, dependencies=[Depends(require_token)])(control(what))
+
+    @app.post("/api/v1/stacks", response_model=StacksResponse, dependencies=[Depends(require_token)])
+    def post_stacks() -> StacksResponse:
+        """Every process's stacks, read now (seconds: py-spy on each node); a plain def runs in a worker thread."""
+        provider = status.stacks_provider
+        if provider is None or status.state in ("finished", "stopped", "failed"):
+            raise HTTPException(status_code=409, detail=f"the run's processes are not up (the run is {status.state})")
+        return StacksResponse(**provider())
+
+    @app.get("/api/v1/hangs/latest", response_model=StacksResponse, dependencies=reads)
+    def latest_hang() -> StacksResponse:
+        import json
+
+        directory = status.latest_hang
+        if directory is None:
+            raise HTTPException(status_code=404, detail="no stack dump in this run yet")
+        try:
+            processes = json.loads((Path(directory) / "summary.json").read_text())
+        except (OSError, ValueError) as error:
+            raise HTTPException(status_code=404, detail=f"{directory}: {error}") from None
+        return StacksResponse(directory=directory, processes=processes)
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,10 @@ class RunStatus:
     pause_requested: bool = False
     stop_requested: bool = False
     checkpoint_requested: bool = False
+    latest_hang: str | None = None  # the latest directory of stack dumps (RUN_DIR/hangs/...)
+    status_url: str | None = None  # where the status server answers (`rlsys stacks RUN_DIR` reads it)
+    # () -> every process's stacks (rlsys/run/hangs.py), while the run's processes are up
+    stacks_provider: Callable[[], dict] | None = field(default=None, repr=False, compare=False)
     version: int = 0  # bumped by every change, so readers can cache what they built from it
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
@@ -83,6 +88,11 @@ class RunStatus:
         with self._lock:
             self.version += 1
             self.actors = list(actors)
+
+    def set_latest_hang(self, directory: str) -> None:
+        with self._lock:
+            self.version += 1
+            self.latest_hang = directory
 
     def fail(self, error: str) -> None:
         with self._lock:
@@ -136,6 +146,8 @@ class RunStatus:
                 "paused": self.pause_requested,
                 "run_dir": self.run_dir,
                 "dataset": dict(self.dataset),
+                "latest_hang": self.latest_hang,
+                "status_url": self.status_url,
             }
 
     def metrics_since(self, since: int) -> list[dict]:

@@ -281,6 +281,9 @@ function redrawStatus(s) {
   const error = document.getElementById("error");
   error.hidden = !s.error;
   error.textContent = s.error || "";
+  const hang = document.getElementById("latest-hang");
+  hang.hidden = !s.latest_hang;
+  document.getElementById("latest-hang-dir").textContent = s.latest_hang || "";
 }
 
 async function poll() {
