@@ -49,6 +49,7 @@ class RolloutEngine:
         self._releasable: int | None = None  # weights + KV cache bytes, read once from a GPU server
         self.name = name
         self.hangs_dir = hangs_dir  # where the watchdog leaves a silent server's stacks (None: nowhere)
+        self.silenced: str | None = None  # why the watchdog stopped the server, with where its stacks went
 
     def start(self, timeout_s: float | None = None) -> EngineAddress:
         """Launch the server; `timeout_s` None: rollout.engine.startup_timeout_s or its default for
@@ -71,8 +72,9 @@ class RolloutEngine:
                 silent_since = silent_since or time.monotonic()
                 if time.monotonic() - silent_since >= self.health_timeout_s:
                     stacks = self._dump_stacks()
-                    self.server.kill(f"no answer for {self.health_timeout_s:.0f}s (rollout.engine.health_timeout_s)"
+                    self.silenced = (f"no answer for {self.health_timeout_s:.0f}s (rollout.engine.health_timeout_s)"
                                      + (f"; its processes' stacks are in {stacks}" if stacks else ""))
+                    self.server.kill(self.silenced)
                     return
             time.sleep(min(2.0, self.health_timeout_s / 4))
 
@@ -258,6 +260,10 @@ class RolloutEngine:
             except Exception:  # noqa: BLE001 - any failure to answer means unhealthy
                 alive = False
         return {"alive": alive, "memory_bytes": self.server.memory_bytes(), "url": self.server.url}
+
+    def silence(self) -> str | None:
+        """Why the watchdog stopped the server (it stopped answering), or None."""
+        return self.silenced
 
     def process(self) -> tuple[int | None, str, str]:
         """(the SGLang server's pid, None when it is not running; Ray node id; node address): where

@@ -107,6 +107,9 @@ class RolloutManager:
         self.launched_after = [0] * num_engines  # per slot: self.restarts when its engine was started
         self.vocab_size = model_vocab_size(spec.model.path)
         self.on_restart: Callable[[int], None] | None = None
+        # Called with (index, why) before an engine that stopped answering is replaced (the
+        # coordinator reads the other processes' stacks then: rlsys/run/hangs.py).
+        self.on_silent: Callable[[int, str], None] | None = None
         if standing is None:
             self.engines = [self._launch(index) for index in range(num_engines)]
             # Servers start in the background; call wait_ready() before using them.
@@ -371,8 +374,11 @@ class RolloutManager:
                 f"up: {reason}"
             )
         node = f"node {self.addresses[index].host}: " if index < len(self.addresses) else ""
+        silent = self._silence(index)
         logger.warning("engine-%d died; restarting it (%d of %d): %s%s", index, self.restarts + 1, self.max_restarts,
-                       node, reason.splitlines()[0] if reason else "")
+                       node, f"stopped after {silent}" if silent else reason.splitlines()[0] if reason else "")
+        if silent and self.on_silent is not None:
+            self.on_silent(index, silent)
         self.restarts += 1
         self.launched_after[index] = self.restarts
         self.stop_engine(self.engines[index])
@@ -380,6 +386,13 @@ class RolloutManager:
         logger.info("engine-%d is back, on node %s", index, self.addresses[index].host)
         if self.on_restart is not None:
             self.on_restart(index)
+
+    def _silence(self, index: int) -> str | None:
+        """Why engine `index`'s watchdog stopped its server (it stopped answering), if it did."""
+        try:
+            return ray.get(self.engines[index].silence.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - its actor is gone too: it did not go silent, it died
+            return None
 
     def _relaunch(self, index: int) -> EngineAddress:
         """A fresh engine in slot `index`'s placement: where the dead engine was, or, when that node

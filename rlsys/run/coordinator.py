@@ -631,6 +631,7 @@ def run(config: RunConfig) -> Path:
         parts.hangs = HangReporter(run_dir, parts, lambda: run.state.next_step if run is not None else 0, status)
         parts.trainer.on_hang = parts.hangs.on_trainer_hang
         status.stacks_provider = parts.hangs.on_request
+        parts.rollout.on_silent = lambda index, why: parts.hangs.collect_safely(f"engine-{index} stopped after {why}")
         stack.callback(setattr, status, "stacks_provider", None)  # before the processes it reads stop
         run = None
         evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)

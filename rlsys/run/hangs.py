@@ -55,6 +55,14 @@ class HangReporter:
         logger.warning("%s: the stacks of %d processes are in %s", what, len(found), out)
         return out, found
 
+    def collect_safely(self, what: str) -> Path | None:
+        """`collect`, where a failure to dump must not change what happens next (it is said instead)."""
+        try:
+            return self.collect(what)[0]
+        except Exception as error:  # noqa: BLE001 - the dump must never hide or replace the failure itself
+            logger.warning("%s: could not collect the processes' stacks: %s", what, error)
+            return None
+
     def on_request(self) -> dict:
         """`rlsys stacks` / POST /api/v1/stacks on a live run: the same dump, returned whole."""
         out, found = self.collect("stacks on request (rlsys stacks, POST /api/v1/stacks)")

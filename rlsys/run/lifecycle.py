@@ -181,7 +181,8 @@ def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> d
     except RayError as error:
         if parts.hangs is not None:  # where every process was, before a stuck engine is stopped and restarted
             cause = str(getattr(error, "cause", None) or error).strip().splitlines()
-            parts.hangs.collect(f"weight sync to version {weight_version} failed: {cause[-1] if cause else error}")
+            parts.hangs.collect_safely(f"weight sync to version {weight_version} failed: "
+                                       f"{cause[-1] if cause else error}")
         dead = parts.rollout.dead_engines()
         if not dead:
             raise

@@ -163,6 +163,13 @@ def test_a_silent_engine_in_the_broadcast_group_is_restarted_and_the_run_goes_on
     assert summary[silent.pid]["state"] == "stopped" and "Thread" in (dump / f"{summary[silent.pid]['role']}-"
                                                                         f"{silent.pid}.txt").read_text()
     assert any("scheduler" in entry["name"] for entry in summary.values()), summary
+    # the restart says so, and the other processes' stacks were read then (the driver's, the ranks')
+    assert f"stopped after no answer for 5s (rollout.engine.health_timeout_s); its processes' stacks are in {dump}" \
+        in stderr
+    (others,) = [d for d in (run_dir / "hangs").iterdir() if (d / "what.txt").exists()
+                 and (d / "what.txt").read_text().startswith(("engine-0 stopped after", "engine-1 stopped after"))]
+    roles = {entry["role"] for entry in json.loads((others / "summary.json").read_text())}
+    assert {"driver", "trainer rank 0", "trainer rank 1"} <= roles
     time.sleep(2)
     assert leftovers.processes() == [] and leftovers.shm_files() == []
 
