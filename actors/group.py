@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -55,10 +56,14 @@ class TrainerGroup:
         timeout_s = self.spec.trainer.call_timeout_s
         if timeout_s is None:
             return ray.get(calls)
-        ready, pending = ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        pending = list(calls)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            ray.get(ready)  # a rank that failed raises at once (the others may wait for it in a collective)
         if pending:
-            for call in ready:
-                ray.get(call)  # a rank that died is the cause, not a hang
             ranks = [calls.index(call) for call in pending]
             self.hung = True  # its ranks will not answer a shutdown either
             detail = self.on_hang(what, ranks) if self.on_hang is not None else ""
