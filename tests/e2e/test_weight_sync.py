@@ -148,11 +148,16 @@ def _server_processes(url: str) -> list:
 
 
 @pytest.mark.slow
-def test_broadcast_to_a_stopped_engine_fails_within_the_timeout_naming_it(two_engines_two_ranks):
+def test_broadcast_to_a_stopped_engine_fails_within_the_timeout_naming_it(two_engines_two_ranks, tmp_path):
     """A frozen engine must not hang the sync until a backend watchdog: the sync fails within
-    weight_sync.timeout_s (plus the engine calls' own answer time) and names the engine.
-    Last in this module: it leaves engine-1 outside any weight-update group."""
+    weight_sync.timeout_s (plus the engine calls' own answer time) and names the engine; the stacks
+    a run then reads (rlsys/run/lifecycle.py `sync_engines`: rlsys/run/hangs.py) find the frozen
+    server stopped where it stood. Last in this module: it leaves engine-1 outside any weight-update group."""
+    import json
     import time
+    from types import SimpleNamespace
+
+    from rlsys.run.hangs import HangReporter
 
     rollout, trainer = two_engines_two_ranks
     trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=5)
@@ -163,12 +168,21 @@ def test_broadcast_to_a_stopped_engine_fails_within_the_timeout_naming_it(two_en
     try:
         with pytest.raises(Exception, match="engine-1") as failure:
             trainer.sync_weights(16 * 2**20, weight_version=6)
+        elapsed = time.monotonic() - start
+        hangs = HangReporter(tmp_path, SimpleNamespace(trainer=trainer, rollout=rollout), lambda: 6)
+        dump = hangs.collect_safely("weight sync to version 6 failed")
     finally:
         for process in frozen:
             process.resume()
-    elapsed = time.monotonic() - start
     print(f"sync failed after {elapsed:.1f}s: {str(failure.value)[-600:]}")
     assert elapsed < 5 * 3 + 10, "the sync outlived its timeout"
+    assert dump is not None and dump.parent == tmp_path / "hangs" and dump.name.startswith("00000006-")
+    found = {entry["pid"]: entry for entry in json.loads((dump / "summary.json").read_text())}
+    assert {entry["role"] for entry in found.values()} >= {"driver", "trainer rank 0", "trainer rank 1", "engine-0",
+                                                           "engine-1"}
+    assert all(found[process.pid]["state"] == "stopped" and found[process.pid]["role"].startswith("engine-1")
+               for process in frozen)
+    assert all(entry["state"] != "stopped" for entry in found.values() if not entry["role"].startswith("engine-1"))
 
 
 _SILENT_PEER = """
