@@ -159,8 +159,10 @@ class _FakeRank:
 def _fake_group(monkeypatch, num_ranks: int, context_parallel_size: int, mini_batches: int = 1) -> TrainerGroup:
     monkeypatch.setattr(group_module.ray, "get", lambda refs: refs)
     group = TrainerGroup.__new__(TrainerGroup)
+    # call_timeout_s None: the ranks' answers through ray.get alone (faked above); the bound is test_trainer_call_bound's
     group.spec = TrainerSpec(ModelConfig(path="unused"), TrainerConfig(
-        num_ranks=num_ranks, context_parallel_size=context_parallel_size, mini_batches_per_step=mini_batches))
+        num_ranks=num_ranks, context_parallel_size=context_parallel_size, mini_batches_per_step=mini_batches,
+        call_timeout_s=None))
     group.num_ranks = num_ranks
     group.workers = [_FakeRank(rank) for rank in range(num_ranks)]
     return group
