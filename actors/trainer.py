@@ -52,6 +52,7 @@ from rlsys.rollout.sglang.client import SGLangClient, check_reachable
 from rlsys.system.backend import engine_dtype, make_backend
 from rlsys.system.node import bind_gloo_to_node_address, node_address
 from rlsys.system.reaper import start_actor_reaper, stop_reaper
+from rlsys.system.stacks import answer_stack_signal
 from rlsys.system.topology import Topology
 from rlsys.weight_sync.broadcast import BroadcastWeightSender
 from rlsys.weight_sync.colocated import ColocatedWeightSender, StagingBuffer
@@ -166,6 +167,7 @@ class TrainerWorker:
         self.backend = make_backend(spec.has_gpu, spec.model.dtype)
         bind_gloo_to_node_address(node_address())  # its groups may span nodes (rlsys/system/node.py)
         self._reaper = start_actor_reaper()  # if this rank is killed: its staging buffer in this node's /dev/shm
+        answer_stack_signal()  # its stacks on a hang where py-spy cannot read it (rlsys/system/stacks.py)
         torch.set_num_threads(spec.threads(len(os.sched_getaffinity(0))))
         torch.manual_seed(spec.seed)
         self.device = self.backend.device()

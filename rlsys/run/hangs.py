@@ -35,7 +35,7 @@ class HangReporter:
         here = ray.get_runtime_context().get_node_id()
         refs = [ProcessRef("driver", os.getpid(), here, node_address())]
         if self.parts.trainer is not None:
-            refs += [ProcessRef(f"trainer rank {rank}", pid, node_id, address)
+            refs += [ProcessRef(f"trainer rank {rank}", pid, node_id, address, answers_signal=True)
                      for rank, (pid, node_id, address) in enumerate(self.parts.trainer.processes)]
         if self.parts.rollout is not None:
             for engine in self.parts.rollout.server_processes():

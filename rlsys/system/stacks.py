@@ -6,25 +6,35 @@ ranks wait inside torch.distributed and which do not (the one that never reached
 py-spy (`py-spy dump --nonblocking`) reads another process's memory without stopping it, so it
 also reads a process that is stopped (SIGSTOP) or deadlocked, and it needs nothing from the
 process itself; it does need ptrace rights over it (root, or CAP_SYS_PTRACE: containers without
-it get "Permission denied", which the dump then says instead of the stack). Nodes other than the
-driver's run their part in a zero-CPU Ray task pinned to the node, as the node checks do.
+it get "Permission denied"). Where py-spy cannot read a process of rlsys's own (the trainer ranks),
+the process is asked instead: each rank registers faulthandler on STACK_SIGNAL at start
+(`answer_stack_signal`), which writes every thread's stack to its stderr (Ray's worker-*.err file on
+its node, found through /proc/PID/fd/2) from Python's own signal handling; a stopped process cannot
+answer, and the dump says so. SGLang's processes register no such handler (the signal's default
+action would end them), so only py-spy reads them. Nodes other than the driver's run their part in
+a zero-CPU Ray task pinned to the node, as the node checks do.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PY_SPY_TIMEOUT_S = 30.0
+STACK_SIGNAL = signal.SIGUSR2  # neither Ray's workers nor SGLang use it
+SIGNAL_ANSWER_S = 5.0  # how long a process gets to write its stacks after STACK_SIGNAL
 # A frame in py-spy's dump: "    function (path/to/file.py:123)"
 _FRAME = re.compile(r"^\s+(?P<function>\S+) \((?P<file>.+?):(?P<line>\d+)\)")
 _THREAD = re.compile(r'^Thread (?P<tid>\S+) \((?P<state>[^)]*)\)(?:: "(?P<name>.*)")?')
@@ -44,6 +54,7 @@ class ProcessRef:
     node_id: str
     address: str
     with_children: bool = False  # an engine's SGLang server: its scheduler and detokenizer too
+    answers_signal: bool = False  # it registered `answer_stack_signal` (the fallback when py-spy cannot read it)
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,15 @@ def _dump(ref: ProcessRef, pid: int) -> ProcessStacks:
     except psutil.Error:
         return ProcessStacks(ref.role, pid, ref.address, "", "gone", "the process no longer exists", None, None)
     role = ref.role if pid == ref.pid else f"{ref.role} {name}"
-    text = own_stacks() if pid == os.getpid() else _py_spy_dump(pid, stopped=state == psutil.STATUS_STOPPED)
+    stopped = state == psutil.STATUS_STOPPED
+    text = own_stacks() if pid == os.getpid() else _py_spy_dump(pid, stopped)
+    if text.startswith(PY_SPY_FAILED) and ref.answers_signal and pid == ref.pid:
+        answer = None if stopped else signalled_stacks(pid)
+        if answer is not None:
+            text = f"{answer}\n({text.splitlines()[0]})\n"
+        else:
+            text += ("\n(it was asked instead: it is stopped and cannot answer)" if stopped
+                     else f"\n(it was asked instead and did not answer within {SIGNAL_ANSWER_S:g} s)")
     collective, where = read_frames(text)
     return ProcessStacks(role, pid, ref.address, name, state, text, collective, where)
 
@@ -106,19 +125,65 @@ def _py_spy_dump(pid: int, stopped: bool) -> str:
     A stopped one is read as it is (attaching would wait on it). One retry in the other mode."""
     executable = py_spy()
     if executable is None:
-        return "py-spy is not installed on this node (pip install py-spy)"
+        return f"{PY_SPY_FAILED}: py-spy is not installed on this node (pip install py-spy)"
     problems = []
     for nonblocking in (stopped, not stopped):
         try:
             done = subprocess.run([executable, "dump", "--pid", str(pid), *(["--nonblocking"] if nonblocking else [])],
                                   capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            problems.append(f"py-spy did not answer within {PY_SPY_TIMEOUT_S:g} s")
+            problems.append(f"{PY_SPY_FAILED}: it did not answer within {PY_SPY_TIMEOUT_S:g} s")
             continue
         if done.returncode == 0:
             return done.stdout
-        problems.append(f"py-spy failed: {(done.stderr or done.stdout).strip().splitlines()[0:4]}")
+        problems.append(f"{PY_SPY_FAILED}: {' / '.join((done.stderr or done.stdout).strip().splitlines()[0:4])}")
     return "\n".join(problems)
+
+
+PY_SPY_FAILED = "py-spy failed"
+
+
+def answer_stack_signal() -> None:
+    """From now on STACK_SIGNAL makes this process write every thread's stack to its stderr
+    (faulthandler: from the interpreter's signal handling, also while the main thread is blocked in C)."""
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+def signalled_stacks(pid: int) -> str | None:
+    """Ask `pid` (which called `answer_stack_signal`) for its stacks and read what it appends to its
+    stderr, as py-spy's layout; None when it wrote nothing within SIGNAL_ANSWER_S."""
+    try:
+        stderr = Path(os.readlink(f"/proc/{pid}/fd/2"))
+        start = stderr.stat().st_size
+        os.kill(pid, STACK_SIGNAL)
+    except OSError:
+        return None
+    deadline = time.monotonic() + SIGNAL_ANSWER_S
+    text = ""
+    while time.monotonic() < deadline:  # until it has written something and stopped writing
+        time.sleep(0.2)
+        with open(stderr, errors="replace") as file:
+            file.seek(start)
+            now = file.read()
+        if now and now == text:
+            break
+        text = now
+    return faulthandler_as_py_spy(pid, text) if "File " in text else None
+
+
+_FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):")
+_FH_FRAME = re.compile(r'^\s+File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)$')
+
+
+def faulthandler_as_py_spy(pid: int, text: str) -> str:
+    """faulthandler's dump rewritten in py-spy's layout (what `read_frames` reads)."""
+    lines = [f"Process {pid}: (its own stacks, through {STACK_SIGNAL.name}: py-spy could not read it)", ""]
+    for line in text.splitlines():
+        if match := _FH_THREAD.match(line):
+            lines.append(f"Thread {match[2]} ({'active' if match[1] == 'Current thread' else 'idle'})")
+        elif match := _FH_FRAME.match(line):
+            lines.append(f"    {match['function']} ({match['file']}:{match['line']})")
+    return "\n".join(lines) + "\n"
 
 
 def own_stacks() -> str:

@@ -83,3 +83,45 @@ def test_a_stopped_rank_and_the_rank_waiting_for_it_in_a_collective_are_told_apa
     names = sorted(path.name for path in (tmp_path / "hang").iterdir())
     assert names == sorted(["summary.json", f"driver-{os.getpid()}.txt", f"trainer-rank-0-{ranks[0].pid}.txt",
                             f"trainer-rank-1-{ranks[1].pid}.txt"])
+
+
+# A process of rlsys's own, blocked where py-spy would find it, that answers the stack signal.
+ANSWERING = """
+import sys, time
+from rlsys.system.stacks import answer_stack_signal
+answer_stack_signal()
+def waiting_for_the_others():
+    print("ready", flush=True)
+    time.sleep(120)
+waiting_for_the_others()
+"""
+
+
+def test_where_py_spy_cannot_read_a_rank_the_rank_is_asked_for_its_stacks(tmp_path, monkeypatch):
+    """A container without CAP_SYS_PTRACE: py-spy is refused, the rank writes its own stacks."""
+    import rlsys.system.stacks as stacks
+
+    refused = tmp_path / "py-spy"
+    refused.write_text("#!/bin/sh\necho 'Error: Permission Denied: Try running again with elevated permissions' >&2\n"
+                       "exit 1\n")
+    refused.chmod(0o755)
+    monkeypatch.setattr(stacks, "py_spy", lambda: str(refused))
+    with open(tmp_path / "worker.err", "w") as err:  # as Ray gives a worker its log file for stderr
+        rank = subprocess.Popen([sys.executable, "-c", ANSWERING], stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "ready"
+        (asked,) = stacks.dump_on_this_node([ProcessRef("trainer rank 0", rank.pid, "n", "127.0.0.1",
+                                                        answers_signal=True)])
+        (unasked,) = stacks.dump_on_this_node([ProcessRef("engine-0", rank.pid, "n", "127.0.0.1")])
+        os.kill(rank.pid, signal.SIGSTOP)
+        (stopped,) = stacks.dump_on_this_node([ProcessRef("trainer rank 0", rank.pid, "n", "127.0.0.1",
+                                                          answers_signal=True)])
+        assert rank.poll() is None  # the signal asked, it did not end the process
+    finally:
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.wait()
+    assert "Permission Denied" in asked.stacks and "through SIGUSR2" in asked.stacks
+    assert "waiting_for_the_others (<string>:" in asked.stacks
+    assert asked.where is None and asked.collective is None  # <string> is not rlsys's code nor torch's
+    assert unasked.stacks.startswith("py-spy failed") and "Thread" not in unasked.stacks  # SGLang's are never signalled
+    assert stopped.state == "stopped" and "it is stopped and cannot answer" in stopped.stacks
