@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from rlsys.system.stacks import ProcessRef, collect_stacks, read_frames, summarize
+from rlsys.system.stacks import ProcessRef, _py_spy_dump, collect_stacks, read_frames, summarize
 
 # Rank 1 stops itself (SIGSTOP) before the all-reduce; rank 0 waits inside it.
 RANK = """
@@ -40,6 +40,15 @@ Thread 57 (idle): "PythonGCThread"
 """
 
 
+def _this_node() -> str:
+    """This process's Ray node id when an earlier test connected it to the session's cluster (the
+    collector then reads other nodes through Ray), else any name: everything is read here."""
+    from rlsys.system.node import connected_ray
+
+    ray = connected_ray()
+    return ray.get_runtime_context().get_node_id() if ray is not None else "this-node"
+
+
 def test_frames_name_the_collective_and_where_rlsys_called_it():
     assert read_frames(PY_SPY_DUMP) == ("all_reduce (distributed_c10d.py:3913)",
                                         "TrainerWorker._global_max (actors/trainer.py:289)")
@@ -60,9 +69,12 @@ def test_a_stopped_rank_and_the_rank_waiting_for_it_in_a_collective_are_told_apa
         while psutil.Process(ranks[1].pid).status() != psutil.STATUS_STOPPED:
             assert time.monotonic() < deadline, "rank 1 never stopped"
             time.sleep(0.1)
-        time.sleep(1.0)  # rank 0 is inside the all-reduce by now (its only remaining work)
-        refs = [ProcessRef("driver", os.getpid(), "this-node", "127.0.0.1")]
-        refs += [ProcessRef(f"trainer rank {rank}", process.pid, "this-node", "127.0.0.1")
+        while read_frames(_py_spy_dump(ranks[0].pid, stopped=False))[0] is None:  # on its way into the all-reduce
+            assert time.monotonic() < deadline, "rank 0 never reached the all-reduce"
+            time.sleep(0.2)
+        here = _this_node()
+        refs = [ProcessRef("driver", os.getpid(), here, "127.0.0.1")]
+        refs += [ProcessRef(f"trainer rank {rank}", process.pid, here, "127.0.0.1")
                  for rank, process in enumerate(ranks)]
         found = collect_stacks(refs, tmp_path / "hang")
     finally:

@@ -20,6 +20,13 @@ class Rank:
         return "done"
 
 
+def _started(count: int) -> list:
+    """`count` ranks whose processes are up (starting one takes seconds on a loaded machine: not a hang)."""
+    ranks = [Rank.remote() for _ in range(count)]
+    ray.get([rank.answer.remote(0) for rank in ranks])
+    return ranks
+
+
 def _group(timeout_s):
     group = TrainerGroup.__new__(TrainerGroup)  # the bound's logic alone: no model, no process group
     group.spec = SimpleNamespace(trainer=SimpleNamespace(call_timeout_s=timeout_s))
@@ -28,8 +35,8 @@ def _group(timeout_s):
 
 
 def test_ranks_past_the_bound_are_named_after_the_hang_hook_ran(ray_cluster):
-    ranks = [Rank.remote() for _ in range(3)]
-    group = _group(2.0)
+    ranks = _started(3)
+    group = _group(2.0)  # a started rank answers `answer(0)` in milliseconds
     seen = []
     group.on_hang = lambda what, stuck: seen.append((what, stuck)) or "rank 2 stopped"
     with pytest.raises(TrainerHang) as caught:
@@ -42,7 +49,7 @@ def test_ranks_past_the_bound_are_named_after_the_hang_hook_ran(ray_cluster):
 
 
 def test_a_failed_rank_is_its_own_error_not_a_hang(ray_cluster):
-    ranks = [Rank.remote() for _ in range(2)]
+    ranks = _started(2)
     group = _group(600.0)
     group.on_hang = lambda what, stuck: pytest.fail("a failure is not a hang")
     with pytest.raises(ray.exceptions.RayTaskError, match="this rank's own error"):
