@@ -433,8 +433,9 @@ def _collectives(config: RunConfig | None, agents, has_gpu: bool, ports_ok: bool
                                 f"{result.bound_gbps:.3g} GB/s: {result.bound}",
                                 "raise weight_sync.timeout_s or lower weight_sync.bucket_size_mb, or fix the link "
                                 "(NCCL_SOCKET_IFNAME / NCCL_IB_HCA in placement.env)"))
-    if slowest and config is not None:
-        result.full_sync_s = _weight_bytes(config, has_gpu) / (slowest * 1e9) if _weight_bytes(config, has_gpu) else None
+    weights = _weight_bytes(config, has_gpu) if slowest and config is not None else None  # builds the model on meta
+    if weights:
+        result.full_sync_s = weights / (slowest * 1e9)
     return result
 
 

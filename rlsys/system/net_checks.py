@@ -80,11 +80,10 @@ class NodeAgent:
 
     def free_port(self) -> int:
         """A free port on this node's address (for the group's store, which rank 0 opens)."""
+        from rlsys.rollout.sglang.server import find_free_port
         from rlsys.system.node import node_address
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((node_address(), 0))
-            return probe.getsockname()[1]
+        return find_free_port(node_address())
 
     def collectives(self, master: str, port: int, rank: int, world: int, nbytes: int, repeats: int,
                     timeout_s: float) -> CollectiveResult:
