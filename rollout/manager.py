@@ -18,7 +18,7 @@ from rlsys.errors import RunFailed
 from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rollout.dispatch import Dispatcher, LoopThread, RequestBatcher
 from rlsys.rollout.engine import RolloutEngine
-from rlsys.rollout.partial import GroupInFlight, continuation, out_of_tokens, stitch
+from rlsys.rollout.partial import GroupInFlight, continuation, settle, stitch
 from rlsys.rollout.sglang.client import EngineAddress, EngineDied
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.rollout.standing import StandingRecord, engine_handle, launch_engine
@@ -230,13 +230,14 @@ class RolloutManager:
             group = groups[i]
             positions, inputs, params = [], [], []
             for k in group.unfinished():
-                step = continuation(group.prompt.token_ids, group.samples[k], sampling)
-                if step is None:  # aborted just as it reached max_new_tokens
-                    group.samples[k] = out_of_tokens(group.samples[k])
-                    continue
+                if group.samples[k] is not None:  # (a checkpoint's samples from before `settle`)
+                    group.samples[k] = settle(group.samples[k], sampling)
+                    if not group.samples[k].aborted:
+                        continue
+                step_input, step_sampling = continuation(group.prompt.token_ids, group.samples[k], sampling)
                 positions.append(k)
-                inputs.append(step[0])
-                params.append(step[1])
+                inputs.append(step_input)
+                params.append(step_sampling)
             if positions:
                 async with self.dispatcher.engine(len(positions)) as index:
                     try:
@@ -247,9 +248,9 @@ class RolloutManager:
                 if refused is not None:  # the engine aborted it by itself (e.g. longer than its context)
                     raise RunFailed(f"engine-{index} aborted a sample of prompt {group.prompt.text!r} before any "
                                     f"abort was sent: {refused.stop_reason or 'no reason given'}")
-                aborted += sum(answer.aborted for answer in answers)
                 for k, answer in zip(positions, answers, strict=True):
-                    group.samples[k] = stitch(group.prompt.token_ids, group.samples[k], answer)
+                    group.samples[k] = settle(stitch(group.prompt.token_ids, group.samples[k], answer), sampling)
+                    aborted += group.samples[k].aborted
             if group.finished:
                 finished += 1
                 if finished >= needed:

@@ -60,14 +60,14 @@ def _versions(generation: Generation) -> list[int]:
 
 
 def continuation(prompt_ids: list[int], sample: Generation | None,
-                 sampling: SamplingParams) -> tuple[list[int], SamplingParams] | None:
+                 sampling: SamplingParams) -> tuple[list[int], SamplingParams]:
     """The engine input that continues `sample` (prompt + its tokens so far) and its sampling
-    parameters (max_new_tokens less the tokens already there); None if no token is left to make."""
+    parameters (max_new_tokens less the tokens already there). `sample` has tokens left to make
+    (`settle` ended those that had none)."""
     if sample is None or not sample.response_ids:
         return list(prompt_ids), sampling
     left = sampling.max_new_tokens - len(sample.response_ids)
-    if left <= 0:
-        return None
+    assert left > 0, "a sample holding max_new_tokens tokens is settled, not continued"
     return list(prompt_ids) + list(sample.response_ids), replace(
         sampling, max_new_tokens=left, min_new_tokens=max(0, sampling.min_new_tokens - len(sample.response_ids)))
 
@@ -83,9 +83,20 @@ def stitch(prompt_ids: list[int], before: Generation | None, answer: Generation)
                    logprobs=before.logprobs + answer.logprobs, weight_version=min(versions), token_versions=versions)
 
 
-def out_of_tokens(before: Generation) -> Generation:
-    """An aborted sample that already holds max_new_tokens tokens: it ends as cut off."""
-    return replace(before, finish_reason="length")
+def settle(sample: Generation, sampling: SamplingParams) -> Generation:
+    """An aborted sample that had in fact ended, ended: an abort can land in the very step that
+    samples a response's last token, and SGLang then answers "abort" (`Req.update_finish_state`
+    takes a pending abort before its stop-token and length checks). Continuing such a sample
+    would generate past its stop token. Its last token a stop token: "stop"; holding
+    max_new_tokens tokens: "length". Any other sample is returned as it is. (Stop strings are
+    not looked for: the engine matches those on text, which rlsys does not decode here.)"""
+    if not sample.aborted or not sample.response_ids:
+        return sample
+    if not sampling.ignore_eos and sample.response_ids[-1] in sampling.stop_token_ids:
+        return replace(sample, finish_reason="stop", stop_reason=None)
+    if len(sample.response_ids) >= sampling.max_new_tokens:
+        return replace(sample, finish_reason="length", stop_reason=None)
+    return sample
 
 
 # ---- checkpoint form (coordinator.json) ------------------------------------------------------

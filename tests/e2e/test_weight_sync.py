@@ -288,34 +288,35 @@ def test_partial_rollouts_continue_aborted_samples_token_by_token_with_the_new_w
                   for i in range(12)]
         rollout.generate_groups(groups, needed=3, sampling=sampling)
         assert sum(group.finished for group in groups) >= 3
-        cut = [(group.prompt.token_ids, sample) for group in groups for sample in group.samples
-               if sample.aborted and sample.response_ids]
+        # (g, k): sample k of group g, cut part-way. An abort that lands in the step that samples a
+        # response's last token still answers "abort"; rlsys ends such a sample (rollout.partial.settle),
+        # so every sample still aborted has tokens left to make and no stop token at its end.
+        cut = {(g, k): sample for g, group in enumerate(groups) for k, sample in enumerate(group.samples)
+               if sample.aborted and sample.response_ids}
         if cut:
             break
     assert cut, "no sample was aborted part-way in 5 rounds"
-    for prompt, sample in cut:  # the tokens so far, each with the log-prob the (old) weights give it
+    for (g, _), sample in cut.items():  # the tokens so far, each with the log-prob the (old) weights give it
+        assert len(sample.response_ids) < limit and sample.response_ids[-1] not in sampling.stop_token_ids
         assert sample.token_versions == [old] * len(sample.response_ids)
+        prompt = groups[g].prompt.token_ids
         scored = rollout.score([prompt + sample.response_ids])[0][len(prompt) - 1:]
         assert _max_diff([scored], [sample.logprobs]) < 1e-3
-    made_before = {(tuple(prompt), tuple(sample.response_ids)): len(sample.response_ids) for prompt, sample in cut}
 
     trainer.train_step(_batch(20))
     trainer.sync_weights(16 * 2**20, weight_version=old + 1)
     rollout.generate_groups(groups, needed=len(groups), sampling=sampling)
-    continued = 0
-    for group in groups:
+    for g, group in enumerate(groups):
         prompt = group.prompt.token_ids
-        for sample in group.samples:
+        for k, sample in enumerate(group.samples):
             assert sample.finish_reason in ("stop", "length") and len(sample.response_ids) <= limit
             if sample.finish_reason == "length":  # the limit is the whole response's, not the continuation's
                 assert len(sample.response_ids) == limit  # (a stop token drawn last also ends at the limit)
-            kept = next((n for (p, before), n in made_before.items()
-                         if p == tuple(prompt) and tuple(sample.response_ids[:n]) == before), None)
-            if kept is None or sample.weight_version == old + 1 or len(sample.response_ids) == kept:
+            if (g, k) not in cut:
                 continue
-            continued += 1
+            kept = len(cut[g, k].response_ids)  # continued: the old tokens, then at least one of the new weights'
+            assert sample.response_ids[:kept] == cut[g, k].response_ids and len(sample.response_ids) > kept
             assert sample.token_versions == [old] * kept + [old + 1] * (len(sample.response_ids) - kept)
             assert sample.weight_version == old
             scored = rollout.score([prompt + sample.response_ids])[0][len(prompt) - 1:]
             assert _max_diff([scored[kept:]], [sample.logprobs[kept:]]) < 1e-3  # the new tokens: new weights'
-    assert continued > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 from ray.exceptions import RayActorError
@@ -19,7 +20,7 @@ from rlsys.errors import RunFailed
 from rlsys.records import EncodedPrompt, Generation, PromptRecord, SamplingParams
 from rlsys.rollout.dispatch import Dispatcher, LoopThread
 from rlsys.rollout.manager import RolloutManager
-from rlsys.rollout.partial import GroupInFlight, continuation, stitch
+from rlsys.rollout.partial import GroupInFlight, continuation, settle, stitch
 from rlsys.run.partial_rollouts import PartialRollouts
 
 GROUP, WANTED, OVERSAMPLE, MAX_NEW = 2, 4, 3, 40
@@ -224,12 +225,59 @@ def test_a_continuation_asks_only_for_the_tokens_left_and_stitches_versions_per_
     whole = stitch(prompt, first, Generation(ids, [10], [-0.4], "stop", 5))
     assert whole.prompt_ids == prompt and whole.response_ids == [7, 8, 9, 10]
     assert whole.token_versions == [3, 3, 3, 5] and whole.weight_version == 3 and whole.finish_reason == "stop"
-    assert continuation(prompt, Generation(prompt, [7] * 5, [0.0] * 5, "abort", 3), SamplingParams(max_new_tokens=5)) \
-        is None
     group = GroupInFlight.new(EncodedPrompt(PromptRecord("p", "l"), prompt), 2)
     group.samples = [whole, first]
     assert group.unfinished() == [1] and group.oldest_version() == 3
     assert group.restart_older_than(4) == 7 and group.samples == [None, None]
+
+
+def test_an_abort_landing_on_a_responses_last_token_ends_it_instead_of_continuing_past_its_end():
+    """SGLang answers "abort" for a request whose last token (a stop token, or the max_new_tokens-th)
+    was sampled in the step the abort landed in. Such a sample is ended, never continued."""
+    prompt, sampling = [1, 2], SamplingParams(max_new_tokens=4, stop_token_ids=[0, 9])
+    ended_on_stop = Generation(prompt, [7, 9], [-0.1, -0.2], "abort", 3, stop_reason="Aborted")
+    assert settle(ended_on_stop, sampling) == replace(ended_on_stop, finish_reason="stop", stop_reason=None)
+    full = Generation(prompt, [7, 8, 8, 8], [-0.1] * 4, "abort", 3)
+    assert settle(full, sampling).finish_reason == "length"
+    part_way = Generation(prompt, [7, 8], [-0.1] * 2, "abort", 3)
+    assert settle(part_way, sampling) is part_way  # tokens left and no stop token: continued later
+    assert settle(ended_on_stop, replace(sampling, ignore_eos=True)).aborted  # the engine ignores stops then
+
+    class AbortsOnTheLastToken:
+        """Prompt 4's sample ends at once; the others are answered when the abort comes, each with
+        finish reason "abort": prompt 1's ending on a stop token, prompt 2's at max_new_tokens,
+        prompt 3's part-way."""
+
+        def __init__(self):
+            self.calls: list[list[list[int]]] = []
+            self.generate_each, self.abort_all = Remote(self._generate_each), Remote(self._abort_all)
+            self.aborted = asyncio.Event()
+
+        async def _abort_all(self):
+            self.aborted.set()
+
+        async def _generate_each(self, inputs, params):
+            self.calls.append(inputs)
+            if inputs[0][0] == 4:
+                return [Generation(ids, [5, 0], [-0.1] * 2, "stop", 3) for ids in inputs]
+            if len(inputs[0]) > 1:  # the continuation of prompt 3
+                return [Generation(ids, [0], [-0.5], "stop", 4) for ids in inputs]
+            await self.aborted.wait()
+            tokens = {1: [7, 9], 2: [7, 8, 8, 8], 3: [7, 8]}
+            return [Generation(ids, tokens[ids[0]], [-0.1] * len(tokens[ids[0]]), "abort", 3) for ids in inputs]
+
+    engine = AbortsOnTheLastToken()
+    manager = _manager([engine])
+    groups = [GroupInFlight.new(EncodedPrompt(PromptRecord(f"p{i}", "l"), [i]), 1) for i in (1, 2, 3, 4)]
+    try:
+        assert manager.generate_groups(groups, needed=1, sampling=sampling) == 1  # only prompt 3's stays aborted
+        assert [group.finished for group in groups] == [True, True, False, True]
+        manager.generate_groups(groups, needed=4, sampling=sampling)
+    finally:
+        manager._loop.close()
+    assert engine.calls[4:] == [[[3, 7, 8]]]  # the ended ones were never sent again
+    assert [(g.samples[0].response_ids, g.samples[0].finish_reason) for g in groups] == [
+        ([7, 9], "stop"), ([7, 8, 8, 8], "length"), ([7, 8, 0], "stop"), ([5, 0], "stop")]
 
 
 def test_partial_rollouts_are_refused_with_what_they_cannot_combine_with():
