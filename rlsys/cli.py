@@ -33,7 +33,7 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
 def _train(args: argparse.Namespace) -> int:
     from rlsys.config import load_config
     from rlsys.errors import RunFailed
-    from rlsys.run.coordinator import StoppedAtOnce, run
+    from rlsys.run.lifecycle import StoppedAtOnce, run
 
     config = load_config(args.config, train_overrides(args))
     try:

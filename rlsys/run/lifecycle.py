@@ -1,238 +1,292 @@
-"""A run's components: started in order, restored from a checkpoint, and stopped by the caller's
-ExitStack whatever happens (engines first: their servers hold shared-memory handles from the
-trainers)."""
+"""A run's life: `run(config)` checks its inputs, prepares the run directory, starts the Ray
+cluster, the status server, the reward workers and the components (rlsys/run/components.py),
+restores a checkpoint, hands the loop (rlsys/run/coordinator.py `train_loop`) its `Run`, restarts
+the trainers when a rank dies, turns signals into a stop after the step and any failure into a
+`failed` status with one line, and stops everything whatever happens.
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
+import signal
+import threading
 import time
-from contextlib import ExitStack
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from datetime import datetime
 from pathlib import Path
 
 from ray.exceptions import RayError
 
-from rlsys.actors.group import TrainerGroup
-from rlsys.actors.placement import Placement, create_placement
-from rlsys.actors.trainer import TrainerSpec
-from rlsys.config import RunConfig
+from rlsys.actors.group import TrainerHang
+from rlsys.config import RunConfig, dump_config
+from rlsys.data.datasets import PromptSampler, repeated_prompts_note
 from rlsys.errors import RunFailed
-from rlsys.rollout.manager import RolloutManager
-from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
-from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
+from rlsys.observability.metrics import MetricsLog
+from rlsys.observability.status.state import RunStatus
+from rlsys.observability.tracking import Trackers, check_backends_installed
+from rlsys.rewards.pool import make_reward_scorer
+from rlsys.rollout.manager import EngineRestartLimit
+from rlsys.run.assets import RunAssets, load_assets, refuse_incompatible_checkpoint
+from rlsys.run.batches import OnPolicyRounds
+from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume, disk_full_failure
+from rlsys.run.components import bring_engines_up_to_date, restart_trainers, run_uses_gpus, start_components
+from rlsys.run.coordinator import Run, train_loop
+from rlsys.run.evaluation import Evaluator
+from rlsys.run.generation import SampleMaker
 from rlsys.run.hangs import HangReporter
-from rlsys.run.memory_plan import plan_for_devices
-from rlsys.run.standing_engines import attach, server_spec
-from rlsys.run.verify import model_depth, verify_engine_weights
-from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
-from rlsys.system.cluster import ACTOR_ENV
-from rlsys.system.node import node_address
-from rlsys.system.node_checks import (
-    HubSnapshot,
-    NodeReport,
-    PlacementNodes,
-    device_memory_budget,
-    probe_nodes,
-    refuse_unusable_nodes,
-)
+from rlsys.run.partial_rollouts import PartialRollouts
+from rlsys.run.reporting import HealthMonitor, new_status, status_server
+from rlsys.run.standing_engines import cluster_address
+from rlsys.system.cluster import ray_cluster
+from rlsys.system.model_source import resolve_model_paths
+from rlsys.system.reaper import start_reaper
+from rlsys.system.run_lock import RunDirLock
+from rlsys.system.shm_sweep import sweep_shared_memory
 from rlsys.system.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class Components:
-    topology: Topology
-    placement: Placement
-    rollout: RolloutManager | None = None
-    trainer: TrainerGroup | None = None
-    handoff: DeviceHandoff | None = None
-    cpu_sharers: tuple[int, int] = (1, 1)  # (trainer, engine): Topology.cpu_sharers on this placement
-    hangs: HangReporter | None = None  # set by the coordinator: stacks of every process on a hang
-
-    def shutdown(self) -> None:
-        """Stop whatever has started: engines, then trainer ranks, then the placement group."""
-        if self.rollout is not None:
-            self.rollout.shutdown()
-        if self.trainer is not None:
-            self.trainer.shutdown()
-        self.placement.remove()
+__all__ = ["RunFailed", "StoppedAtOnce", "run"]
 
 
-def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack: ExitStack) -> Components:
-    """Engines start in the background while the trainer ranks build their models (on GPUs,
-    colocated, the engines first: `Topology.engines_start_first`); then each rank is connected to
-    the engine(s) it feeds. `stack` stops them, whatever happens."""
-    start = time.perf_counter()
-    attached = None
-    if config.rollout.attach:  # standing engines: checked and leased before any trainer starts
-        attached = attach(config, topology, run_dir, "train")
-        stack.callback(attached.lease.release)  # after the components stop (the engines are left ready first)
-    parts = Components(topology, attached.placement if attached else create_placement(topology))
-    stack.callback(parts.shutdown)
-    check_placement_nodes(config, topology, parts.placement, run_dir)  # before any trainer or engine starts
-    parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
-    if config.placement.env:
-        logger.info("placement.env of the trainer ranks and engine servers: %s",
-                    " ".join(f"{name}={value}" for name, value in sorted(config.placement.env.items())))
-    server = server_spec(config, topology, parts.cpu_sharers[1])
-    parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
-                                   parts.placement.engine_options(), standing=attached.record if attached else None,
-                                   hangs_dir=str(run_dir / "hangs"))
-    if topology.engines_start_first:
-        parts.rollout.wait_ready()
-    parts.trainer = _trainer_group(config, parts)
-    ranks = parts.trainer.describe()
-    logger.info(f"trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
-                f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads "
-                f"each{'' if ranks['context_parallel'] == 'off' else ', context parallel: ' + ranks['context_parallel']})"
-                f" ready after {time.perf_counter() - start:.1f} s")
-    parts.topology = topology.with_engines(parts.rollout.wait_ready())
-    logger.info("%d SGLang engine(s) ready after %.1f s", topology.num_engines, time.perf_counter() - start)
-    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
-    parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
-                                  run_dir / "logs" / "device_handoff.jsonl")
-    return parts
+def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
+    """`train_loop`; when a trainer rank dies, the trainer group restarts from the latest
+    checkpoint (at most checkpoint.max_auto_resumes times) and the loop goes on from there."""
+    for resumes in itertools.count():
+        try:
+            return train_loop(run)
+        except (RayError, TrainerHang) as error:
+            checkpoint, _ = store.latest_loadable()
+            if resumes >= run.config.checkpoint.max_auto_resumes or checkpoint is None:
+                raise
+            group = run.parts.trainer
+            if isinstance(error, TrainerHang):  # a stuck rank is handled as a dead one (its stacks are kept)
+                logger.warning("%s; restarting the trainers from %s (%d of %d)", error, checkpoint, resumes + 1,
+                               run.config.checkpoint.max_auto_resumes)
+            else:
+                dead = [rank["rank"] for rank in group.health(timeout_s=10) if not rank["alive"]]
+                if not dead:
+                    raise
+                cause = getattr(error, "cause", None) or error
+                where = ", ".join(f"rank {rank} on node {group.nodes[rank]}" for rank in dead)
+                logger.warning("a trainer rank died (%s; %s); restarting the trainers from %s (%d of %d)",
+                               type(cause).__name__, where, checkpoint, resumes + 1,
+                               run.config.checkpoint.max_auto_resumes)
+            # A rank killed between /begin_weight_update and /end_weight_update leaves the engines'
+            # session open, and they would refuse the next sync.
+            run.parts.rollout.end_abandoned_weight_updates()
+            restart_trainers(run.config, run.parts)
+            logger.info("trainer ranks are back, on node(s) %s", ", ".join(sorted(set(run.parts.trainer.nodes))))
+            run.continue_from(checkpoint)
+            run.trainer_restarts = resumes + 1
 
 
-def check_placement_nodes(config: RunConfig, topology: Topology, placement: Placement, run_dir: Path) -> None:
-    """Every node the placement got sees run_dir and the model, and its devices fit the memory plan
-    (rlsys/system/node_checks.py); otherwise a ConfigError naming the node and what to set."""
-    judge_placement_nodes(config, topology, probe_placement_nodes(config, topology, placement, run_dir), run_dir)
+
+def with_absolute_paths(config: RunConfig, run_dir: str) -> RunConfig:
+    """The config with run_dir, the model's, the data's and the user functions' file paths made
+    absolute: trainers and engines on other nodes (or in another working directory) must not resolve
+    them against their own, and RUN_DIR/config.yaml must run again from anywhere. A function named
+    as a module (`package.module:function`) is left as it is: it is found on the Python path."""
+
+    def absolute(path: str | None) -> str | None:
+        return str(Path(path).absolute()) if path else path
+
+    model = config.model.model_copy(update={"path": absolute(config.model.path),
+                                            "tokenizer_path": absolute(config.model.tokenizer_path)})
+    data = config.data.model_copy(update={"train_path": absolute(config.data.train_path),
+                                          "eval_path": absolute(config.data.eval_path)})
+    reward = config.reward.model_copy(update={"function": absolute_function_path(config.reward.function)})
+    rollout = config.rollout.model_copy(update={
+        "generate_function": absolute_function_path(config.rollout.generate_function)})
+    eval_sets = [eval_set.model_copy(update={"path": absolute(eval_set.path),
+                                             "reward_function": absolute_function_path(eval_set.reward_function)})
+                 for eval_set in config.eval.datasets]
+    return config.model_copy(update={
+        "run_dir": str(Path(run_dir).absolute()), "model": model, "data": data, "reward": reward, "rollout": rollout,
+        "eval": config.eval.model_copy(update={"datasets": eval_sets})})
 
 
-def model_paths(config: RunConfig) -> tuple[str, ...]:
-    """The directories every node that loads the model must see: the model's, and a separate tokenizer's."""
-    engine = config.rollout.engine
-    return (config.model.path,) + ((config.model.tokenizer_path,)
-                                   if config.model.tokenizer_path and not engine.skip_tokenizer_init else ())
+def absolute_function_path(import_path: str | None) -> str | None:
+    """`path/to/file.py:function` with the file's path made absolute; other forms as they are."""
+    if not import_path:
+        return import_path
+    module, sep, attribute = import_path.rpartition(":")
+    if not sep or not module.endswith(".py"):
+        return import_path
+    return f"{Path(module).absolute()}:{attribute}"
 
 
-def probe_placement_nodes(config: RunConfig, topology: Topology, placement: Placement,
-                          run_dir: Path | None) -> list[NodeReport]:
-    """Each node of the placement's report (rlsys/system/node_checks.py), naming the roles it holds;
-    `rlsys doctor` asks the same."""
-    bundle_nodes = placement.bundle_nodes()
-    placed = PlacementNodes()
-    for bundle, roles in sorted(topology.roles_by_bundle().items()):
-        for role in roles:
-            placed.add(bundle_nodes[bundle], role)
-    hub = ((HubSnapshot(config.model.hub_id, config.model.revision, config.model.path),)
-           if config.model.hub_id and config.model.revision else ())
-    return probe_nodes(placed, run_dir, model_paths(config), hub)
+def prepare_run_dir(config: RunConfig, run_dir: Path, resuming: bool) -> None:
+    if not resuming and (run_dir / "metrics.jsonl").exists():
+        raise RunFailed(
+            f"run directory {run_dir} already holds a run (metrics.jsonl) and no checkpoint to resume; "
+            "choose another run_dir, or pass --resume to continue a checkpointed run"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(config.model_copy(update={"run_dir": str(run_dir)}), run_dir / "config.yaml")
 
 
-def judge_placement_nodes(config: RunConfig, topology: Topology, reports: list[NodeReport], run_dir: Path) -> None:
-    """NodeCheckFailed (a ConfigError) for a node that cannot see run_dir or the model, ConfigError
-    when the memory plan does not fit the nodes' devices; logs the plan and the nodes."""
-    models = model_paths(config)
-    refuse_unusable_nodes(reports, run_dir, models)
-    memory, source = device_memory_budget(reports, topology.has_gpu)
-    trainer_nodes = [r for r in reports if any(role.startswith("trainer") for role in r.roles)]
-    flash = (topology.has_gpu and config.model.dtype in ("bfloat16", "float16")
-             and all(r.flash_attn_installed for r in trainer_nodes))
-    plan = plan_for_devices(config, topology.has_gpu, memory, flash)
-    budget = "placement.gpu_memory_gb" if config.placement.gpu_memory_gb is not None else source
-    logger.info("memory plan: peak %.2f GiB per device of %.1f GiB (%s; rlsys plan CONFIG for every term)",
-                plan.per_gpu_bytes / 2**30, plan.gpu_memory_bytes / 2**30, budget)
-    driver = node_address()
-    if len(reports) > 1 or reports[0].address != driver:
-        logger.info("nodes: driver %s; %s", driver, "; ".join(f"{r.address}: {', '.join(r.roles)}" for r in reports))
+def _first_lines(text: str, count: int) -> str:
+    lines = text.splitlines()
+    return "\n".join(lines[:count] + (["..."] if len(lines) > count else []))
 
 
-def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:
-    spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
-    group = TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(), env_vars=trainer_env(config))
-    if parts.hangs is not None:
-        group.on_hang = parts.hangs.on_trainer_hang
-    return group
-
-
-def trainer_env(config: RunConfig) -> dict[str, str]:
-    """The trainer ranks' environment: one BLAS thread to start with (TrainerSpec.threads sets the
-    count), and the run's placement.env (NCCL and gloo settings), which the engines' servers get too."""
-    return {**ACTOR_ENV, **config.placement.env}
-
-
-def restart_trainers(config: RunConfig, parts: Components) -> None:
-    """A fresh trainer group in the same placement slots (a rank died); load a checkpoint next."""
-    parts.trainer.shutdown()
-    parts.trainer = parts.handoff.trainer = _trainer_group(config, parts)
-    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
-
-
-def bring_engines_up_to_date(config: RunConfig, parts: Components, weight_version: int) -> None:
-    """After an engine restart: reconnect the trainer ranks to the engines' new addresses and
-    push the trainer's weights with `weight_version` (waking a sleeping trainer for it)."""
-    parts.topology = parts.topology.with_engines(parts.rollout.addresses)
-    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
-    asleep = parts.trainer.asleep
-    if asleep:
-        parts.handoff.to_trainer({})
-    push_weights(config, parts, weight_version)
-    if asleep:
-        parts.handoff.to_engines({})
-
-
-def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> dict:
-    """`push_weights`, restarting any engine that died meanwhile and pushing again."""
+@contextmanager
+def _failures_reported(status: RunStatus):
+    """Any error ends the run as `failed` in the status; a dead or raising actor becomes RunFailed."""
     try:
-        return push_weights(config, parts, weight_version)
-    except RayError as error:
-        if parts.hangs is not None:  # where every process was, before a stuck engine is stopped and restarted
-            cause = str(getattr(error, "cause", None) or error).strip().splitlines()
-            parts.hangs.collect_safely(f"weight sync to version {weight_version} failed: "
-                                       f"{cause[-1] if cause else error}")
-        dead = parts.rollout.dead_engines()
-        if not dead:
+        yield
+    except BaseException as error:
+        failure = disk_full_failure(error, Path(status.run_dir))  # in this process or in an actor
+        if failure is not None:
+            message = str(failure)
+        elif isinstance(error, TrainerHang):
+            message = str(error)
+            failure = RunFailed(message)
+        elif isinstance(error, (RayError, EngineRestartLimit)):
+            cause = getattr(error, "cause", None) or error  # the remote exception, without Ray's wrapping
+            message = f"{type(cause).__name__}: {_first_lines(str(cause), 40)}"
+            failure = RunFailed(f"a trainer rank or rollout engine failed: {message}")
+        else:
+            message = f"{type(error).__name__}: {error}"
+        status.fail(message)
+        try:
+            status.save_snapshot()
+        except OSError as unsaved:  # reported, but the run's own error stays the one that ends it
+            logger.warning("could not record the failure in status.json: %s", unsaved)
+        if failure is None:
             raise
-        for index in dead:
-            parts.rollout.restart(index, f"it died during a weight sync: {getattr(error, 'cause', None) or error}")
-        return push_weights(config, parts, weight_version)
+        raise failure from error
 
 
-def push_weights(config: RunConfig, parts: Components, weight_version: int) -> dict:
-    """Trainer -> engines over the topology's transport; then, with weight_sync.verify, check
-    that every engine computes what the trainer computes. Returns the sync's metrics: the bytes
-    handed to the engines (every rank with a transport), and their rate over the sync's time."""
-    parts.handoff.weights_to_engines()
-    ranks = parts.trainer.sync_weights(int(config.weight_sync.bucket_size_mb * 2**20), weight_version,
-                                       config.weight_sync.pipelined)
-    sent = sum(rank["bytes"] for rank in ranks)
-    seconds = max(rank["total_s"] for rank in ranks)
-    metrics = {"sync_bytes": sent, "sync_gbps": sent / seconds / 1e9 if seconds > 0 else 0.0,
-               "sync_buckets": max(rank["buckets"] for rank in ranks)}
-    if config.weight_sync.verify:
-        # The probes need the engines' KV cache: back beside the awake trainer (a debugging aid,
-        # it costs the memory that the hand-off otherwise saves).
-        parts.rollout.resume_memory(list(ALL_REGIONS))
-        verify_engine_weights(parts.trainer, parts.rollout, weight_version, config.weight_sync.verify_tolerance,
-                              config.seed, config.model.dtype, model_depth(config.model.path))
-    return metrics
+class StoppedAtOnce(SystemExit):
+    """A second stop signal: the run ends inside its step, without a checkpoint (exit 128 + signal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signal_name = _signal_name(signum)
+
+    def __str__(self) -> str:
+        return f"stopped at once by a second {self.signal_name}, without a checkpoint"
 
 
-def restore(config: RunConfig, parts: Components, checkpoint: Path | None) -> CoordinatorState:
-    """Load the trainer from `checkpoint` and bring the engines to the same weights and version."""
-    if checkpoint is None:
-        if parts.rollout.standing is not None:
-            # Standing engines hold whatever the last run left: this run's weights, as version 0,
-            # and its seed's random stream (else what it samples depends on the runs before it).
-            push_weights(config, parts, 0)
-            parts.rollout.restart_random_streams(config.seed)
-        return CoordinatorState(next_step=0, weight_version=0, data_epoch=0, data_index=0)
-    state = CheckpointStore.load_state(checkpoint)
-    parts.trainer.load_checkpoint(str(checkpoint))
-    push_weights(config, parts, state.weight_version)
-    restore_python_random_state(state.python_random_state)
-    return state
+def _signal_name(signum: int) -> str:
+    return "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
-def run_uses_gpus(config: RunConfig, layout: Topology) -> bool:
-    """From the Ray cluster's resources: the driver may sit on a GPU-less head node."""
+def _stop_on_signals(status: RunStatus) -> None:
+    """SIGTERM, or SIGINT (Ctrl-C), stops the run as POST /api/v1/stop does: after the current
+    step, with a checkpoint. A second one stops at once (engines and trainers are still shut down).
+    The processes a signal to the whole process group also reaches never receive it
+    (rlsys.system.interrupts)."""
+    def _stop(signum, frame):
+        if status.stop_requested:
+            raise StoppedAtOnce(signum)
+        logger.info("%s: stopping after this step, with a checkpoint (again to stop at once)", _signal_name(signum))
+        status.request("stop")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+
+
+def _describe_data(assets: RunAssets) -> str:
+    dropped = []
+    if assets.skipped_rows:
+        dropped.append(f"{assets.skipped_rows} invalid rows skipped")
+    if assets.too_long_prompts:
+        dropped.append(f"{assets.too_long_prompts} prompts longer than the context window dropped")
+    sets = ", ".join(f"{s.config.name} ({len(s.prompts)} prompts)" for s in assets.eval_sets)
+    return (f"{len(assets.train)} train and {len(assets.eval)} eval prompts"
+            + (f" ({', '.join(dropped)})" if dropped else "") + (f"; eval sets: {sets}" if sets else ""))
+
+
+def _describe_rewards(config: RunConfig) -> str:
+    if config.reward.url:
+        return f"the reward service at {config.reward.url} (reward.function is not used)"
+    return f"{config.reward.function} in {config.reward.num_workers} worker process(es)"
+
+
+def run(config: RunConfig) -> Path:
+    """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
+    check_backends_installed(config.logging.backends)
+    run_start = time.perf_counter()
+    config = resolve_model_paths(config)  # a hub id becomes its snapshot directory, at one commit
+    if config.model.hub_id:
+        logger.info("model %s at commit %s: %s", config.model.hub_id, config.model.revision, config.model.path)
+    assets = load_assets(config)  # every input check happens before any actor starts
+    maker = SampleMaker(config, assets.tokenizer)  # loads rollout.generate_function, if any
+    random.seed(config.seed)
+    config = with_absolute_paths(config, config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
+    run_dir = Path(config.run_dir)
+    store = CheckpointStore(run_dir, config.checkpoint.keep_last)
+    checkpoint = checkpoint_to_resume(store) if config.checkpoint.resume == "auto" else None
+    if checkpoint is not None:
+        refuse_incompatible_checkpoint(checkpoint, config)
+    lock = RunDirLock(run_dir)
+    lock.acquire()  # before anything is written there
     try:
-        has_gpu = decide_has_gpu(config.placement.device, cluster_gpus(), layout.gpus_needed())
-    except BackendError as error:
-        raise RunFailed(str(error)) from None
-    logger.info("%s (placement.device=%s, %g GPUs in the Ray cluster)", "GPUs" if has_gpu else "CPUs only",
-                config.placement.device, cluster_gpus())
-    return has_gpu
+        prepare_run_dir(config, run_dir, resuming=checkpoint is not None)
+        log = MetricsLog(run_dir / "metrics.jsonl")  # a bad line is refused here, before anything starts
+    except BaseException:
+        lock.release()
+        raise
+    logger.info("run directory %s", run_dir.resolve())
+    logger.info("data: %s", _describe_data(assets))
+    if note := repeated_prompts_note(config.data.prompts_per_step, len(assets.train)):
+        logger.info("%s", note)
+    if checkpoint is not None:
+        logger.info("resuming from %s", checkpoint)
+    status = new_status(config, run_dir, assets, resuming=checkpoint is not None)
+    layout = Topology.from_config(config, has_gpu=False)  # CPU counts do not depend on the GPUs
+    with ExitStack() as stack:
+        stack.callback(lock.release)
+        sweep_shared_memory()  # what runs killed without warning left on this machine
+        stack.callback(sweep_shared_memory)  # and, at the end, what a killed engine left of this run
+        stack.callback(start_reaper(run_dir).terminate)  # cleans up if this process is killed
+        dashboard = stack.enter_context(status_server(config, status))
+        trackers = Trackers(config.logging.backends, run_dir, config.model_dump(mode="json"), config.logging.project,
+                            config.logging.run_name or run_dir.resolve().name)
+        stack.callback(trackers.close)
+        ray_start = time.perf_counter()
+        # Standing engines (rollout.attach) live in a cluster that outlives runs: this machine's when no address is set.
+        address = cluster_address(config) if config.rollout.attach else config.placement.ray_address
+        stack.enter_context(ray_cluster(address, config.placement.num_cpus or layout.local_cpus(),
+                                        layout.custom_resources()))
+        logger.info("Ray cluster up in %.1f s", time.perf_counter() - ray_start)
+        _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own
+        stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
+        topology = Topology.from_config(config, run_uses_gpus(config, layout))
+        rewards = make_reward_scorer(config.reward)
+        logger.info("rewards from %s", _describe_rewards(config))
+        stack.callback(rewards.close)
+        rewards.start()  # its workers load the reward function while the engines start
+        parts = start_components(config, topology, run_dir, stack)
+        parts.hangs = HangReporter(run_dir, parts, lambda: run.state.next_step if run is not None else 0, status)
+        parts.trainer.on_hang = parts.hangs.on_trainer_hang
+        status.stacks_provider = parts.hangs.on_request
+        parts.rollout.on_silent = lambda index, why: parts.hangs.collect_safely(f"engine-{index} stopped after {why}")
+        stack.callback(setattr, status, "stacks_provider", None)  # before the processes it reads stop
+        run = None
+        evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
+        stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own
+        rounds = (PartialRollouts(config) if config.rollout.partial_rollouts
+                  else OnPolicyRounds(maker, config.rollout.n_samples_per_prompt))
+        run = Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
+                  PromptSampler(assets.train, config.data.prompts_per_step, config.seed), evaluator,
+                  Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts, rounds.saved),
+                  HealthMonitor(parts), rewards, trackers, rounds)
+        parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.trainer_version)
+        sync_start = time.perf_counter()
+        run.continue_from(checkpoint)
+        logger.info("engines hold the trainer's weights (version %d) after %.1f s", run.state.weight_version,
+                    time.perf_counter() - sync_start)
+        logger.info("training (started in %.0f s)%s", time.perf_counter() - run_start,
+                    f"; dashboard at {dashboard}/" if dashboard else "")
+        _train_resuming_dead_trainers(run, store)
+        status.set_state("stopped" if status.stop_requested else "finished")
+        status.save_snapshot()
+    logger.info("%s; metrics in %s", status.state, (run_dir / "metrics.jsonl").resolve())
+    return run_dir

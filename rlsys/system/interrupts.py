@@ -2,7 +2,7 @@
 Kubernetes, SLURM's scancel, `timeout` and most job runners send: the driver, and the processes
 the driver started there (the local Ray cluster's GCS, raylet, agents and autoscaler monitor, the
 reward workers). The driver turns either into a stop after the current step, with a checkpoint,
-and then shuts those processes down in order (`rlsys.run.coordinator`), so they must not act on it:
+and then shuts those processes down in order (`rlsys.run.lifecycle`), so they must not act on it:
 the local Ray cluster's processes start in process groups of their own, which no group signal
 reaches; the reward workers start with SIGINT and SIGTERM blocked."""
 

@@ -65,7 +65,7 @@ def test_the_status_on_a_full_disk_still_says_failed_and_leaves_no_temporary(sma
 
 
 def _failure_of(error: BaseException, run_dir) -> RunFailed:
-    from rlsys.run.coordinator import _failures_reported
+    from rlsys.run.lifecycle import _failures_reported
 
     status = RunStatus(run_id="run", total_steps=10, run_dir=str(run_dir))
     status.set_state("checkpointing")

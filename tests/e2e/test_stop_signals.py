@@ -16,7 +16,7 @@ import pytest
 
 from rlsys.observability.status.state import RunStatus
 from rlsys.rollout.sglang.server import _die_with_parent
-from rlsys.run.coordinator import StoppedAtOnce, _stop_on_signals
+from rlsys.run.lifecycle import StoppedAtOnce, _stop_on_signals
 from rlsys.system.interrupts import children_in_process_groups_of_their_own, children_shielded_from_stop_signals
 from tests.e2e.test_faults import _wait_for_steps
 from tests.helpers import REPO, started_run

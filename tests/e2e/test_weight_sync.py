@@ -151,7 +151,7 @@ def _server_processes(url: str) -> list:
 def test_broadcast_to_a_stopped_engine_fails_within_the_timeout_naming_it(two_engines_two_ranks, tmp_path):
     """A frozen engine must not hang the sync until a backend watchdog: the sync fails within
     weight_sync.timeout_s (plus the engine calls' own answer time) and names the engine; the stacks
-    a run then reads (rlsys/run/lifecycle.py `sync_engines`: rlsys/run/hangs.py) find the frozen
+    a run then reads (rlsys/run/components.py `sync_engines`: rlsys/run/hangs.py) find the frozen
     server stopped where it stood. Last in this module: it leaves engine-1 outside any weight-update group."""
     import json
     import time

@@ -19,8 +19,8 @@ from rlsys.algorithms.shaping import drop_stale_groups
 from rlsys.data.datasets import PromptSampler
 from rlsys.records import Generation, PromptRecord, Sample
 from rlsys.rollout.manager import EngineCallFailed
-from rlsys.run import coordinator
-from rlsys.run.coordinator import BatchesAhead, StepBatch
+from rlsys.run import batches
+from rlsys.run.batches import BatchesAhead, StepBatch
 
 GROUP = 2
 
@@ -68,10 +68,8 @@ def _train(run, ahead: BatchesAhead, engines: Engines, steps: int, slow_trainer:
     are generated (the order a trainer slower than the engines makes, without timing)."""
     trained = []
     for step in range(steps):
-        batch = ahead.take({}, trainer_version=step)
-        if batch is None:
-            batch = coordinator.collect_step_batch(run, None, step)
-        ahead.start(step + 1, time.perf_counter())
+        batch = ahead.take({}, step, trainer_version=step)
+        ahead.before_training(step, time.perf_counter())
         if slow_trainer:
             concurrent.futures.wait(list(ahead._pending))
         with engines.lock:
@@ -83,7 +81,7 @@ def _train(run, ahead: BatchesAhead, engines: Engines, steps: int, slow_trainer:
 @pytest.mark.parametrize("steps_ahead", [1, 2, 3])
 def test_a_slow_trainer_trains_batches_up_to_n_versions_old_and_no_older(monkeypatch, steps_ahead):
     engines = Engines()
-    monkeypatch.setattr(coordinator, "collect_step_batch", _fake_collect(engines, per_step_s=0.005))
+    monkeypatch.setattr(batches, "collect_step_batch", _fake_collect(engines, per_step_s=0.005))
     run = _run(total_steps=12)
     ahead = BatchesAhead(run, None, steps_ahead)
     trained = _train(run, ahead, engines, steps=12)
@@ -103,7 +101,7 @@ def test_a_slow_trainer_trains_batches_up_to_n_versions_old_and_no_older(monkeyp
 
 def test_batches_ahead_at_a_stop_are_dropped_and_their_prompts_drawn_again(monkeypatch):
     engines = Engines()
-    monkeypatch.setattr(coordinator, "collect_step_batch", _fake_collect(engines, per_step_s=0.005))
+    monkeypatch.setattr(batches, "collect_step_batch", _fake_collect(engines, per_step_s=0.005))
     run = _run(total_steps=20)
     ahead = BatchesAhead(run, None, 3)
     trained = _train(run, ahead, engines, steps=4)
@@ -114,15 +112,14 @@ def test_batches_ahead_at_a_stop_are_dropped_and_their_prompts_drawn_again(monke
 def test_a_dead_engine_drops_every_batch_ahead_and_the_loop_generates_again(monkeypatch):
     engines = Engines()
     engines.fail_step = 3
-    monkeypatch.setattr(coordinator, "collect_step_batch", _fake_collect(engines, per_step_s=0.005))
+    monkeypatch.setattr(batches, "collect_step_batch", _fake_collect(engines, per_step_s=0.005))
     run = _run(total_steps=20)
     ahead = BatchesAhead(run, None, 2)
     first = _train(run, ahead, engines, steps=3)  # steps 3 and 4 are ahead; 3's engine dies
     engines.fail_step = None
-    assert ahead.take({}, trainer_version=3) is None
-    assert (run.sampler.epoch, run.sampler.index) == first[-1].end  # step 4's prompts too are drawn again
-    again = coordinator.collect_step_batch(run, None, 3)
-    assert again.start == first[-1].end
+    again = ahead.take({}, 3, trainer_version=3)  # generated in the loop's thread, which restarts the engine
+    assert again.start == first[-1].end  # step 4's prompts too are drawn again, after step 3's
+    assert again.end == (run.sampler.epoch, run.sampler.index) == (0, first[-1].end[1] + 2)
     ahead.close()
 
 

@@ -410,7 +410,7 @@ def test_a_float_setting_at_infinity_or_nan_is_refused_naming_the_field(tmp_path
 def test_the_run_config_names_data_and_user_function_files_by_absolute_paths(tmp_path, tiny_model_dir, monkeypatch):
     """RUN_DIR/config.yaml runs again from any directory: relative data, eval-set and function files
     are made absolute against the directory the run started in; module-style functions stay."""
-    from rlsys.run.coordinator import with_absolute_paths
+    from rlsys.run.lifecycle import with_absolute_paths
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.jsonl").write_text('{"prompt": "1 2>", "label": "2"}\n')
@@ -433,7 +433,7 @@ def test_placement_env_reaches_the_trainer_ranks_and_the_engine_servers_and_bad_
     engine's SGLang server env get it, a GLOO_SOCKET_IFNAME there replaces the one rlsys picks, YAML
     numbers and booleans pass as YAML spells them, and what rlsys sets per process is refused."""
     from rlsys.rollout.sglang.server import build_env
-    from rlsys.run.lifecycle import trainer_env
+    from rlsys.run.components import trainer_env
     from rlsys.run.standing_engines import server_spec
     from rlsys.system.backend import make_backend
     from rlsys.system.topology import Topology

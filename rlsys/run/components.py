@@ -1,0 +1,239 @@
+"""A run's components (engines, trainer ranks, their placement and the colocated hand-off):
+started in order, restored from a checkpoint, kept in sync, and stopped by the caller's ExitStack
+whatever happens (engines first: their servers hold shared-memory handles from the trainers).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray.exceptions import RayError
+
+from rlsys.actors.group import TrainerGroup
+from rlsys.actors.placement import Placement, create_placement
+from rlsys.actors.trainer import TrainerSpec
+from rlsys.config import RunConfig
+from rlsys.errors import RunFailed
+from rlsys.rollout.manager import RolloutManager
+from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
+from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
+from rlsys.run.hangs import HangReporter
+from rlsys.run.memory_plan import plan_for_devices
+from rlsys.run.standing_engines import attach, server_spec
+from rlsys.run.verify import model_depth, verify_engine_weights
+from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
+from rlsys.system.cluster import ACTOR_ENV
+from rlsys.system.node import node_address
+from rlsys.system.node_checks import (
+    HubSnapshot,
+    NodeReport,
+    PlacementNodes,
+    device_memory_budget,
+    probe_nodes,
+    refuse_unusable_nodes,
+)
+from rlsys.system.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    topology: Topology
+    placement: Placement
+    rollout: RolloutManager | None = None
+    trainer: TrainerGroup | None = None
+    handoff: DeviceHandoff | None = None
+    cpu_sharers: tuple[int, int] = (1, 1)  # (trainer, engine): Topology.cpu_sharers on this placement
+    hangs: HangReporter | None = None  # set by the coordinator: stacks of every process on a hang
+
+    def shutdown(self) -> None:
+        """Stop whatever has started: engines, then trainer ranks, then the placement group."""
+        if self.rollout is not None:
+            self.rollout.shutdown()
+        if self.trainer is not None:
+            self.trainer.shutdown()
+        self.placement.remove()
+
+
+def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack: ExitStack) -> Components:
+    """Engines start in the background while the trainer ranks build their models (on GPUs,
+    colocated, the engines first: `Topology.engines_start_first`); then each rank is connected to
+    the engine(s) it feeds. `stack` stops them, whatever happens."""
+    start = time.perf_counter()
+    attached = None
+    if config.rollout.attach:  # standing engines: checked and leased before any trainer starts
+        attached = attach(config, topology, run_dir, "train")
+        stack.callback(attached.lease.release)  # after the components stop (the engines are left ready first)
+    parts = Components(topology, attached.placement if attached else create_placement(topology))
+    stack.callback(parts.shutdown)
+    check_placement_nodes(config, topology, parts.placement, run_dir)  # before any trainer or engine starts
+    parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
+    if config.placement.env:
+        logger.info("placement.env of the trainer ranks and engine servers: %s",
+                    " ".join(f"{name}={value}" for name, value in sorted(config.placement.env.items())))
+    server = server_spec(config, topology, parts.cpu_sharers[1])
+    parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
+                                   parts.placement.engine_options(), standing=attached.record if attached else None,
+                                   hangs_dir=str(run_dir / "hangs"))
+    if topology.engines_start_first:
+        parts.rollout.wait_ready()
+    parts.trainer = _trainer_group(config, parts)
+    ranks = parts.trainer.describe()
+    logger.info(f"trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
+                f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads "
+                f"each{'' if ranks['context_parallel'] == 'off' else ', context parallel: ' + ranks['context_parallel']})"
+                f" ready after {time.perf_counter() - start:.1f} s")
+    parts.topology = topology.with_engines(parts.rollout.wait_ready())
+    logger.info("%d SGLang engine(s) ready after %.1f s", topology.num_engines, time.perf_counter() - start)
+    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
+    parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
+                                  run_dir / "logs" / "device_handoff.jsonl")
+    return parts
+
+
+def check_placement_nodes(config: RunConfig, topology: Topology, placement: Placement, run_dir: Path) -> None:
+    """Every node the placement got sees run_dir and the model, and its devices fit the memory plan
+    (rlsys/system/node_checks.py); otherwise a ConfigError naming the node and what to set."""
+    judge_placement_nodes(config, topology, probe_placement_nodes(config, topology, placement, run_dir), run_dir)
+
+
+def model_paths(config: RunConfig) -> tuple[str, ...]:
+    """The directories every node that loads the model must see: the model's, and a separate tokenizer's."""
+    engine = config.rollout.engine
+    return (config.model.path,) + ((config.model.tokenizer_path,)
+                                   if config.model.tokenizer_path and not engine.skip_tokenizer_init else ())
+
+
+def probe_placement_nodes(config: RunConfig, topology: Topology, placement: Placement,
+                          run_dir: Path | None) -> list[NodeReport]:
+    """Each node of the placement's report (rlsys/system/node_checks.py), naming the roles it holds;
+    `rlsys doctor` asks the same."""
+    bundle_nodes = placement.bundle_nodes()
+    placed = PlacementNodes()
+    for bundle, roles in sorted(topology.roles_by_bundle().items()):
+        for role in roles:
+            placed.add(bundle_nodes[bundle], role)
+    hub = ((HubSnapshot(config.model.hub_id, config.model.revision, config.model.path),)
+           if config.model.hub_id and config.model.revision else ())
+    return probe_nodes(placed, run_dir, model_paths(config), hub)
+
+
+def judge_placement_nodes(config: RunConfig, topology: Topology, reports: list[NodeReport], run_dir: Path) -> None:
+    """NodeCheckFailed (a ConfigError) for a node that cannot see run_dir or the model, ConfigError
+    when the memory plan does not fit the nodes' devices; logs the plan and the nodes."""
+    models = model_paths(config)
+    refuse_unusable_nodes(reports, run_dir, models)
+    memory, source = device_memory_budget(reports, topology.has_gpu)
+    trainer_nodes = [r for r in reports if any(role.startswith("trainer") for role in r.roles)]
+    flash = (topology.has_gpu and config.model.dtype in ("bfloat16", "float16")
+             and all(r.flash_attn_installed for r in trainer_nodes))
+    plan = plan_for_devices(config, topology.has_gpu, memory, flash)
+    budget = "placement.gpu_memory_gb" if config.placement.gpu_memory_gb is not None else source
+    logger.info("memory plan: peak %.2f GiB per device of %.1f GiB (%s; rlsys plan CONFIG for every term)",
+                plan.per_gpu_bytes / 2**30, plan.gpu_memory_bytes / 2**30, budget)
+    driver = node_address()
+    if len(reports) > 1 or reports[0].address != driver:
+        logger.info("nodes: driver %s; %s", driver, "; ".join(f"{r.address}: {', '.join(r.roles)}" for r in reports))
+
+
+def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:
+    spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
+    group = TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(), env_vars=trainer_env(config))
+    if parts.hangs is not None:
+        group.on_hang = parts.hangs.on_trainer_hang
+    return group
+
+
+def trainer_env(config: RunConfig) -> dict[str, str]:
+    """The trainer ranks' environment: one BLAS thread to start with (TrainerSpec.threads sets the
+    count), and the run's placement.env (NCCL and gloo settings), which the engines' servers get too."""
+    return {**ACTOR_ENV, **config.placement.env}
+
+
+def restart_trainers(config: RunConfig, parts: Components) -> None:
+    """A fresh trainer group in the same placement slots (a rank died); load a checkpoint next."""
+    parts.trainer.shutdown()
+    parts.trainer = parts.handoff.trainer = _trainer_group(config, parts)
+    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
+
+
+def bring_engines_up_to_date(config: RunConfig, parts: Components, weight_version: int) -> None:
+    """After an engine restart: reconnect the trainer ranks to the engines' new addresses and
+    push the trainer's weights with `weight_version` (waking a sleeping trainer for it)."""
+    parts.topology = parts.topology.with_engines(parts.rollout.addresses)
+    parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
+    asleep = parts.trainer.asleep
+    if asleep:
+        parts.handoff.to_trainer({})
+    push_weights(config, parts, weight_version)
+    if asleep:
+        parts.handoff.to_engines({})
+
+
+def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> dict:
+    """`push_weights`, restarting any engine that died meanwhile and pushing again."""
+    try:
+        return push_weights(config, parts, weight_version)
+    except RayError as error:
+        if parts.hangs is not None:  # where every process was, before a stuck engine is stopped and restarted
+            cause = str(getattr(error, "cause", None) or error).strip().splitlines()
+            parts.hangs.collect_safely(f"weight sync to version {weight_version} failed: "
+                                       f"{cause[-1] if cause else error}")
+        dead = parts.rollout.dead_engines()
+        if not dead:
+            raise
+        for index in dead:
+            parts.rollout.restart(index, f"it died during a weight sync: {getattr(error, 'cause', None) or error}")
+        return push_weights(config, parts, weight_version)
+
+
+def push_weights(config: RunConfig, parts: Components, weight_version: int) -> dict:
+    """Trainer -> engines over the topology's transport; then, with weight_sync.verify, check
+    that every engine computes what the trainer computes. Returns the sync's metrics: the bytes
+    handed to the engines (every rank with a transport), and their rate over the sync's time."""
+    parts.handoff.weights_to_engines()
+    ranks = parts.trainer.sync_weights(int(config.weight_sync.bucket_size_mb * 2**20), weight_version,
+                                       config.weight_sync.pipelined)
+    sent = sum(rank["bytes"] for rank in ranks)
+    seconds = max(rank["total_s"] for rank in ranks)
+    metrics = {"sync_bytes": sent, "sync_gbps": sent / seconds / 1e9 if seconds > 0 else 0.0,
+               "sync_buckets": max(rank["buckets"] for rank in ranks)}
+    if config.weight_sync.verify:
+        # The probes need the engines' KV cache: back beside the awake trainer (a debugging aid,
+        # it costs the memory that the hand-off otherwise saves).
+        parts.rollout.resume_memory(list(ALL_REGIONS))
+        verify_engine_weights(parts.trainer, parts.rollout, weight_version, config.weight_sync.verify_tolerance,
+                              config.seed, config.model.dtype, model_depth(config.model.path))
+    return metrics
+
+
+def restore(config: RunConfig, parts: Components, checkpoint: Path | None) -> CoordinatorState:
+    """Load the trainer from `checkpoint` and bring the engines to the same weights and version."""
+    if checkpoint is None:
+        if parts.rollout.standing is not None:
+            # Standing engines hold whatever the last run left: this run's weights, as version 0,
+            # and its seed's random stream (else what it samples depends on the runs before it).
+            push_weights(config, parts, 0)
+            parts.rollout.restart_random_streams(config.seed)
+        return CoordinatorState(next_step=0, weight_version=0, data_epoch=0, data_index=0)
+    state = CheckpointStore.load_state(checkpoint)
+    parts.trainer.load_checkpoint(str(checkpoint))
+    push_weights(config, parts, state.weight_version)
+    restore_python_random_state(state.python_random_state)
+    return state
+
+
+def run_uses_gpus(config: RunConfig, layout: Topology) -> bool:
+    """From the Ray cluster's resources: the driver may sit on a GPU-less head node."""
+    try:
+        has_gpu = decide_has_gpu(config.placement.device, cluster_gpus(), layout.gpus_needed())
+    except BackendError as error:
+        raise RunFailed(str(error)) from None
+    logger.info("%s (placement.device=%s, %g GPUs in the Ray cluster)", "GPUs" if has_gpu else "CPUs only",
+                config.placement.device, cluster_gpus())
+    return has_gpu
