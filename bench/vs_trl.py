@@ -14,7 +14,7 @@ Shapes (models and data built here, nothing downloaded):
 - `compute_bound`: random-init Qwen2, hidden 384, 6 layers, 6 heads (2 kv), intermediate 1024
   (~9.5 M params); 8 prompts x 8 samples; 64 new tokens forced on both sides (rlsys
   `rollout.sampling.ignore_eos`, TRL `min_new_tokens`).
-- `overhead_bound`: the quickstart's tiny model (~0.3 M params) and last-digit task, 8 x 8,
+- `overhead_bound`: the quickstart's tiny model (133,696 parameters) and last-digit task, 8 x 8,
   at most 4 new tokens.
 Keys per shape: `trl_step_s` / `rlsys_step_s` (median over the steps after `warmup_steps`, of
 every round), `rlsys_over_trl` (and `rlsys_over_trl_per_round`), and each side's generate/train

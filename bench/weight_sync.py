@@ -17,7 +17,7 @@ hold it sharded; one SGLang engine (CPU) serves it. For one sync, timed on train
 - serial only: handover_s, the per-bucket fixed cost (one-tensor buckets) times the buckets, and
   load_s, the rest of the wait;
 - total_s: the whole sync; total_over_memcpy: its bytes/s over this machine's memcpy.
-`fixed_cost_per_sync`: the median whole sync of the quickstart's 0.1 M-parameter model (one
+`fixed_cost_per_sync`: the median whole sync of the quickstart's 133,696-parameter model (one
 bucket), serial and pipelined: what a sync costs beyond its bytes.
 The naive baseline gathers the full state dict on rank 0, torch.save()s it to bytes, writes them
 to a file the engine reads and has the engine load them (/update_weights_from_disk).
@@ -208,7 +208,7 @@ def summarize(stats: list[dict], handover_per_bucket: float, memcpy: float) -> d
 
 
 def tiny_model_fixed_cost(work: Path, syncs: int = 20) -> dict:
-    """Median seconds of a whole sync of the quickstart's tiny model (0.1 M parameters, one
+    """Median seconds of a whole sync of the quickstart's tiny model (133,696 parameters, one
     bucket): what a sync costs whatever its bytes (requests, queues, barriers), per transport,
     serial and pipelined."""
     model_dir = make_tiny_model(work / "tiny-model", TinyModelSpec())

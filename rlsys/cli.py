@@ -88,7 +88,6 @@ def _eval(args: argparse.Namespace) -> int:
 
     from rlsys.config import load_config
     from rlsys.errors import RunFailed
-    from rlsys.run.evaluation import metrics_by_set
     from rlsys.run.offline_eval import evaluate_model
 
     config = load_config(args.config, list(args.overrides))
@@ -106,23 +105,33 @@ def _eval(args: argparse.Namespace) -> int:
         print(json.dumps({**source, "metrics": metrics}))
         return 0
     from rich.console import Console
+
+    Console().print(eval_table(metrics, [s.name for s in config.eval.datasets],
+                               f"rlsys eval of {args.checkpoint or args.model}"))
+    return 0
+
+
+def eval_table(metrics: dict, set_names: list[str], title: str):
+    """`rlsys eval`'s table: one row per eval set (the data section's eval prompts first), one
+    column per metric; what "at max_new_tokens" counts said under it (not an error by itself)."""
     from rich.table import Table
 
-    # one row per eval set (the data section's eval prompts first), one column per metric
-    per_set = metrics_by_set(metrics, [s.name for s in config.eval.datasets])
+    from rlsys.run.evaluation import metrics_by_set
+
+    per_set = metrics_by_set(metrics, set_names)
     columns = list(dict.fromkeys(column for values in per_set.values() for column in values))
-    table = Table(title=f"rlsys eval of {args.checkpoint or args.model}")
+    table = Table(title=title, caption="at max_new_tokens: the share of answers that reached the length limit "
+                  "without EOS or a stop string (expected when answers are meant to be that long)")
     table.add_column("eval set")
     short = {"reward_mean": "reward", "reward_errors": "errors", "response_len_mean": "length",
-             "truncated_fraction": "truncated"}
+             "truncated_fraction": "at max_new_tokens"}
     for column in columns:
         table.add_column(short.get(column, column.replace("pass_at_", "pass@")), justify="right")
     for name, values in per_set.items():
         if values:
             cells = (f"{values[c]:.4g}" if isinstance(values.get(c), float) else str(values.get(c, "-")) for c in columns)
             table.add_row(name or "(data)", *cells)
-    Console().print(table)
-    return 0
+    return table
 
 
 def _engines(args: argparse.Namespace) -> int:

@@ -770,9 +770,10 @@ class StatusConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    progress_bar: bool = Field(True, description="Show a progress bar of the steps in the terminal. Off: a line "
-                               "per eval and a step summary every summary_interval_s instead.")
-    summary_interval_s: float = Field(30.0, ge=0.0, description="With progress_bar off, the least seconds between "
+    progress_bar: bool = Field(True, description="Show a progress bar of the steps in the terminal (only where "
+                               "stderr is a terminal). Off, or in a log: a line per eval and a step summary every "
+                               "summary_interval_s instead.")
+    summary_interval_s: float = Field(30.0, ge=0.0, description="Without a progress bar, the least seconds between "
                                       "two step summary lines (the first and last steps always get one).")
     backends: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list, description="Where metrics go besides RUN_DIR/metrics.jsonl "

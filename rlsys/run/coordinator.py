@@ -33,7 +33,7 @@ from rlsys.run.evaluation import Evaluator, sampling_params
 from rlsys.run.generation import trajectory_metrics
 from rlsys.run.nonfinite import NonfiniteGuard
 from rlsys.run.profiling import StepProfiler
-from rlsys.run.reporting import HealthMonitor, ProgressLines
+from rlsys.run.reporting import HealthMonitor, ProgressLines, shows_progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Run:
             self.nonfinite = NonfiniteGuard(self.config.trainer.max_nonfinite_steps)
         if self.progress is None:
             logging_config = self.config.logging
-            self.progress = ProgressLines(self.config.trainer.total_steps, logging_config.progress_bar,
+            self.progress = ProgressLines(self.config.trainer.total_steps, shows_progress_bar(logging_config.progress_bar),
                                           logging_config.summary_interval_s)
 
     @contextmanager
@@ -104,7 +104,7 @@ class Run:
 
         total = self.config.trainer.total_steps
         bar = tqdm(range(self.state.next_step, total), initial=self.state.next_step, total=total, desc="GRPO",
-                   disable=not self.config.logging.progress_bar, dynamic_ncols=True)
+                   disable=not shows_progress_bar(self.config.logging.progress_bar), dynamic_ncols=True)
         last_eval = None
         for step in bar:
             _wait_while_paused(self.status)

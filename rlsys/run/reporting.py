@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -50,10 +51,18 @@ class HealthMonitor:
         self._last = time.monotonic()
 
 
+def shows_progress_bar(progress_bar: bool, stream=None) -> bool:
+    """logging.progress_bar, where a terminal shows it: a `ray job submit` or CI log (stderr not a
+    terminal) would only collect the bar's redraws, so such a run prints progress lines instead."""
+    stream = sys.stderr if stream is None else stream
+    return progress_bar and hasattr(stream, "isatty") and stream.isatty()
+
+
 class ProgressLines:
-    """What a run says as it goes where no progress bar shows it (logging.progress_bar off, as in a
-    `ray job submit` log): a line for every eval, and a step summary at most every `interval_s` (the
-    first and last steps always). With the bar on they are debug lines (`-v`)."""
+    """What a run says as it goes where no progress bar shows it (logging.progress_bar off, or stderr
+    not a terminal, as in a `ray job submit` log: `shows_progress_bar`): a line for every eval, and a
+    step summary at most every `interval_s` (the first and last steps always). With the bar shown
+    they are debug lines (`-v`)."""
 
     EVAL_KEY = re.compile(r"^eval_(?:.+_)?(?:reward_mean|pass_at_\d+)$")
 

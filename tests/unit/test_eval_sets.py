@@ -143,3 +143,20 @@ def test_eval_command_refuses_a_path_that_is_no_checkpoint_or_model(tmp_path, ti
         main(["eval", str(config)])
     assert neither.value.code == 2
     assert "one of the arguments --checkpoint --model is required" in capsys.readouterr().err
+
+
+def test_an_answer_exactly_max_new_tokens_long_that_ended_by_its_own_rule_is_not_counted_at_the_limit():
+    """truncated_fraction counts answers SGLang cut at max_new_tokens ("length": no EOS or stop
+    string came first); one that ends with EOS on its last allowed token finished ("stop"). rlsys
+    eval's table names the column for what it counts and says so under it."""
+    from rich.console import Console
+
+    from rlsys.algorithms.samples import truncated_fraction
+    from rlsys.cli import eval_table
+
+    assert truncated_fraction([_answer(4, "stop"), _answer(4, "length")]) == 0.5  # both 4 = max_new_tokens long
+    console = Console(record=True, width=200)
+    console.print(eval_table({"eval_reward_mean": 0.5, "eval_truncated_fraction": 1.0}, [], "rlsys eval of m"))
+    text = " ".join(console.export_text().split())  # the caption wraps at the table's width
+    assert "at max_new_tokens" in text and "truncated" not in text
+    assert "reached the length limit without EOS or a stop string" in text

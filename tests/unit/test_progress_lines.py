@@ -34,3 +34,19 @@ def test_with_the_progress_bar_on_they_are_debug_lines(caplog):
     with caplog.at_level(logging.DEBUG, logger="rlsys.run.reporting"):
         lines.step(_row(0, eval_reward_mean=0.1), last_step=False)
     assert {record.levelno for record in caplog.records} == {logging.DEBUG}
+
+
+def test_a_run_whose_stderr_is_not_a_terminal_prints_lines_instead_of_a_bar():
+    """A `ray job submit` or CI log with logging.progress_bar at its default: the bar's redraws
+    would be all it shows, so the run prints its eval and summary lines (at INFO) instead."""
+    import io
+
+    from rlsys.run.reporting import shows_progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert shows_progress_bar(True, Terminal()) and not shows_progress_bar(False, Terminal())
+    assert not shows_progress_bar(True, io.StringIO())  # a log file or a pipe
+    assert ProgressLines(5, shows_progress_bar(True, io.StringIO()), 30.0).level == logging.INFO
