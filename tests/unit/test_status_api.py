@@ -256,3 +256,38 @@ def test_stacks_on_request_need_the_token_and_a_live_run_and_the_latest_dump_is_
     assert client.get("/api/v1/status").json()["latest_hang"] == dump.directory
     status.set_state("finished")
     assert client.post("/api/v1/stacks", headers={"Authorization": "Bearer s3cret"}).status_code == 409
+
+
+def test_one_client_holds_at_most_its_bound_and_its_own_longest_idle_connection_makes_room(tmp_path):
+    """A client (an address) past max_per_client open connections loses its own longest-idle one,
+    so it can never fill the server's bound alone. Loopback only; 10 connections, about a second."""
+    import socket
+
+    from rlsys.observability.status.server import StatusServer
+
+    server = StatusServer(_status(tmp_path), "127.0.0.1", 0, token=None, max_per_client=4)
+    url = server.start()
+    port = int(url.rsplit(":", 1)[1])
+    held = []
+    try:
+        for _ in range(10):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(0.05)  # in order: the server sees each one idle longer than the next
+
+        def closed(connection: socket.socket) -> bool:
+            connection.settimeout(0.5)
+            try:
+                return connection.recv(1) == b""
+            except TimeoutError:
+                return False
+            except ConnectionError:
+                return True
+
+        assert [closed(connection) for connection in held] == [True] * 6 + [False] * 4
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as response:  # the client's newest: answered
+            assert response.status == 200
+        assert closed(held[6]) and not any(closed(connection) for connection in held[7:])
+    finally:
+        for connection in held:
+            connection.close()
+        server.stop()

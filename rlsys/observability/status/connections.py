@@ -7,6 +7,8 @@ even `POST /api/v1/stop` answer 503 for as long as they stayed. Here, per connec
 protocol, subclassed as its `http` setting allows):
 - a connection must have a whole request in within `request_timeout_s` of opening or of its last
   response, else it is closed (idle and half-sent alike; a request being answered is never cut);
+- at most `max_per_client` are open from one client address: a new one closes that client's
+  longest-idle one, so one client cannot fill the server and push others' connections out;
 - at most `max_connections` are open: a new one closes the longest-idle one instead of being
   refused, so an operator who connects is answered at once however many idle ones are held.
 One in-flight request per connection (h11 has no multiplexing) bounds concurrent requests too.
@@ -19,10 +21,12 @@ import asyncio
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_CONNECTIONS = 256  # open at once (memory); a new one beyond this closes the longest-idle one
+MAX_PER_CLIENT = 64  # open at once from one address (a browser keeps about 6); beyond, its own longest-idle goes
 REQUEST_TIMEOUT_S = 10.0  # to send a whole request's headers after connecting or after the last answer
 
 
-def guarded_protocol(max_connections: int = MAX_CONNECTIONS, request_timeout_s: float = REQUEST_TIMEOUT_S):
+def guarded_protocol(max_connections: int = MAX_CONNECTIONS, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                     max_per_client: int = MAX_PER_CLIENT):
     """The protocol class for uvicorn.Config(http=...), with these bounds."""
 
     class GuardedH11Protocol(H11Protocol):
@@ -32,8 +36,14 @@ def guarded_protocol(max_connections: int = MAX_CONNECTIONS, request_timeout_s: 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._became_idle()
-            if len(self.connections) > max_connections:
-                idle = [c for c in self.connections if c is not self and c._idle()]
+            host = self.client[0] if self.client else None
+            if host is not None:
+                same_client = [c for c in self._open() if c.client and c.client[0] == host]
+                idle = [c for c in same_client if c is not self and c._idle()]
+                if len(same_client) > max_per_client and idle:  # (all busy: the global bound below decides)
+                    min(idle, key=lambda c: c._idle_since)._close()
+            if len(self._open()) > max_connections:
+                idle = [c for c in self._open() if c is not self and c._idle()]
                 if idle:
                     min(idle, key=lambda c: c._idle_since)._close()
                 else:  # every other connection is being answered: this one waits its turn nowhere
@@ -47,6 +57,10 @@ def guarded_protocol(max_connections: int = MAX_CONNECTIONS, request_timeout_s: 
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._became_idle()
+
+        def _open(self) -> list:
+            """The connections not already closing (one closed here leaves the set a moment later)."""
+            return [c for c in self.connections if not c.transport.is_closing()]
 
         def _idle(self) -> bool:
             return self.cycle is None or self.cycle.response_complete

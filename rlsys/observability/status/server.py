@@ -25,7 +25,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
-from rlsys.observability.status.connections import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, guarded_protocol
+from rlsys.observability.status.connections import (
+    MAX_CONNECTIONS,
+    MAX_PER_CLIENT,
+    REQUEST_TIMEOUT_S,
+    guarded_protocol,
+)
 from rlsys.observability.status.state import RunStatus
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -294,13 +299,14 @@ class StatusServer:
 
     def __init__(self, status: RunStatus, host: str, port: int, token: str | None,
                  allow_unauthenticated_read: bool = False, option_prefix: str = "status.",
-                 max_connections: int = MAX_CONNECTIONS, request_timeout_s: float = REQUEST_TIMEOUT_S):
+                 max_connections: int = MAX_CONNECTIONS, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 max_per_client: int = MAX_PER_CLIENT):
         read_token = read_token_for(host, token, allow_unauthenticated_read)
         self._socket = listening_socket(host, port, option_prefix)
         # Not uvicorn's limit_concurrency: it counts idle connections too (connections.py says why).
         config = uvicorn.Config(build_app(status, token, read_token), host=host, port=port, log_level="warning",
                                 access_log=False, lifespan="off",
-                                http=guarded_protocol(max_connections, request_timeout_s))
+                                http=guarded_protocol(max_connections, request_timeout_s, max_per_client))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="rlsys-status", daemon=True)
