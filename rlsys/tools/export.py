@@ -111,4 +111,34 @@ def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path, merged
         source = tokenizer_dir / name if (tokenizer_dir / name).is_file() else base / name
         if source.is_file():
             shutil.copy2(source, out_dir / name)
+    if problem := auto_tokenizer_problem(tokenizer_dir, out_dir):
+        logger.warning("%s", problem)
     return out_dir
+
+
+_PROBE_TEXTS = ("Hello world", "The answer is 42.", " 7 + 35 = 42\n", "a b  c\td")
+
+
+def auto_tokenizer_problem(run_tokenizer_dir: Path, export_dir: Path) -> str | None:
+    """Whether transformers' AutoTokenizer on the export tokenizes as the run did (rlsys loads a
+    tokenizer saved as PreTrainedTokenizerFast as that class, rlsys/data/tokenizer.py; AutoTokenizer
+    in transformers 5 may rebuild it from the model type instead); a warning's text if not. Probes:
+    a few sentences and the run's first 256 tokens decoded."""
+    from transformers import AutoTokenizer
+
+    from rlsys.data.tokenizer import load_tokenizer
+
+    run_tokenizer = load_tokenizer(run_tokenizer_dir)
+    how = f"load it as rlsys did: PreTrainedTokenizerFast.from_pretrained({str(export_dir)!r})"
+    try:
+        auto = AutoTokenizer.from_pretrained(str(export_dir))
+    except Exception as error:  # noqa: BLE001 - any failure is the finding
+        return f"AutoTokenizer cannot load the export's tokenizer ({type(error).__name__}: {error}); {how}"
+    texts = [*_PROBE_TEXTS, run_tokenizer.decode(list(range(min(256, len(run_tokenizer)))))]
+    for text in texts:
+        ours, theirs = run_tokenizer.encode(text), auto.encode(text)
+        if ours != theirs:
+            return (f"AutoTokenizer loads the export's tokenizer as {type(auto).__name__}, which tokenizes "
+                    f"differently from the run's {type(run_tokenizer).__name__} ({text[:40]!r}: {theirs[:8]} against "
+                    f"{ours[:8]}); {how}")
+    return None

@@ -320,3 +320,26 @@ def test_a_resumed_runs_wall_time_counts_every_process_it_ran_in(tmp_path):
     assert RunSummary.read(tmp_path).wall_s == 125.0
     assert RunStatus.from_run_dir(tmp_path).earlier_s == 100.0
     assert RunStatus.seconds_run_so_far(tmp_path / "nothing-here") == 0.0
+
+
+def test_an_export_whose_tokenizer_autotokenizer_would_rebuild_differently_is_said_and_the_tiny_models_is_not(
+        tmp_path, tiny_model_dir):
+    """A word-level tokenizer saved as PreTrainedTokenizerFast beside a qwen2 model: rlsys runs it as
+    saved, AutoTokenizer (transformers 5) rebuilds a Qwen2Tokenizer that gives other ids. The export
+    says so and how to load it as the run did; the tiny model's tokenizer round-trips."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rlsys.tools.export import auto_tokenizer_problem
+
+    word_level = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1, "hello": 2, "world": 3}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", eos_token="<eos>").save_pretrained(
+        str(tmp_path))
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    problem = auto_tokenizer_problem(tmp_path, tmp_path)
+    assert problem is not None and "as Qwen2Tokenizer, which tokenizes differently from the run's" in problem
+    assert f"PreTrainedTokenizerFast.from_pretrained({str(tmp_path)!r})" in problem
+    assert auto_tokenizer_problem(Path(tiny_model_dir), Path(tiny_model_dir)) is None
