@@ -168,7 +168,8 @@ def _engines(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _library_output_hidden(log_level: int):
     """For a command whose output is its result (`export`, `eval`): transformers' and
-    huggingface_hub's progress bars and Python's warnings off, unless -v asks for everything."""
+    huggingface_hub's progress bars, transformers' logger below errors and Python's warnings off,
+    unless -v asks for everything."""
     if log_level <= logging.DEBUG:
         yield
         return
@@ -179,11 +180,14 @@ def _library_output_hidden(log_level: int):
 
     transformers_logging.disable_progress_bar()
     disable_progress_bars()
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its logger's warnings too, not only Python's warnings
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        transformers_logging.set_verbosity(verbosity)
         transformers_logging.enable_progress_bar()
         enable_progress_bars()
 

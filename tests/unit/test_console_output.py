@@ -85,3 +85,24 @@ def test_quiet_also_hides_the_progress_bar():
     assert "logging.progress_bar=false" not in train_overrides(build_parser().parse_args(["train", "c.yaml"]))
     assert train_overrides(build_parser().parse_args(["train", "c.yaml", "--resume", "-v"])) == [
         "checkpoint.resume=auto"]
+
+
+def test_eval_and_export_hide_library_warnings_and_bars_unless_verbose_and_restore_them_after():
+    """A command whose output is its result: transformers' logger warnings (not only Python's
+    warnings) and progress bars are off inside, as they were after; -v shows everything."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    from rlsys.cli import _library_output_hidden
+
+    before = transformers_logging.get_verbosity()
+    with _library_output_hidden(logging.INFO):
+        assert transformers_logging.get_verbosity() == transformers_logging.ERROR
+        assert not transformers_logging.is_progress_bar_enabled()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn("noise", UserWarning, stacklevel=1)
+        assert caught == []  # ignored
+    assert transformers_logging.get_verbosity() == before and transformers_logging.is_progress_bar_enabled()
+    with _library_output_hidden(logging.DEBUG):
+        assert transformers_logging.get_verbosity() == before
