@@ -10,15 +10,8 @@ import logging
 import os
 import sys
 
-from rlsys.config import ConfigError
-from rlsys.data.datasets import DatasetError
-from rlsys.errors import UsageError
+from rlsys.errors import UsageError, UserError
 from rlsys.observability.logs import configure_logging
-from rlsys.observability.metrics import MetricsFileError
-from rlsys.rewards.loading import RewardFunctionError
-
-# Errors that mean "your input is wrong": printed as one clear message, without a traceback.
-USER_ERRORS = (ConfigError, DatasetError, RewardFunctionError, MetricsFileError, UsageError)
 
 logger = logging.getLogger("rlsys.cli")  # not __name__: that is "__main__" under `python -m rlsys.cli`
 
@@ -539,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         return args.handler(args)
-    except USER_ERRORS as error:
+    except UserError as error:  # your input is wrong: one clear message, no traceback
         logger.error("error: %s", error)
         return 2
 

@@ -15,6 +15,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from rlsys.errors import UserError
+
 
 class _Section(BaseModel):
     # allow_inf_nan=False: no float setting of a run means anything at inf or NaN (lr, temperature,
@@ -882,7 +884,7 @@ class RunConfig(_Section):
         return self
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A run configuration is invalid; the message names each field and the reason."""
 
 

@@ -5,13 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 
-class RunFailed(RuntimeError):
-    """The run stopped on bad input or a broken component; the message says which."""
+class RlsysError(Exception):
+    """The root of the errors rlsys explains in one line: the CLI prints them without a traceback.
+    Two kinds below it: the user's input is wrong (UserError), or the run stopped (RunFailed)."""
 
 
-class UsageError(ValueError):
-    """A command's argument or input file the user can fix (a bad path, number or URL); the CLI prints
-    it as `rlsys: error: ...` and exits with 2."""
+class UserError(RlsysError, ValueError):
+    """Input the user can fix (a config value, a data row, a user function, a path); the CLI prints
+    it as `rlsys: error: ...` and exits with 2. Subclasses name what kind of input."""
+
+
+class RunFailed(RlsysError, RuntimeError):
+    """The run stopped on bad input or a broken component; the message says which (exit 1)."""
+
+
+class UsageError(UserError):
+    """A command's argument or input file the user can fix (a bad path, number or URL)."""
 
 
 def why_not_a_directory(path, error: OSError) -> str:

@@ -25,10 +25,11 @@ from pathlib import Path
 
 from rlsys.config import DataConfig
 from rlsys.data.tasks import generate_task
+from rlsys.errors import UserError
 from rlsys.records import PromptRecord
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset file or row is malformed; the message names the file, line and reason."""
 
 

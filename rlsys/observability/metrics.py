@@ -8,6 +8,8 @@ import math
 import os
 from pathlib import Path
 
+from rlsys.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,7 +47,7 @@ class MetricsLog:
         self.rows = kept
 
 
-class MetricsFileError(ValueError):
+class MetricsFileError(UserError):
     """A metrics.jsonl line that is not a JSON object (other than a torn last line)."""
 
 

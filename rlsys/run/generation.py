@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 
 from rlsys.config import RunConfig
+from rlsys.plugins import PluginError, load_user_function
 from rlsys.records import EncodedPrompt, Generation, SamplingParams
-from rlsys.rewards.loading import RewardFunctionError, load_user_function
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.trajectory import GenerateFunction
 
@@ -15,14 +15,14 @@ from rlsys.rollout.trajectory import GenerateFunction
 def load_generate_function(import_path: str) -> GenerateFunction:
     function = load_user_function(import_path, "rollout.generate_function")
     if not inspect.iscoroutinefunction(function):
-        raise RewardFunctionError(
+        raise PluginError(
             f"rollout.generate_function {import_path!r} must be an async function "
             "(async def fn(prompt, ctx) -> Trajectory | None)"
         )
     try:
         inspect.signature(function).bind("prompt", "ctx")
     except TypeError as error:
-        raise RewardFunctionError(f"rollout.generate_function {import_path!r} must accept (prompt, ctx): {error}") \
+        raise PluginError(f"rollout.generate_function {import_path!r} must accept (prompt, ctx): {error}") \
             from error
     return function
 

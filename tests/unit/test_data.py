@@ -10,9 +10,10 @@ from rlsys.config import ConfigError, DataConfig, SyntheticTaskConfig
 from rlsys.data.datasets import DatasetError, PromptSampler, load_splits, read_jsonl, repeated_prompts_note
 from rlsys.data.tasks import generate_task
 from rlsys.data.tokenizer import load_tokenizer
+from rlsys.plugins import PluginError
 from rlsys.records import Generation, PromptRecord, RewardCall
 from rlsys.rewards.builtin import exact_match, last_number_match
-from rlsys.rewards.loading import RewardFunctionError, load_reward_function
+from rlsys.rewards.loading import load_reward_function
 from rlsys.rewards.pool import score_calls
 
 
@@ -122,13 +123,13 @@ def test_response_is_cut_at_eos_with_special_tokens_kept(tiny_model_dir):
 
 def test_reward_function_paths_are_checked():
     assert load_reward_function("rlsys.rewards:exact_match") is exact_match
-    with pytest.raises(RewardFunctionError, match="package.module:function"):
+    with pytest.raises(PluginError, match="package.module:function"):
         load_reward_function("rlsys.rewards.exact_match")
-    with pytest.raises(RewardFunctionError, match="cannot import module"):
+    with pytest.raises(PluginError, match="cannot import module"):
         load_reward_function("no_such_module:f")
-    with pytest.raises(RewardFunctionError, match="no callable"):
+    with pytest.raises(PluginError, match="no callable"):
         load_reward_function("rlsys.rewards:nothing")
-    with pytest.raises(RewardFunctionError, match="must accept"):
+    with pytest.raises(PluginError, match="must accept"):
         load_reward_function("math:sqrt")
 
 
@@ -143,9 +144,9 @@ def test_reward_function_from_a_file_or_the_working_directory(tmp_path, monkeypa
     assert by_file("p", "7", "7", {}) == 1.0
     by_name = load_reward_function("user_reward_mod:score")  # the `rlsys` script's cwd is not on sys.path
     assert by_name("p", "7", "8", {}) == 0.0
-    with pytest.raises(RewardFunctionError, match="no such file"):
+    with pytest.raises(PluginError, match="no such file"):
         load_reward_function("missing.py:score")
-    with pytest.raises(RewardFunctionError, match="bad import"):
+    with pytest.raises(PluginError, match="bad import"):
         load_reward_function("broken_reward.py:score")
 
 
@@ -155,7 +156,7 @@ def test_a_reward_file_named_like_a_standard_library_module_is_refused_at_load(t
     (tmp_path / "string.py").write_text("def score(prompt, response, label, metadata):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    with pytest.raises(RewardFunctionError, match="reward.function: the file 'string.py' has the name of Python's "
+    with pytest.raises(PluginError, match="reward.function: the file 'string.py' has the name of Python's "
                                                   "standard-library module 'string', which it would hide; rename"):
         load_reward_function("string.py:score")
     assert str(tmp_path) not in sys.path  # refused before its folder went on the import path
@@ -215,3 +216,25 @@ def test_more_prompts_per_step_than_train_prompts_is_said_at_start():
         "data.prompts_per_step (7) is more than the 3 train prompts: each step trains each prompt 2.3 times on "
         "average (lower data.prompts_per_step to at most 3 to see each prompt at most once per step)")
     assert repeated_prompts_note(3, 3) is None
+
+
+def test_every_input_error_is_a_user_error_the_cli_prints_in_one_line_and_a_generate_function_has_its_own():
+    """One root: what the user can fix is a UserError (the CLI catches that base, exit 2), a stopped
+    run a RunFailed; a bad rollout.generate_function is a PluginError naming its field, not a reward error."""
+    from rlsys.config import ConfigError
+    from rlsys.data.datasets import DatasetError
+    from rlsys.errors import RlsysError, RunFailed, UsageError, UserError
+    from rlsys.observability.metrics import MetricsFileError
+    from rlsys.rewards.loading import RewardFunctionError
+    from rlsys.run.generation import load_generate_function
+    from rlsys.system.node_checks import NodeCheckFailed
+    from rlsys.system.run_lock import RunDirInUse
+
+    for error in (ConfigError, DatasetError, MetricsFileError, UsageError, PluginError, RewardFunctionError,
+                  NodeCheckFailed, RunDirInUse):
+        assert issubclass(error, UserError) and issubclass(error, ValueError), error
+    assert issubclass(RunFailed, RlsysError) and not issubclass(RunFailed, UserError)
+    with pytest.raises(PluginError, match="rollout.generate_function 'rlsys.rewards:exact_match' must be an async") \
+            as refused:
+        load_generate_function("rlsys.rewards:exact_match")
+    assert not isinstance(refused.value, RewardFunctionError)

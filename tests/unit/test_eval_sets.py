@@ -105,14 +105,14 @@ def test_bad_eval_sets_are_refused_before_anything_starts(tmp_path, tiny_model_d
         load_config(_config(tmp_path, tiny_model_dir, {"name": "Has Space", "path": str(tmp_path / "set.jsonl")}))
     bad_reward = load_config(_config(tmp_path, tiny_model_dir, {"name": "r", "path": str(tmp_path / "set.jsonl"),
                                                                 "reward_function": "no_such_module:fn"}))
-    from rlsys.rewards.loading import RewardFunctionError
+    from rlsys.plugins import PluginError
 
-    with pytest.raises(RewardFunctionError,
+    with pytest.raises(PluginError,
                        match=r"^eval.datasets\[r\].reward_function: cannot import module 'no_such_module'"):
         load_assets(bad_reward)
     missing_file = load_config(_config(tmp_path, tiny_model_dir, {"name": "f", "path": str(tmp_path / "set.jsonl"),
                                                                   "reward_function": str(tmp_path / "gone.py") + ":fn"}))
-    with pytest.raises(RewardFunctionError, match=r"^eval.datasets\[f\].reward_function: .*gone.py"):
+    with pytest.raises(PluginError, match=r"^eval.datasets\[f\].reward_function: .*gone.py"):
         load_assets(missing_file)
 
 
