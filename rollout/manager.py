@@ -6,10 +6,11 @@ import asyncio
 import json
 import logging
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -149,19 +150,13 @@ class RolloutManager:
         # engine frees up first.
         limit = 2 * n * max(len(chunk) for chunk in chunks) if len(self.engines) > 1 else None
         answers: dict[int, list[Generation]] = {}
-        pending = list(range(len(chunks)))
-        died_with: dict[int, int] = {}
-        while pending:
-            calls = [self._generate_run([prompts[p] for p in chunks[c]], sampling, n, limit) for c in pending]
-            results = self._loop.submit(_gather(calls)).result()
-            failed = {c: result for c, result in zip(pending, results, strict=True)
-                      if isinstance(result, EngineCallFailed)}
-            answers.update({c: result for c, result in zip(pending, results, strict=True) if c not in failed})
-            self._refuse_poison_requests(failed, died_with, lambda c: (
-                f"prompts {chunks[c].start}..{chunks[c].stop - 1} of the batch (the first's token ids begin "
-                f"{prompts[chunks[c].start][:16]})"))
-            self._recover_all(failed.values(), recover)
-            pending = list(failed)
+        self._answer_all(
+            list(range(len(chunks))),
+            lambda keys: _gather([self._generate_run([prompts[p] for p in chunks[c]], sampling, n, limit) for c in keys]),
+            answers.__setitem__,
+            lambda c: (f"prompts {chunks[c].start}..{chunks[c].stop - 1} of the batch (the first's token ids begin "
+                       f"{prompts[chunks[c].start][:16]})"),
+            recover)
         return [generation for c in range(len(chunks)) for generation in answers[c]]
 
     async def _generate_run(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
@@ -181,19 +176,25 @@ class RolloutManager:
         stood before, once the engine has been restarted (with `recover`). Returns the samples aborted."""
         for group in groups:
             self._refuse_out_of_vocabulary(group.prompt.token_ids, f"prompt {group.prompt.text!r}")
-        died_with: dict[int, int] = {}
         aborted = 0
-        while sum(group.finished for group in groups) < needed:
-            pending = [i for i, group in enumerate(groups) if not group.finished]
-            results, round_aborted = self._loop.submit(self._groups_round(groups, pending, needed, sampling)).result()
+
+        def unfinished() -> list[int]:  # none once `needed` groups are finished
+            if sum(group.finished for group in groups) >= needed:
+                return []
+            return [i for i, group in enumerate(groups) if not group.finished]
+
+        async def round_of(pending: list[int]) -> list:
+            nonlocal aborted
+            results, round_aborted = await self._groups_round(groups, pending, needed, sampling)
             aborted += round_aborted
-            failed = {i: result for i, result in zip(pending, results, strict=True)
-                      if isinstance(result, EngineCallFailed)}
-            for result in results:
-                if isinstance(result, BaseException) and not isinstance(result, EngineCallFailed):
-                    raise result
-            self._refuse_poison_requests(failed, died_with, lambda i: f"the group of prompt {groups[i].prompt.text!r}")
-            self._recover_all(failed.values(), recover)
+            return results
+
+        def take(i: int, result) -> None:  # the group itself holds the answers
+            if isinstance(result, BaseException):
+                raise result
+
+        self._answer_all(unfinished(), round_of, take, lambda i: f"the group of prompt {groups[i].prompt.text!r}",
+                         recover, next_keys=unfinished)
         return aborted
 
     def _refuse_out_of_vocabulary_trajectory(self, generation: Generation, what: str) -> None:
@@ -279,32 +280,28 @@ class RolloutManager:
         name = f"rollout.generate_function {function_path!r}" if function_path else "rollout.generate_function"
         samples = [prompt for prompt in prompts for _ in range(n)]
         answers: dict[int, Generation] = {}
-        pending = list(range(len(samples)))
-        died_with: dict[int, int] = {}
-        while pending:
-            calls = [self._trajectory(samples[i], function, sampling, tokenizer, tool_timeout_s) for i in pending]
-            results = self._loop.submit(_gather(calls)).result()
-            failed = {i: result for i, result in zip(pending, results, strict=True)
-                      if isinstance(result, EngineCallFailed)}
-            for i, result in zip(pending, results, strict=True):
-                if isinstance(result, TokenIdOutOfVocabulary):
-                    raise GenerateFunctionError(
-                        f"{name} sent the engine input_ids it cannot take, on prompt {samples[i].text!r}"
-                        f"{_user_code_line(result)}: {result}. The request was not sent (an engine given such an "
-                        "id crashes); build token ids with the model's tokenizer (ctx.encode, ctx.append(text))"
-                    ) from None
-                if isinstance(result, BaseException) and not isinstance(result, EngineCallFailed):
-                    raise GenerateFunctionError(
-                        f"{name} raised on prompt {samples[i].text!r}:\n"
-                        + "".join(traceback.format_exception(result))[-3000:]
-                    ) from result
-                if i not in failed:
-                    self._refuse_out_of_vocabulary_trajectory(result, f"{name} returned a trajectory of prompt "
-                                                              f"{samples[i].text!r}")
-                    answers[i] = result
-            self._refuse_poison_requests(failed, died_with, lambda i: f"a trajectory of prompt {samples[i].text!r}")
-            self._recover_all(failed.values(), recover)
-            pending = list(failed)
+
+        def take(i: int, result) -> None:
+            if isinstance(result, TokenIdOutOfVocabulary):
+                raise GenerateFunctionError(
+                    f"{name} sent the engine input_ids it cannot take, on prompt {samples[i].text!r}"
+                    f"{_user_code_line(result)}: {result}. The request was not sent (an engine given such an "
+                    "id crashes); build token ids with the model's tokenizer (ctx.encode, ctx.append(text))"
+                ) from None
+            if isinstance(result, BaseException):
+                raise GenerateFunctionError(
+                    f"{name} raised on prompt {samples[i].text!r}:\n"
+                    + "".join(traceback.format_exception(result))[-3000:]
+                ) from result
+            self._refuse_out_of_vocabulary_trajectory(result, f"{name} returned a trajectory of prompt "
+                                                      f"{samples[i].text!r}")
+            answers[i] = result
+
+        self._answer_all(
+            list(range(len(samples))),
+            lambda keys: _gather([self._trajectory(samples[i], function, sampling, tokenizer, tool_timeout_s)
+                                  for i in keys]),
+            take, lambda i: f"a trajectory of prompt {samples[i].text!r}", recover)
         return [answers[i] for i in range(len(samples))]
 
     async def _trajectory(self, prompt: EncodedPrompt, function: GenerateFunction, sampling: SamplingParams,
@@ -322,6 +319,28 @@ class RolloutManager:
                                                                         tool_timeout_s))
         except EngineCallFailed as failure:
             return failure
+
+    def _answer_all(self, keys: list[int], round_of: Callable[[list[int]], Coroutine[Any, Any, list]],
+                    take: Callable[[int, Any], None], describe: Callable[[int], str], recover: bool,
+                    next_keys: Callable[[], list[int]] | None = None) -> None:
+        """The one retry loop of `generate`, `generate_groups` and `trajectories`: `round_of(keys)`
+        issues the requests of `keys` at once and answers one result per key. A key whose engine
+        died (EngineCallFailed) is issued again in the next round, once its engine is restarted
+        (with `recover`; else the failure is raised), unless it was in flight at that engine's
+        previous death too (PoisonRequest); every other result goes to `take(key, result)`, which
+        may raise. The next round's keys: `next_keys()`, or those that failed; none ends the loop."""
+        died_with: dict[int, int] = {}
+        while keys:
+            results = self._loop.submit(round_of(keys)).result()
+            failed: dict[int, EngineCallFailed] = {}
+            for key, result in zip(keys, results, strict=True):
+                if isinstance(result, EngineCallFailed):
+                    failed[key] = result
+                else:
+                    take(key, result)
+            self._refuse_poison_requests(failed, died_with, describe)
+            self._recover_all(failed.values(), recover)
+            keys = next_keys() if next_keys is not None else list(failed)
 
     def _refuse_poison_requests(self, failed: dict[int, EngineCallFailed], died_with: dict[int, int],
                                 describe: Callable[[int], str]) -> None:
