@@ -46,7 +46,15 @@ from rlsys.actors.profiling import RankProfiler, profiled_phase
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import kl_estimate, masked_sum
 from rlsys.algorithms.losses import SEQUENCE_RATIO_LOSSES, flagged_sequences, micro_batch_loss
-from rlsys.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig, check_context_parallel
+from rlsys.config import (
+    AlgorithmConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+    check_context_parallel,
+    resolve_derived_settings,
+)
 from rlsys.records import TrainSequence
 from rlsys.rollout.sglang.client import SGLangClient, check_reachable
 from rlsys.system.backend import engine_dtype, make_backend
@@ -62,28 +70,30 @@ from rlsys.weight_sync.sync import sync_weights
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """A trainer rank's configuration: the run config's own sections, nothing copied."""
+    """A trainer rank's configuration: the run config's own sections, nothing copied. Its algorithm
+    section is resolved (rlsys/config.py `resolve_derived_settings`); one given unresolved (a
+    standalone group) takes the rollout section's defaults."""
 
     model: ModelConfig
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     temperature: float = 1.0  # the rollout's: trainer log-probs are of the distribution it sampled
-    # The rollout's too, for the objective's defaults (`loss_norm_tokens`, `uses_tis`).
-    max_new_tokens: int = 32
-    max_staleness: int = 0
-    partial_rollouts: bool = False
     seed: int = 0
     has_gpu: bool = False  # decided by the driver from the cluster's resources (rlsys/system/backend.py)
     # Processes of the run computing on a rank's node while it trains (Topology.cpu_sharers); the
     # rank's threads are its node's cores over this. None (standalone groups): one thread.
     cpu_sharers: int | None = None
 
+    def __post_init__(self):
+        if self.algorithm.loss_norm_tokens is None or self.algorithm.tis.enabled is None:
+            rollout = RolloutConfig()
+            object.__setattr__(self, "algorithm", self.algorithm.resolved(rollout.max_new_tokens, off_policy=False))
+
     @classmethod
     def from_config(cls, config: RunConfig, has_gpu: bool, cpu_sharers: int | None = None) -> TrainerSpec:
-        return cls(config.model, config.trainer, config.algorithm, config.rollout.temperature,
-                   max_new_tokens=config.rollout.max_new_tokens, max_staleness=config.rollout.max_staleness,
-                   partial_rollouts=config.rollout.partial_rollouts, seed=config.seed, has_gpu=has_gpu,
-                   cpu_sharers=cpu_sharers)
+        resolved = resolve_derived_settings(config)  # (a no-op for a loaded config: load_config resolved it)
+        return cls(config.model, config.trainer, resolved.algorithm, config.rollout.temperature, seed=config.seed,
+                   has_gpu=has_gpu, cpu_sharers=cpu_sharers)
 
     def threads(self, node_cores: int) -> int:
         if self.trainer.threads_per_rank is not None:
@@ -96,15 +106,13 @@ class TrainerSpec:
 
     @property
     def loss_norm_tokens(self) -> int:
-        """The constant of seq-mean-token-sum-norm: algorithm.loss_norm_tokens, or rollout.max_new_tokens."""
-        return self.algorithm.loss_norm_tokens or self.max_new_tokens
+        """The constant of seq-mean-token-sum-norm (algorithm.loss_norm_tokens, resolved)."""
+        return self.algorithm.loss_norm_tokens
 
     @property
     def uses_tis(self) -> bool:
-        """algorithm.tis.enabled, or when unset whether the run is off-policy (rollout.max_staleness above 0,
-        or partial rollouts: samples come from earlier weights, which TIS reweighs to the trainer's)."""
-        enabled = self.algorithm.tis.enabled
-        return enabled if enabled is not None else self.max_staleness > 0 or self.partial_rollouts
+        """algorithm.tis.enabled, resolved: when unset, whether the run is off-policy."""
+        return self.algorithm.tis.enabled
 
 
 @dataclass

@@ -468,7 +468,7 @@ class TISConfig(_Section):
 
     enabled: bool | None = Field(
         None, description="Apply these weights. Default: on exactly when the run is off-policy "
-        "(rollout.max_staleness above 0, or rollout.partial_rollouts).",
+        "(rollout.max_staleness above 0, or rollout.partial_rollouts); resolved at load, as RUN_DIR/config.yaml shows.",
     )
     cap: float = Field(2.0, gt=0.0, description="Upper bound of a weight.")
     level: Literal["token", "sequence"] = Field(
@@ -502,10 +502,10 @@ class AlgorithmConfig(_Section):
         None, description="How token losses add up to a mini-batch's loss: mean over all tokens; mean over "
         "sequences of each sequence's token mean; mean over sequences of token sums (LUSPO); or mean over sequences "
         "of token sums / loss_norm_tokens (Dr. GRPO). Unset: the policy loss's own (token-mean for grpo, cispo and "
-        "vespo; seq-mean-token-mean for gspo and sapo; seq-mean-token-sum for luspo).",
+        "vespo; seq-mean-token-mean for gspo and sapo; seq-mean-token-sum for luspo), resolved at load.",
     )
     loss_norm_tokens: int | None = Field(
-        None, ge=1, description="The constant of seq-mean-token-sum-norm; default rollout.max_new_tokens.",
+        None, ge=1, description="The constant of seq-mean-token-sum-norm; default rollout.max_new_tokens (resolved at load).",
     )
     cispo_max_ratio: float = Field(
         5.0, gt=0.0, description="cispo: the cap on the detached importance weight (TRL's epsilon_high for cispo; "
@@ -569,6 +569,14 @@ class AlgorithmConfig(_Section):
     def aggregation(self) -> str:
         """loss_agg_mode, or when unset the policy loss's own (TRL's pairing)."""
         return self.loss_agg_mode or _OWN_AGGREGATION[self.policy_loss]
+
+    def resolved(self, max_new_tokens: int, off_policy: bool) -> AlgorithmConfig:
+        """This section with its defaults that depend on the rollout filled in (what set is kept):
+        loss_agg_mode the policy loss's own, loss_norm_tokens `max_new_tokens`, tis.enabled exactly
+        when the run is `off_policy` (samples from earlier weights, which TIS reweighs). Idempotent."""
+        tis = self.tis if self.tis.enabled is not None else self.tis.model_copy(update={"enabled": off_policy})
+        return self.model_copy(update={"loss_agg_mode": self.aggregation,
+                                       "loss_norm_tokens": self.loss_norm_tokens or max_new_tokens, "tis": tis})
 
     @model_validator(mode="after")
     def _policy_loss_fits(self):
@@ -922,6 +930,15 @@ def apply_override(tree: dict, dotted: str) -> None:
     node[parts[-1]] = value
 
 
+def resolve_derived_settings(config: RunConfig) -> RunConfig:
+    """The one resolution step after loading: the settings whose defaults depend on other sections
+    filled in (`AlgorithmConfig.resolved`: the loss's aggregation, loss_norm_tokens, whether TIS is
+    on), so every process reads one value and RUN_DIR/config.yaml shows what ran. Idempotent."""
+    rollout = config.rollout
+    off_policy = rollout.max_staleness > 0 or rollout.partial_rollouts
+    return config.model_copy(update={"algorithm": config.algorithm.resolved(rollout.max_new_tokens, off_policy)})
+
+
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     path = Path(path)
     if path.is_dir():
@@ -944,9 +961,10 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     for override in overrides:
         apply_override(tree, override)
     try:
-        return RunConfig.model_validate(tree)
+        config = RunConfig.model_validate(tree)
     except ValidationError as error:
         raise ConfigError(_format_validation_error(error, str(path))) from None
+    return resolve_derived_settings(config)
 
 
 def dump_config(config: RunConfig, path: Path) -> None:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-from dataclasses import replace
 
 import pytest
 import torch
@@ -204,7 +203,6 @@ def _rlsys_steps(model_dir, algorithm_fields: dict, sequences):
         port = sock.getsockname()[1]
     spec = trainer_spec(model_dir, lr=LR, grad_clip=1e9, mini_batches_per_step=2, total_steps=1,
                         betas=(0.9, 0.999), weight_decay=0.0, **algorithm_fields)
-    spec = replace(spec, max_new_tokens=MAX_NEW)
     environment, threads = dict(os.environ), torch.get_num_threads()  # a rank sets both for its process
     worker = TrainerWorker(spec, 0, 1)
     try:

@@ -250,29 +250,47 @@ def test_a_directory_given_as_the_config_is_called_a_directory(tmp_path):
         load_config(tmp_path)
 
 
-def test_validators_never_rewrite_other_sections_and_the_trainer_derives_the_defaults(tmp_path, tiny_model_dir):
-    """algorithm.loss_norm_tokens and algorithm.tis.enabled stay as the config says (unset: None);
-    the trainer derives the values it uses: rollout.max_new_tokens, and TIS exactly when one step
-    off-policy, unless the config sets them."""
+def test_derived_settings_are_resolved_once_after_loading_and_dumped_with_the_config(tmp_path, tiny_model_dir):
+    """Validators never rewrite other sections; one resolution step after loading fills the defaults
+    that depend on the rollout (loss_norm_tokens: rollout.max_new_tokens; TIS exactly when one step
+    off-policy; the loss's own aggregation) unless the config sets them; RUN_DIR/config.yaml shows
+    them; the trainer reads them as resolved and carries no rollout field."""
+    import dataclasses
+
+    import yaml
+
     from rlsys.actors.trainer import TrainerSpec
+    from rlsys.config import RunConfig, dump_config, resolve_derived_settings
 
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
     off_policy = ["placement.mode=disaggregated", "rollout.max_staleness=1", "rollout.max_new_tokens=12"]
+    tree = yaml.safe_load(path.read_text())
+    unresolved = RunConfig.model_validate({**tree, "rollout": {**tree.get("rollout", {}), "max_new_tokens": 12}})
+    assert unresolved.algorithm.loss_norm_tokens is None and unresolved.algorithm.tis.enabled is None
     config = load_config(path, off_policy)
-    assert config.algorithm.loss_norm_tokens is None and config.algorithm.tis.enabled is None
+    assert config.algorithm.loss_norm_tokens == 12 and config.algorithm.tis.enabled is True
+    assert config.algorithm.loss_agg_mode == "token-mean"  # grpo's own
+    assert resolve_derived_settings(config) == config  # once resolved, it stays
+    dump_config(config, tmp_path / "dumped.yaml")
+    dumped = yaml.safe_load((tmp_path / "dumped.yaml").read_text())["algorithm"]
+    assert (dumped["loss_norm_tokens"], dumped["tis"]["enabled"], dumped["loss_agg_mode"]) == (12, True, "token-mean")
     spec = TrainerSpec.from_config(config, has_gpu=False)
     assert spec.loss_norm_tokens == 12 and spec.uses_tis
+    assert not {"max_new_tokens", "max_staleness", "partial_rollouts"} & {f.name for f in dataclasses.fields(spec)}
     spec = TrainerSpec.from_config(load_config(path, [*off_policy, "algorithm.loss_norm_tokens=5",
                                                       "algorithm.tis.enabled=false"]), has_gpu=False)
     assert spec.loss_norm_tokens == 5 and not spec.uses_tis
     assert not TrainerSpec.from_config(load_config(path), has_gpu=False).uses_tis
     assert TrainerSpec.from_config(load_config(path, ["algorithm.tis.enabled=true"]), has_gpu=False).uses_tis
+    assert load_config(path, ["rollout.partial_rollouts=true", "placement.mode=disaggregated"]).algorithm.tis.enabled
+    assert load_config(path, ["algorithm.policy_loss=gspo"]).algorithm.loss_agg_mode == "seq-mean-token-mean"
 
 
 @pytest.mark.parametrize("policy_loss", ["grpo", "gspo", "luspo", "cispo", "sapo", "vespo"])
 def test_every_policy_loss_is_accepted_with_its_own_aggregation(tmp_path, tiny_model_dir, policy_loss):
     config = load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), [f"algorithm.policy_loss={policy_loss}"])
-    assert config.algorithm.policy_loss == policy_loss and config.algorithm.loss_agg_mode is None
+    # unset, resolved to the loss's own
+    assert config.algorithm.policy_loss == policy_loss and config.algorithm.loss_agg_mode == config.algorithm.aggregation
 
 
 @pytest.mark.parametrize(("policy_loss", "mode", "own"), [
