@@ -505,7 +505,8 @@ class AlgorithmConfig(_Section):
         "vespo; seq-mean-token-mean for gspo and sapo; seq-mean-token-sum for luspo), resolved at load.",
     )
     loss_norm_tokens: int | None = Field(
-        None, ge=1, description="The constant of seq-mean-token-sum-norm; default rollout.max_new_tokens (resolved at load).",
+        None, ge=1, description="The constant of seq-mean-token-sum-norm; default rollout.max_new_tokens "
+        "(resolved at load).",
     )
     cispo_max_ratio: float = Field(
         5.0, gt=0.0, description="cispo: the cap on the detached importance weight (TRL's epsilon_high for cispo; "
