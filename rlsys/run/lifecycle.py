@@ -31,7 +31,13 @@ from rlsys.rollout.manager import EngineRestartLimit
 from rlsys.run.assets import RunAssets, load_assets, refuse_incompatible_checkpoint
 from rlsys.run.batches import OnPolicyRounds
 from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume, disk_full_failure
-from rlsys.run.components import bring_engines_up_to_date, restart_trainers, run_uses_gpus, start_components
+from rlsys.run.components import (
+    Components,
+    bring_engines_up_to_date,
+    restart_trainers,
+    run_uses_gpus,
+    start_components,
+)
 from rlsys.run.coordinator import Run, train_loop
 from rlsys.run.evaluation import Evaluator
 from rlsys.run.generation import SampleMaker
@@ -209,6 +215,50 @@ def _describe_rewards(config: RunConfig) -> str:
     return f"{config.reward.function} in {config.reward.num_workers} worker process(es)"
 
 
+def _open_run_dir(config: RunConfig, run_dir: Path, resuming: bool) -> tuple[RunDirLock, MetricsLog]:
+    """The run directory locked for this run (before anything is written there), prepared, and its
+    metrics log opened (a bad line is refused here, before anything starts)."""
+    lock = RunDirLock(run_dir)
+    lock.acquire()
+    try:
+        prepare_run_dir(config, run_dir, resuming)
+        return lock, MetricsLog(run_dir / "metrics.jsonl")
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _report_hangs(parts: Components, status: RunStatus, stack: ExitStack, next_step) -> None:
+    """Every process's stacks (rlsys/run/hangs.py) on a trainer hang, a silent engine, or a request
+    through the status API (until the processes it reads stop)."""
+    parts.hangs = HangReporter(Path(status.run_dir), parts, next_step, status)
+    parts.trainer.on_hang = parts.hangs.on_trainer_hang
+    status.stacks_provider = parts.hangs.on_request
+    parts.rollout.on_silent = lambda index, why: parts.hangs.collect_safely(f"engine-{index} stopped after {why}")
+    stack.callback(setattr, status, "stacks_provider", None)
+
+
+def _join_ray_cluster(config: RunConfig, layout: Topology, stack: ExitStack) -> None:
+    """The run's Ray cluster, left at the end of `stack`: placement.ray_address's, or a local one.
+    Standing engines (rollout.attach) live in a cluster that outlives runs: this machine's when no
+    address is set."""
+    start = time.perf_counter()
+    address = cluster_address(config) if config.rollout.attach else config.placement.ray_address
+    stack.enter_context(ray_cluster(address, config.placement.num_cpus or layout.local_cpus(), layout.custom_resources()))
+    logger.info("Ray cluster up in %.1f s", time.perf_counter() - start)
+
+
+def _new_run(config: RunConfig, assets: RunAssets, parts: Components, status: RunStatus, log: MetricsLog,
+             store: CheckpointStore, evaluator: Evaluator, rewards, trackers: Trackers, maker: SampleMaker) -> Run:
+    """The loop's `Run`, at step 0 until `continue_from` restores it."""
+    rounds = (PartialRollouts(config) if config.rollout.partial_rollouts
+              else OnPolicyRounds(maker, config.rollout.n_samples_per_prompt))
+    return Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
+               PromptSampler(assets.train, config.data.prompts_per_step, config.seed), evaluator,
+               Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts, rounds.saved),
+               HealthMonitor(parts), rewards, trackers, rounds)
+
+
 def run(config: RunConfig) -> Path:
     """Run GRPO to completion (or continue one, with checkpoint.resume: auto)."""
     check_backends_installed(config.logging.backends)
@@ -225,14 +275,7 @@ def run(config: RunConfig) -> Path:
     checkpoint = checkpoint_to_resume(store) if config.checkpoint.resume == "auto" else None
     if checkpoint is not None:
         refuse_incompatible_checkpoint(checkpoint, config)
-    lock = RunDirLock(run_dir)
-    lock.acquire()  # before anything is written there
-    try:
-        prepare_run_dir(config, run_dir, resuming=checkpoint is not None)
-        log = MetricsLog(run_dir / "metrics.jsonl")  # a bad line is refused here, before anything starts
-    except BaseException:
-        lock.release()
-        raise
+    lock, log = _open_run_dir(config, run_dir, resuming=checkpoint is not None)
     logger.info("run directory %s", run_dir.resolve())
     logger.info("data: %s", _describe_data(assets))
     if note := repeated_prompts_note(config.data.prompts_per_step, len(assets.train)):
@@ -250,12 +293,7 @@ def run(config: RunConfig) -> Path:
         trackers = Trackers(config.logging.backends, run_dir, config.model_dump(mode="json"), config.logging.project,
                             config.logging.run_name or run_dir.resolve().name)
         stack.callback(trackers.close)
-        ray_start = time.perf_counter()
-        # Standing engines (rollout.attach) live in a cluster that outlives runs: this machine's when no address is set.
-        address = cluster_address(config) if config.rollout.attach else config.placement.ray_address
-        stack.enter_context(ray_cluster(address, config.placement.num_cpus or layout.local_cpus(),
-                                        layout.custom_resources()))
-        logger.info("Ray cluster up in %.1f s", time.perf_counter() - ray_start)
+        _join_ray_cluster(config, layout, stack)
         _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
         topology = Topology.from_config(config, run_uses_gpus(config, layout))
@@ -264,20 +302,11 @@ def run(config: RunConfig) -> Path:
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack)
-        parts.hangs = HangReporter(run_dir, parts, lambda: run.state.next_step if run is not None else 0, status)
-        parts.trainer.on_hang = parts.hangs.on_trainer_hang
-        status.stacks_provider = parts.hangs.on_request
-        parts.rollout.on_silent = lambda index, why: parts.hangs.collect_safely(f"engine-{index} stopped after {why}")
-        stack.callback(setattr, status, "stacks_provider", None)  # before the processes it reads stop
         run = None
+        _report_hangs(parts, status, stack, next_step=lambda: run.state.next_step if run is not None else 0)
         evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
         stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own
-        rounds = (PartialRollouts(config) if config.rollout.partial_rollouts
-                  else OnPolicyRounds(maker, config.rollout.n_samples_per_prompt))
-        run = Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
-                  PromptSampler(assets.train, config.data.prompts_per_step, config.seed), evaluator,
-                  Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts, rounds.saved),
-                  HealthMonitor(parts), rewards, trackers, rounds)
+        run = _new_run(config, assets, parts, status, log, store, evaluator, rewards, trackers, maker)
         parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.trainer_version)
         sync_start = time.perf_counter()
         run.continue_from(checkpoint)
