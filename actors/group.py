@@ -70,6 +70,13 @@ class TrainerGroup:
             raise TrainerHang(what, ranks, timeout_s, detail)
         return ray.get(calls)
 
+    def _on_every_rank(self, method: str, *args, bounded: bool = True) -> list:
+        """The worker's `method(*args)` on every rank at once; their answers in rank order. Bounded:
+        within trainer.call_timeout_s, stacks collected on a hang (`_wait`); else as long as it takes
+        (quick bookkeeping calls, and connect_engines, which has its own timeout)."""
+        calls = [getattr(worker, method).remote(*args) for worker in self.workers]
+        return self._wait(calls, method) if bounded else ray.get(calls)
+
     @property
     def _context_parallel_size(self) -> int:
         return self.spec.trainer.context_parallel_size
@@ -110,13 +117,12 @@ class TrainerGroup:
 
     def connect_engines(self, topology: Topology, timeout_s: float) -> None:
         """Give each rank its weight transport to the engines in `topology` (see TrainerWorker)."""
-        ray.get([w.connect_engines.remote(topology, timeout_s) for w in self.workers])
+        self._on_every_rank("connect_engines", topology, timeout_s, bounded=False)
 
     def sync_weights(self, bucket_bytes: int, weight_version: int, pipelined: bool = True) -> list[dict]:
         """Trainer weights into the engines of the last `connect_engines`; per-rank statistics
         (weight_sync.sync.SyncStats)."""
-        return self._wait([w.sync_weights.remote(bucket_bytes, weight_version, pipelined) for w in self.workers],
-                          "sync_weights")
+        return self._on_every_rank("sync_weights", bucket_bytes, weight_version, pipelined)
 
     def loss_gradients(self, sequences: list[TrainSequence]) -> dict:
         """Gradients of the loss of `sequences` as one mini-batch (tests)."""
@@ -130,31 +136,31 @@ class TrainerGroup:
 
     def sleep(self) -> dict:
         """Offload every rank; returns summed bytes and the slowest rank's seconds."""
-        report = _combine(self._wait([w.sleep.remote() for w in self.workers], "sleep"))
+        report = _combine(self._on_every_rank("sleep"))
         self.asleep = True
         return report
 
     def release_cached_memory(self) -> dict:
         """Every rank returns its cached free device blocks; the most any rank still holds."""
-        held = [r["held_bytes"] for r in ray.get([w.release_cached_memory.remote() for w in self.workers])]
+        held = [r["held_bytes"] for r in self._on_every_rank("release_cached_memory", bounded=False)]
         return {"held_bytes": max(held) if held else None}
 
     def wake_up(self) -> dict:
-        report = _combine(self._wait([w.wake_up.remote() for w in self.workers], "wake_up"))
+        report = _combine(self._on_every_rank("wake_up"))
         self.asleep = False
         return report
 
     def save_checkpoint(self, directory: str) -> None:
-        self._wait([w.save_checkpoint.remote(directory) for w in self.workers], "save_checkpoint")
+        self._on_every_rank("save_checkpoint", directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        self._wait([w.load_checkpoint.remote(directory) for w in self.workers], "load_checkpoint")
+        self._on_every_rank("load_checkpoint", directory)
 
     def load_memory_reports(self) -> list[dict]:
-        return ray.get([w.load_memory_report.remote() for w in self.workers])
+        return self._on_every_rank("load_memory_report", bounded=False)
 
     def host_memory_bytes(self) -> list[int]:
-        return ray.get([w.host_memory_bytes.remote() for w in self.workers])
+        return self._on_every_rank("host_memory_bytes", bounded=False)
 
     def health(self, timeout_s: float = 10.0) -> list[dict]:
         """Per rank: alive and host memory; an actor that does not answer reads as not alive."""
@@ -169,7 +175,7 @@ class TrainerGroup:
 
     def start_profile(self) -> None:
         """Every rank starts recording torch.profiler (profile.steps)."""
-        ray.get([w.start_profile.remote() for w in self.workers])
+        self._on_every_rank("start_profile", bounded=False)
 
     def stop_profile(self, directory: str, timeout_s: float | None = None) -> list[str]:
         """Every rank stops and writes its trace into `directory`; the files written."""
@@ -183,7 +189,7 @@ class TrainerGroup:
         return ray.get(self.workers[0].vocab_size.remote())
 
     def full_state_dict(self) -> dict:
-        return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+        return self._on_every_rank("full_state_dict", bounded=False)[0]
 
     def shutdown(self) -> None:
         try:
