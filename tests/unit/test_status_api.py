@@ -174,6 +174,17 @@ def test_the_status_document_is_built_once_per_change(tmp_path, monkeypatch):
     assert client.get("/api/v1/status").json()["step"] == 4 and len(builds) == 2
 
 
+def _closed_by_server(connection, wait_s: float) -> bool:
+    """Whether the server closed this held socket (it reads end-of-file or a reset within wait_s)."""
+    connection.settimeout(wait_s)
+    try:
+        return connection.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
 def test_idle_and_half_sent_connections_do_not_lock_live_clients_or_the_operator_out(tmp_path):
     """300 connections held open from this machine, 100 of them stopped halfway through a request's
     headers (the server's bound is 256 open): health, status and a stop with the token are answered at
@@ -205,14 +216,8 @@ def test_idle_and_half_sent_connections_do_not_lock_live_clients_or_the_operator
         assert answer("/healthz") == 200 and answer("/api/v1/status") == 200
         assert answer("/api/v1/stop", "POST", "s3cret") == 200 and status.stop_requested
 
-        def closed(connection: socket.socket) -> bool:
-            connection.settimeout(0.05)
-            try:
-                return connection.recv(1) == b""
-            except TimeoutError:
-                return False
-            except ConnectionError:
-                return True
+        def closed(connection) -> bool:
+            return _closed_by_server(connection, wait_s=0.05)
 
         evicted = sum(closed(connection) for connection in held)
         # beyond the bound the longest idle went; not yet the rest (6 s leaves seconds of margin for a loaded
@@ -274,14 +279,8 @@ def test_one_client_holds_at_most_its_bound_and_its_own_longest_idle_connection_
             held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
             time.sleep(0.05)  # in order: the server sees each one idle longer than the next
 
-        def closed(connection: socket.socket) -> bool:
-            connection.settimeout(0.5)
-            try:
-                return connection.recv(1) == b""
-            except TimeoutError:
-                return False
-            except ConnectionError:
-                return True
+        def closed(connection) -> bool:
+            return _closed_by_server(connection, wait_s=0.5)
 
         assert [closed(connection) for connection in held] == [True] * 6 + [False] * 4
         with urllib.request.urlopen(url + "/healthz", timeout=5) as response:  # the client's newest: answered
