@@ -45,7 +45,8 @@ from rlsys.actors.parallelize import parallelize, pin_host_shards, reshard, uses
 from rlsys.actors.profiling import RankProfiler, profiled_phase
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import kl_estimate, masked_sum
-from rlsys.algorithms.losses import SEQUENCE_RATIO_LOSSES, flagged_sequences, micro_batch_loss
+from rlsys.algorithms.losses import flagged_sequences, micro_batch_loss
+from rlsys.algorithms.policy_losses import PolicyLoss
 from rlsys.config import (
     AlgorithmConfig,
     ModelConfig,
@@ -126,7 +127,7 @@ class LossSums:
     logprob_mismatch: float = 0.0  # |old - engine| over tokens with an engine log-prob
     tis_weight: float = 0.0  # truncated importance weights, over tokens with an engine log-prob
     tis_clipped: float = 0.0
-    policy_weight: float = 0.0  # the policy loss's own weight per token (VESPO's phi), over loss tokens
+    policy_weight: float = 0.0  # the policy loss's own weight per token, if it has one, over loss tokens
     sequences: float = 0.0  # sequences with a loss token (counted for sequence-ratio losses only)
     clipped_sequences: float = 0.0
     tokens: float = 0.0
@@ -143,9 +144,9 @@ class LossSums:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         return LossSums(*values.cpu().tolist())
 
-    def metrics(self, with_tis: bool, policy_loss: str = "grpo") -> dict[str, float]:
+    def metrics(self, with_tis: bool, policy_loss: PolicyLoss) -> dict[str, float]:
         """The loss per mini-batch; the rest per loss token (per engine-scored token for TIS's, per
-        sequence for seq_clip_fraction)."""
+        sequence for seq_clip_fraction), and the policy loss's own (`weight_metrics`)."""
         tokens, engine_tokens = max(self.tokens, 1.0), max(self.engine_tokens, 1.0)
         metrics = {
             "loss": self.objective / max(self.mini_batches, 1.0),
@@ -158,11 +159,9 @@ class LossSums:
         if with_tis:
             metrics.update(tis_weight_mean=self.tis_weight / engine_tokens,
                            tis_clipped_fraction=self.tis_clipped / engine_tokens)
-        if policy_loss in SEQUENCE_RATIO_LOSSES:
+        if policy_loss.one_ratio_per_sequence:
             metrics["seq_clip_fraction"] = self.clipped_sequences / max(self.sequences, 1.0)
-        if policy_loss == "vespo":
-            metrics["vespo_phi_mean"] = self.policy_weight / tokens
-        return metrics
+        return {**metrics, **policy_loss.weight_metrics(self.policy_weight / tokens)}
 
 
 class TrainerWorker:
@@ -409,7 +408,7 @@ class TrainerWorker:
             with torch.no_grad():
                 mask, tis = batch.response_mask, loss.tis
                 sequences, clipped_sequences = (flagged_sequences(loss.clipped, mask, batch.spans)
-                                                if algorithm.policy_loss in SEQUENCE_RATIO_LOSSES else (0, 0))
+                                                if algorithm.policy_loss.one_ratio_per_sequence else (0, 0))
                 sums += LossSums(
                     objective=loss.objective.item(),
                     kl=masked_sum(loss.kl, mask).item(),

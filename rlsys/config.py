@@ -7,55 +7,15 @@ raises `ConfigError` naming every bad field and why, before any actor starts.
 from __future__ import annotations
 
 import re
-import types
-import typing
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
+from rlsys.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss, fold_flat_loss_keys, policy_loss_named
 from rlsys.errors import UserError
-
-
-class _Section(BaseModel):
-    # allow_inf_nan=False: no float setting of a run means anything at inf or NaN (lr, temperature,
-    # coefficients, timeouts: "no limit" is spelled null where a field allows it).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_a_number(cls, value, info: ValidationInfo):
-        # Pydantic's lax mode reads true/false as 1/0 (trainer.total_steps=true would run 1 step).
-        # Strict mode would refuse them, but also "1e-5", which YAML leaves a string.
-        if _bool_where_number(cls.model_fields[info.field_name].annotation, value):
-            shown = yaml.safe_dump(value, default_flow_style=True).splitlines()[0]  # as YAML spells it
-            raise ValueError(f"expects a number, not true/false (got {shown})")
-        return value
-
-
-def _bool_where_number(annotation, value) -> bool:
-    """Whether `value` holds a bool where `annotation` wants an int or a float (also inside
-    lists, tuples, dicts and unions)."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return not any(_accepts(arg, value) for arg in args) and any(_bool_where_number(a, value) for a in args)
-    if isinstance(value, bool):
-        if origin is Literal:
-            return not any(arg is value for arg in args) and any(type(arg) in (int, float) for arg in args)
-        return annotation in (int, float)
-    if origin in (list, tuple) and isinstance(value, (list, tuple)) and args:
-        return any(_bool_where_number(args[0] if origin is list or args[-1] is Ellipsis else args[min(i, len(args) - 1)],
-                                      item) for i, item in enumerate(value))
-    if origin is dict and isinstance(value, dict) and len(args) == 2:
-        return any(_bool_where_number(args[1], item) for item in value.values())
-    return False
-
-
-def _accepts(annotation, value) -> bool:
-    """A union member that takes a bool as it is (a bool field, or a Literal of True/False)."""
-    return isinstance(value, bool) and (annotation is bool or (
-        typing.get_origin(annotation) is Literal and any(arg is value for arg in typing.get_args(annotation))))
+from rlsys.section import Section as _Section
 
 
 class LoraConfig(_Section):
@@ -478,12 +438,11 @@ class TISConfig(_Section):
 
 class AlgorithmConfig(_Section):
     name: Literal["grpo"] = Field("grpo", description="The algorithm (GRPO only).")
-    policy_loss: Literal["grpo", "gspo", "luspo", "cispo", "sapo", "vespo"] = Field(
-        "grpo", description="Per-token policy loss (rlsys/algorithms/losses.py, as TRL 1.16 computes each): grpo "
-        "(PPO clip of each token's ratio); gspo (PPO clip of one ratio per sequence, the geometric mean of its "
-        "token ratios); luspo (gspo's loss with seq-mean-token-sum); cispo (-sg(min(r, cispo_max_ratio)) * A * "
-        "log p); sapo (a soft gate, sapo_temperature_*, instead of the clip); vespo (-sg(phi(w)) * A * log p, "
-        "phi a gamma weight of the sequence ratio w, vespo_*).",
+    policy_loss: SerializeAsAny[PolicyLoss] = Field(
+        default_factory=lambda: policy_loss_named("grpo"),
+        description="The per-token policy loss: its name (grpo, the default), or a section of its name and its "
+        "parameters ({name: cispo, max_ratio: 3.0}); each loss is a module of rlsys/algorithms/policy_losses/, "
+        "computed as TRL 1.16 computes it. The losses and their parameters: the section below.",
     )
     clip_eps_low: float = Field(0.2, ge=0.0, description="PPO clip: the ratio is kept above 1 - clip_eps_low.")
     clip_eps_high: float = Field(
@@ -501,24 +460,13 @@ class AlgorithmConfig(_Section):
                     | None) = Field(
         None, description="How token losses add up to a mini-batch's loss: mean over all tokens; mean over "
         "sequences of each sequence's token mean; mean over sequences of token sums (LUSPO); or mean over sequences "
-        "of token sums / loss_norm_tokens (Dr. GRPO). Unset: the policy loss's own (token-mean for grpo, cispo and "
-        "vespo; seq-mean-token-mean for gspo and sapo; seq-mean-token-sum for luspo), resolved at load.",
+        "of token sums / loss_norm_tokens (Dr. GRPO). Unset: the policy loss's own (the table of policy losses), "
+        "resolved at load.",
     )
     loss_norm_tokens: int | None = Field(
         None, ge=1, description="The constant of seq-mean-token-sum-norm; default rollout.max_new_tokens "
         "(resolved at load).",
     )
-    cispo_max_ratio: float = Field(
-        5.0, gt=0.0, description="cispo: the cap on the detached importance weight (TRL's epsilon_high for cispo; "
-        "ScaleRL's 5.0).",
-    )
-    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="sapo: the gate's temperature where A > 0.")
-    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="sapo: the gate's temperature where A <= 0.")
-    vespo_k_pos: float = Field(2.0, ge=0.0, description="vespo: phi's power k where A >= 0 (down-weights w < 1).")
-    vespo_lambda_pos: float = Field(3.0, gt=0.0, description="vespo: phi's decay lambda where A >= 0 (down-weights "
-                                    "w > 1).")
-    vespo_k_neg: float = Field(3.0, ge=0.0, description="vespo: phi's power k where A < 0.")
-    vespo_lambda_neg: float = Field(2.0, gt=0.0, description="vespo: phi's decay lambda where A < 0.")
     use_kl_loss: bool = Field(False, description="KL to the frozen reference as a loss term.")
     kl_in_reward: bool = Field(False, description="Subtract kl_coef * sequence KL from the reward instead.")
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL term (needed > 0 when KL is on).")
@@ -544,9 +492,16 @@ class AlgorithmConfig(_Section):
     )
     tis: TISConfig = Field(default_factory=TISConfig, description="Truncated importance sampling.")
 
+    @field_validator("policy_loss", mode="before")
+    @classmethod
+    def _named_loss(cls, value):
+        return policy_loss_named(value)
+
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, values):
+        if isinstance(values, dict):
+            values = fold_flat_loss_keys(values)
         if isinstance(values, dict) and "normalize_adv_by_std" in values:
             raise ValueError("normalize_adv_by_std was replaced by advantage_estimator: true -> "
                              "advantage_estimator: group, false -> advantage_estimator: none")
@@ -569,7 +524,7 @@ class AlgorithmConfig(_Section):
     @property
     def aggregation(self) -> str:
         """loss_agg_mode, or when unset the policy loss's own (TRL's pairing)."""
-        return self.loss_agg_mode or _OWN_AGGREGATION[self.policy_loss]
+        return self.loss_agg_mode or self.policy_loss.aggregation
 
     def resolved(self, max_new_tokens: int, off_policy: bool) -> AlgorithmConfig:
         """This section with its defaults that depend on the rollout filled in (what set is kept):
@@ -581,25 +536,8 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _policy_loss_fits(self):
-        own = _OWN_AGGREGATION[self.policy_loss]
-        if self.policy_loss in ("gspo", "luspo") and self.aggregation != own:
-            # One ratio per sequence: a token-weighted aggregation counts it once per token, so a
-            # sequence weighs by its length (TRL warns the same); luspo is exactly gspo + token sums.
-            raise ValueError(
-                f"policy_loss {self.policy_loss} has one ratio per sequence and takes loss_agg_mode {own} "
-                f"(got {self.loss_agg_mode}: it would weigh each sequence by its length"
-                + ("; gspo with token sums is policy_loss luspo" if self.policy_loss == "gspo" else "")
-                + f"); set loss_agg_mode: {own} or leave it unset")
-        if self.policy_loss == "vespo" and self.tis.level == "sequence":
-            raise ValueError("policy_loss vespo folds the TIS weights into its sequence weight token by token; "
-                             "set tis.level: token")
+        self.policy_loss.check(self)
         return self
-
-
-# The aggregation each policy loss has in TRL 1.16 (loss_type grpo/sapo: per-sequence mean, i.e.
-# seq-mean-token-mean; dapo/cispo/vespo: tokens of the batch; luspo: per-sequence sums).
-_OWN_AGGREGATION = {"grpo": "token-mean", "gspo": "seq-mean-token-mean", "luspo": "seq-mean-token-sum",
-                    "cispo": "token-mean", "sapo": "seq-mean-token-mean", "vespo": "token-mean"}
 
 
 class CheckpointConfig(_Section):
@@ -812,17 +750,18 @@ class ProfileConfig(_Section):
 
 def check_context_parallel(trainer: TrainerConfig, algorithm: AlgorithmConfig) -> None:
     """What context parallelism cannot do yet, refused before anything starts: each CP rank holds
-    two chunks of a sequence, so a per-sequence sum (GSPO's and LUSPO's sequence ratio, VESPO's
-    weight, sequence-level TIS) would need one more collective inside the loss."""
+    two chunks of a sequence, so a per-sequence sum (a loss's `whole_sequence`, as gspo's sequence
+    ratio, or sequence-level TIS) would need one more collective inside the loss."""
     if trainer.context_parallel_size == 1:
         return
     if not trainer.packing:
         raise ValueError("trainer.context_parallel_size > 1 needs trainer.packing=true (each rank holds chunks of "
                          "packed sequences)")
-    if algorithm.policy_loss in ("gspo", "luspo", "vespo"):
-        raise ValueError(f"algorithm.policy_loss={algorithm.policy_loss} takes a sum over each whole sequence, which "
-                         "trainer.context_parallel_size > 1 splits over ranks: not supported yet; use a token-level "
-                         "loss (grpo, cispo or sapo) or context_parallel_size=1")
+    if algorithm.policy_loss.whole_sequence:
+        token_level = [name for name, loss in POLICY_LOSSES.items() if not loss.whole_sequence]
+        raise ValueError(f"algorithm.policy_loss={algorithm.policy_loss.name} takes a sum over each whole sequence, "
+                         "which trainer.context_parallel_size > 1 splits over ranks: not supported yet; use a "
+                         f"token-level loss ({', '.join(token_level)}) or context_parallel_size=1")
     if algorithm.tis.level == "sequence":
         raise ValueError("algorithm.tis.level=sequence takes a product over each whole sequence, which "
                          "trainer.context_parallel_size > 1 splits over ranks: not supported yet; use tis.level=token")
@@ -925,6 +864,8 @@ def apply_override(tree: dict, dotted: str) -> None:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+        if isinstance(child, str) and part == "policy_loss":  # `policy_loss: cispo` is {name: cispo}
+            child = node[part] = {"name": child}
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted!r}: {part} is a value, not a section")
         node = child

@@ -5,7 +5,8 @@
     shaping.py     reward shaping and sample filtering: overlong penalty, KL in reward, dynamic
                    sampling, truncation mask
     advantages.py  ADVANTAGE_ESTIMATORS (algorithm.advantage_estimator)
-    losses.py      POLICY_LOSSES (algorithm.policy_loss), LOSS_AGGREGATIONS (algorithm.loss_agg_mode) and
+    policy_losses/ one module per policy loss (algorithm.policy_loss), registered by name
+    losses.py      LOSS_AGGREGATIONS (algorithm.loss_agg_mode) and
                    `micro_batch_loss`: policy loss, TIS, KL loss, entropy bonus
     grpo.py        the pure math they are built from
 """

@@ -1,14 +1,13 @@
-"""GRPO's pure math: the PPO-clipped token loss and its alternatives (CISPO, SAPO, VESPO's
-weights, per-sequence reductions for GSPO), KL estimators, truncated importance weights and
-DAPO's overlong penalty, as functions of tensors and numbers (no config, no records).
+"""GRPO's pure math: the PPO-clipped token loss, per-sequence reductions, KL estimators, truncated
+importance weights and DAPO's overlong penalty, as functions of tensors and numbers (no config, no
+records). The other policy losses are in policy_losses/, one module each.
 
 Shapes: per-token tensors are [batch, tokens] with a 0/1 `mask` marking response tokens. The
-registries that pick among them by config name are advantages.py and losses.py.
+registries that pick among them by config name are advantages.py, losses.py and policy_losses/.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -67,8 +66,8 @@ class PolicyLossTerms:
 
     loss: torch.Tensor
     clipped: torch.Tensor  # 1.0 where the clipped branch of the objective was taken
-    tis_applied: bool = False  # the loss used the TIS weights itself (VESPO): the caller must not multiply
-    weight: torch.Tensor | None = None  # the loss's own per-token weight, for its metric (VESPO's phi)
+    tis_applied: bool = False  # the loss used the TIS weights itself: the caller must not multiply them in
+    weight: torch.Tensor | None = None  # the loss's own per-token weight, for its metrics (PolicyLoss.weight_metrics)
 
 
 # L = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high)),  r = exp(log p - log p_old)
@@ -101,42 +100,6 @@ def sequence_reduce(values: torch.Tensor, mask: torch.Tensor, spans: list[tuple[
         total = (values[row, first:end] * m).sum()
         out[row, first:end] = total / m.sum().clamp(min=1.0) if mean else total
     return out
-
-
-# CISPO: L = -sg(min(r, max_ratio)) * A * log p,  r = exp(log p - log p_old)
-def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-               max_ratio: float) -> PolicyLossTerms:
-    """The IS weight is capped and detached: its gradient is min(r, max_ratio) * A * grad log p,
-    so a capped token still trains (PPO's clip would zero it). clipped: r > max_ratio and A > 0."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    weight = torch.clamp(ratio, max=max_ratio).detach()
-    return PolicyLossTerms(loss=-weight * advantages * logprobs,
-                           clipped=((ratio > max_ratio) & (advantages > 0)).float())
-
-
-# SAPO: L = -A * (4 / tau) * sigmoid(tau * (r - 1)),  tau = tau_pos if A > 0 else tau_neg
-def sapo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-              temperature_pos: float, temperature_neg: float) -> PolicyLossTerms:
-    """A soft gate instead of the clip: its gradient at r is A * sech^2(tau (r - 1) / 2) * r * grad log p,
-    1 at r = 1, fading smoothly off-policy. Never clipped."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    tau = torch.where(advantages > 0, temperature_pos, temperature_neg)
-    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
-    return PolicyLossTerms(loss=-gate * advantages, clipped=torch.zeros_like(ratio))
-
-
-# VESPO: phi(w) = exp(lam + k * log w - lam * w) with w the sequence's ratio prod_t r_t;
-# (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg); phi(1) = 1.
-@torch.no_grad()
-def vespo_weights(log_ratio_sum: torch.Tensor, advantages: torch.Tensor, k_pos: float, lambda_pos: float,
-                  k_neg: float, lambda_neg: float) -> torch.Tensor:
-    """log_ratio_sum [B, T]: log w of each token's sequence (already clamped per token) -> phi [B, T],
-    detached. log w is clamped to [log 1e-8, 20] and a non-finite phi is 0, as TRL does."""
-    log_w = torch.clamp(log_ratio_sum, math.log(1e-8), 20.0)
-    nonneg = advantages >= 0
-    k = torch.where(nonneg, k_pos, k_neg)
-    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,15 @@
-"""The per-micro-batch loss and its parts, registered by name: policy losses (algorithm.policy_loss)
-and loss aggregations (algorithm.loss_agg_mode; unset: the policy loss's own, `aggregation`). The
-trainer calls `micro_batch_loss` and nothing else of the objective; TrainerGroup calls
-`sequence_loss_weights` for each global mini-batch.
+"""The per-micro-batch loss and its parts: the policy loss (algorithm.policy_loss, one module each
+in policy_losses/) and the loss aggregations, registered by name (algorithm.loss_agg_mode; unset:
+the policy loss's own). The trainer calls `micro_batch_loss` and nothing else of the objective;
+TrainerGroup calls `sequence_loss_weights` for each global mini-batch.
 
 Shapes: per-token tensors are [B, T-1], B rows of a micro-batch (one when packed), position t
-predicting token t + 1 (actors/batching.py `MicroBatch`). Adding a policy loss or an aggregation:
-a function here and its registry entry (and its name in the config's Literal).
+predicting token t + 1 (actors/batching.py `MicroBatch`). Adding an aggregation: a function here,
+its registry entry and its name in the config's Literal; adding a policy loss: policy_losses/.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,77 +18,15 @@ import torch
 
 from rlsys.algorithms.grpo import (
     ImportanceWeights,
-    PolicyLossTerms,
-    cispo_loss,
-    clipped_policy_loss,
     kl_estimate,
     masked_sum,
-    sapo_loss,
     sequence_reduce,
     truncated_importance_weights,
-    vespo_weights,
 )
 from rlsys.config import AlgorithmConfig
 
 if TYPE_CHECKING:  # the trainer's layout of a micro-batch; only its tensors are read here
     from rlsys.actors.batching import MicroBatch
-
-
-# Each policy loss: (log p, log p_old [B, T], the micro-batch (advantages, response_mask, spans),
-# algorithm, TIS weights or None) -> per-token loss and flags. A loss that sets `tis_applied`
-# has used the TIS weights itself; otherwise micro_batch_loss multiplies them in. Each matches
-# TRL 1.16's GRPOTrainer._compute_loss for its loss_type (named below), before aggregation.
-
-# L = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high)),  r = exp(log p - log p_old)
-# (TRL: loss_type="grpo"/"dapo"/..., importance_sampling_level="token", delta=None)
-def grpo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: MicroBatch,
-                     algorithm: AlgorithmConfig, tis: ImportanceWeights | None) -> PolicyLossTerms:
-    """logprobs, old_logprobs [B, T] -> per-token loss and clip flags [B, T]."""
-    return clipped_policy_loss(logprobs, old_logprobs, batch.advantages, algorithm.clip_eps_low,
-                               algorithm.clip_eps_high)
-
-
-# L = max(-A * s_i, -A * clip(s_i, 1 - eps_low, 1 + eps_high)),  s_i = exp(mean_t (log p - log p_old)) over i
-# (TRL: importance_sampling_level="sequence" with loss_type="grpo" (GSPO) or "luspo")
-def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: MicroBatch,
-                     algorithm: AlgorithmConfig, tis: ImportanceWeights | None) -> PolicyLossTerms:
-    """One ratio per sequence, the geometric mean of its token ratios over its loss tokens, on
-    each of its tokens; a clipped sequence has every token flagged."""
-    log_s = sequence_reduce(logprobs - old_logprobs, batch.response_mask, batch.spans, mean=True)
-    return clipped_policy_loss(log_s, torch.zeros_like(log_s), batch.advantages, algorithm.clip_eps_low,
-                               algorithm.clip_eps_high)
-
-
-# L = -sg(min(r, cispo_max_ratio)) * A * log p   (TRL: loss_type="cispo", epsilon_high the cap)
-def cispo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: MicroBatch,
-                      algorithm: AlgorithmConfig, tis: ImportanceWeights | None) -> PolicyLossTerms:
-    return cispo_loss(logprobs, old_logprobs, batch.advantages, algorithm.cispo_max_ratio)
-
-
-# L = -A * (4 / tau) * sigmoid(tau * (r - 1)), tau by the sign of A   (TRL: loss_type="sapo")
-def sapo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: MicroBatch,
-                     algorithm: AlgorithmConfig, tis: ImportanceWeights | None) -> PolicyLossTerms:
-    return sapo_loss(logprobs, old_logprobs, batch.advantages, algorithm.sapo_temperature_pos,
-                     algorithm.sapo_temperature_neg)
-
-
-# L = -sg(phi(w_i)) * A * log p,  log w_i = sum_t clamp(log r_t, -20, 20) [+ sum_t clamp(log tis_t, log 1e-8, 20)]
-# (TRL: loss_type="vespo", get_gamma_weights; the TIS weights go into w_i instead of multiplying L)
-def vespo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: MicroBatch,
-                      algorithm: AlgorithmConfig, tis: ImportanceWeights | None) -> PolicyLossTerms:
-    mask = batch.response_mask
-    log_ratio = torch.clamp(logprobs.detach() - old_logprobs, -20.0, 20.0)
-    if tis is not None:
-        log_ratio = log_ratio + torch.clamp(torch.log(tis.weights), math.log(1e-8), 20.0)
-    log_w = sequence_reduce(log_ratio, mask, batch.spans, mean=False)
-    phi = vespo_weights(log_w, batch.advantages, algorithm.vespo_k_pos, algorithm.vespo_lambda_pos,
-                        algorithm.vespo_k_neg, algorithm.vespo_lambda_neg)
-    return PolicyLossTerms(loss=-phi * batch.advantages * logprobs, clipped=torch.zeros_like(phi),
-                           tis_applied=True, weight=phi)
-
-
-# Losses with one ratio per sequence: their clip fraction is also logged per sequence.
-SEQUENCE_RATIO_LOSSES = ("gspo", "luspo")
 
 
 def flagged_sequences(flags: torch.Tensor, mask: torch.Tensor, spans: list[tuple[int, int, int]]) -> tuple[int, int]:
@@ -101,18 +38,6 @@ def flagged_sequences(flags: torch.Tensor, mask: torch.Tensor, spans: list[tuple
     tokens = sequence_reduce(mask, mask, spans, mean=False)[at]
     flagged = sequence_reduce(flags, mask, spans, mean=False)[at]
     return int((tokens > 0).sum()), int(((flagged > 0) & (tokens > 0)).sum())
-
-
-PolicyLoss = Callable[[torch.Tensor, torch.Tensor, "MicroBatch", AlgorithmConfig, "ImportanceWeights | None"],
-                      PolicyLossTerms]
-POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "grpo": grpo_policy_loss,
-    "gspo": gspo_policy_loss,
-    "luspo": gspo_policy_loss,  # GSPO's loss; what differs is its aggregation (seq-mean-token-sum)
-    "cispo": cispo_policy_loss,
-    "sapo": sapo_policy_loss,
-    "vespo": vespo_policy_loss,
-}
 
 
 # How a mini-batch's token losses l_it add up to its loss: sum_i w_i * sum_t l_it, over the loss
@@ -172,7 +97,7 @@ class MicroBatchLoss:
     kl: torch.Tensor  # [B, T] per-token KL estimate (0 without a reference)
     clipped: torch.Tensor  # [B, T] 1.0 where the policy loss took its clipped branch
     tis: ImportanceWeights | None
-    weight: torch.Tensor | None = None  # [B, T] the policy loss's own per-token weight (VESPO's phi)
+    weight: torch.Tensor | None = None  # [B, T] the policy loss's own per-token weight, if it has one
 
 
 # L = sum_t w_t * (policy_loss_t * tis_t + kl_coef * KL_t - entropy_coef * H_t)
@@ -189,7 +114,7 @@ def micro_batch_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch: Micro
     if tis:  # the samples came from the engine's distribution, not the trainer's
         weights = truncated_importance_weights(old_logprobs, batch.engine_logprobs, batch.engine_mask,
                                                algorithm.tis.cap, algorithm.tis.level, batch.spans)
-    terms = POLICY_LOSSES[algorithm.policy_loss](logprobs, old_logprobs, batch, algorithm, weights)
+    terms = algorithm.policy_loss.terms(logprobs, old_logprobs, batch, algorithm, weights)
     token_loss = terms.loss
     if weights is not None and not terms.tis_applied:
         token_loss = token_loss * weights.weights

@@ -16,6 +16,7 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from rlsys.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss
 from rlsys.config import RunConfig
 
 COMMAND = "python -m rlsys.tools.config_reference > docs/configuration.md"
@@ -113,7 +114,7 @@ def _sections(model: type[BaseModel], prefix: str, description: str):
     yield prefix, model, description
     for name, info in model.model_fields.items():
         nested = _section_model(info.annotation)
-        if nested is not None:
+        if nested is not None and not issubclass(nested, PolicyLoss):  # those: _policy_losses
             dotted = (f"{prefix}.{name}" if prefix else name) + ("[]" if _is_list(info.annotation) else "")
             yield from _sections(nested, dotted, info.description or "")
 
@@ -127,6 +128,11 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
                              "Field(description=...) in rlsys/config.py")
         kind = type_name(info.annotation)
         nested = _section_model(info.annotation)
+        if nested is not None and issubclass(nested, PolicyLoss):  # a loss's name, or its section
+            kind = " | ".join(POLICY_LOSSES) + " | section"
+            description = f"{info.description} See [`{dotted}`](#{dotted.replace('.', '')})."
+            lines.append(f"| `{name}` | {_code(kind)} | {_code(info.default_factory().name)} | {_cell(description)} |")
+            continue
         if nested is not None:
             if _is_list(info.annotation):
                 kind, dotted = "list[section]", dotted + "[]"
@@ -143,6 +149,19 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
     return lines
 
 
+def _policy_losses(prefix: str) -> list[str]:
+    """Each registered policy loss (rlsys/algorithms/policy_losses/): what it computes, and the table
+    of its parameters when it has any."""
+    out = [f"## `{prefix}`", "",
+           f"`{prefix}: NAME` takes the loss's defaults; `{prefix}: {{name: NAME, PARAMETER: VALUE}}` sets its "
+           f"parameters (on the command line: `{prefix}.PARAMETER=VALUE`).", ""]
+    for name, loss in sorted(POLICY_LOSSES.items(), key=lambda item: item[0] != "grpo"):  # the default first
+        out.extend([f"### `{name}`", "", _cell(loss.summary) + ".", ""])
+        if len(loss.model_fields) > 1:  # `name` and its parameters
+            out.extend(_table(loss, prefix) + [""])
+    return out
+
+
 def render() -> str:
     out = [INTRO]
     for dotted, model, description in _sections(RunConfig, "", ""):
@@ -154,6 +173,9 @@ def render() -> str:
             out.extend([" ".join(paragraph.split()) + "\n" for paragraph in note.split("\n\n")])
         out.extend(_table(model, dotted))
         out.append("")
+        for name, info in model.model_fields.items():
+            if (nested := _section_model(info.annotation)) is not None and issubclass(nested, PolicyLoss):
+                out.extend(_policy_losses(f"{dotted}.{name}"))
     return "\n".join(out)
 
 

@@ -290,7 +290,8 @@ def test_derived_settings_are_resolved_once_after_loading_and_dumped_with_the_co
 def test_every_policy_loss_is_accepted_with_its_own_aggregation(tmp_path, tiny_model_dir, policy_loss):
     config = load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), [f"algorithm.policy_loss={policy_loss}"])
     # unset, resolved to the loss's own
-    assert config.algorithm.policy_loss == policy_loss and config.algorithm.loss_agg_mode == config.algorithm.aggregation
+    algorithm = config.algorithm
+    assert algorithm.policy_loss.name == policy_loss and algorithm.loss_agg_mode == algorithm.aggregation
 
 
 @pytest.mark.parametrize(("policy_loss", "mode", "own"), [

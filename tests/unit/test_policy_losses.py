@@ -84,7 +84,7 @@ def test_luspo_is_gspo_with_each_sequence_summed_over_its_tokens(packed):
 
 def test_cispo_caps_a_detached_weight_so_capped_tokens_still_train():
     # L = -sg(min(r, 1.2)) * A * log p; log p = -1 + log r. Token-mean: w = 1/6.
-    objective, grads, clipped, _, _ = run(AlgorithmConfig(policy_loss="cispo", cispo_max_ratio=1.2))
+    objective, grads, clipped, _, _ = run(AlgorithmConfig(policy_loss={"name": "cispo", "max_ratio": 1.2}))
     r2 = [math.exp(x) for x in LOG_RATIOS[1]]
     logp = [[OLD + x for x in seq] for seq in LOG_RATIOS]
     token_losses = [-1.2 * logp[0][0], -1.2 * logp[0][1], -1.0 * logp[0][2]]
@@ -175,8 +175,9 @@ def test_gspo_logs_its_clip_fraction_per_sequence(packed):
     _, _, _, loss, batch = run(AlgorithmConfig(policy_loss="gspo"), packed=packed)
     assert flagged_sequences(loss.clipped, batch.response_mask, batch.spans) == (2, 1)
     sums = LossSums(clipped=3.0, tokens=6.0, sequences=2.0, clipped_sequences=1.0)
-    assert sums.metrics(with_tis=False, policy_loss="gspo")["seq_clip_fraction"] == 0.5
-    assert "seq_clip_fraction" not in sums.metrics(with_tis=False)  # grpo: per token only
+    assert sums.metrics(with_tis=False, policy_loss=AlgorithmConfig(policy_loss="gspo").policy_loss)[
+        "seq_clip_fraction"] == 0.5
+    assert "seq_clip_fraction" not in sums.metrics(with_tis=False, policy_loss=AlgorithmConfig().policy_loss)  # per token
     no_loss = batch.response_mask.clone()
     row, first, end = batch.spans[0]
     no_loss[row, first:end] = 0.0  # e.g. a truncated response with mask_truncated
@@ -185,7 +186,8 @@ def test_gspo_logs_its_clip_fraction_per_sequence(packed):
 
 def test_vespo_logs_the_mean_phi_over_loss_tokens():
     sums = LossSums(policy_weight=3.0, tokens=6.0)
-    assert sums.metrics(with_tis=False, policy_loss="vespo")["vespo_phi_mean"] == 0.5
+    assert sums.metrics(with_tis=False, policy_loss=AlgorithmConfig(policy_loss="vespo").policy_loss)[
+        "vespo_phi_mean"] == 0.5
 
 
 def test_the_entropy_bonus_is_aggregated_like_the_policy_loss():
@@ -207,3 +209,91 @@ def test_the_entropy_bonus_is_aggregated_like_the_policy_loss():
     loss.objective.backward()
     grads = [g for row, first, end in batch.spans for g in entropy.grad[row, first:end].tolist()]
     assert grads == pytest.approx([-0.1 / 4] * 2 + [-0.1 / 8] * 4)  # TRL's token mean: -0.1 / 6 on every token
+
+
+def test_a_loss_added_as_one_class_runs_through_config_trainer_metrics_and_docs(tmp_path, tiny_model_dir):
+    """A new policy loss is one class and its registration: the config reads it and its parameter,
+    resolves its own aggregation and writes it to config.yaml; a trainer rank trains on it and logs
+    its metric; the configuration reference lists it. Nothing else is edited."""
+    import socket
+    from typing import Literal
+
+    from pydantic import Field
+
+    from rlsys.actors.trainer import TrainerSpec, TrainerWorker
+    from rlsys.algorithms.grpo import PolicyLossTerms
+    from rlsys.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss, register_policy_loss
+    from rlsys.config import dump_config, load_config
+    from rlsys.tools.config_reference import render
+    from tests.helpers import write_config
+
+    @register_policy_loss
+    class Toy(PolicyLoss):
+        name: Literal["toy"] = Field("toy", description="The loss.")
+        scale: float = Field(1.0, gt=0.0, description="What multiplies the policy gradient.")
+        summary = "-scale A log p"
+        aggregation = "seq-mean-token-mean"
+
+        def terms(self, logprobs, old_logprobs, batch, algorithm, tis):
+            return PolicyLossTerms(loss=-self.scale * batch.advantages * logprobs, clipped=torch.zeros_like(logprobs),
+                                   weight=torch.full_like(logprobs, self.scale))
+
+        def weight_metrics(self, mean_weight):
+            return {"toy_scale_mean": mean_weight}
+
+    try:
+        config = load_config(write_config(tmp_path / "c.yaml", tiny_model_dir),
+                             ["algorithm.policy_loss=toy", "algorithm.policy_loss.scale=2.5", "trainer.num_ranks=1"])
+        assert isinstance(config.algorithm.policy_loss, Toy) and config.algorithm.policy_loss.scale == 2.5
+        assert config.algorithm.loss_agg_mode == "seq-mean-token-mean"  # its own, resolved at load
+        dump_config(config, tmp_path / "run-config.yaml")
+        assert load_config(tmp_path / "run-config.yaml").algorithm.policy_loss == config.algorithm.policy_loss
+        assert "### `toy`" in render() and "What multiplies the policy gradient." in render()
+
+        sequences = [TrainSequence([5, 6, 7, 8, 9], prompt_len=2, advantage=1.0),
+                     TrainSequence([5, 9, 8, 7, 6, 5, 4], prompt_len=3, advantage=-0.5)]
+        for sequence, weight in zip(sequences, sequence_loss_weights([3, 4], config.algorithm.aggregation), strict=True):
+            sequence.loss_weight = weight
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        worker = TrainerWorker(TrainerSpec.from_config(config, has_gpu=False), 0, 1)
+        worker.setup("127.0.0.1", port)
+        try:
+            logprobs = worker.compute_log_probs(sequences)  # before the step: what the loss sees
+            metrics = worker.train_step([sequences])
+        finally:
+            worker.shutdown()
+        # seq-mean-token-mean: each sequence's token mean of -2.5 * A * log p, averaged over the two
+        expected = sum(-2.5 * s.advantage * sum(lp) / len(lp) for s, lp in zip(sequences, logprobs, strict=True)) / 2
+        assert metrics["loss"] == pytest.approx(expected, rel=1e-5)
+        assert metrics["toy_scale_mean"] == pytest.approx(2.5)
+        assert "seq_clip_fraction" not in metrics and "vespo_phi_mean" not in metrics
+    finally:
+        POLICY_LOSSES.pop("toy")
+
+
+def test_the_flat_keys_of_earlier_versions_are_read_into_the_loss_with_a_deprecation_line(caplog):
+    with caplog.at_level("WARNING"):
+        cispo = AlgorithmConfig(policy_loss="cispo", cispo_max_ratio=1.5, sapo_temperature_pos=2.0)
+    assert cispo.policy_loss.max_ratio == 1.5
+    said = " ".join(record.getMessage() for record in caplog.records)
+    assert "algorithm.cispo_max_ratio is deprecated: write algorithm.policy_loss: {name: cispo, max_ratio: 1.5}" in said
+    assert "algorithm.sapo_temperature_pos is deprecated" in said and "(ignored: the policy loss is 'cispo')" in said
+    # the nested form wins where both are written
+    both = AlgorithmConfig(policy_loss={"name": "vespo", "k_pos": 1.0}, vespo_k_pos=4.0, vespo_k_neg=5.0)
+    assert (both.policy_loss.k_pos, both.policy_loss.k_neg) == (1.0, 5.0)
+
+
+def test_a_loss_named_in_yaml_takes_its_parameters_from_the_command_line(tmp_path, tiny_model_dir):
+    from rlsys.config import ConfigError, load_config
+    from tests.helpers import write_config
+
+    path = write_config(tmp_path / "c.yaml", tiny_model_dir, algorithm={"policy_loss": "cispo"})
+    assert load_config(path, ["algorithm.policy_loss.max_ratio=3"]).algorithm.policy_loss.max_ratio == 3.0
+    with pytest.raises(ConfigError, match="policy_loss.max_ratio"):
+        load_config(path, ["algorithm.policy_loss.max_ratio=-1"])
+    with pytest.raises(ConfigError, match="unknown policy loss 'ppo' .*one of .*grpo"):
+        load_config(path, ["algorithm.policy_loss=ppo"])
+    with pytest.raises(ConfigError, match="max_ratio"):  # a parameter of another loss
+        load_config(path, ["algorithm.policy_loss=sapo", "algorithm.policy_loss.max_ratio=3"])

@@ -1,0 +1,105 @@
+"""What a policy loss is (`PolicyLoss`), the registry of them by name, and the reading of
+`algorithm.policy_loss` from a config: a name (`cispo`), a section with its name and parameters
+(`{name: cispo, max_ratio: 3.0}`), or the flat keys of earlier versions (`cispo_max_ratio`).
+
+No torch here: config.py imports this to validate a config, and a loss imports torch only in
+`terms`, when a trainer computes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, ClassVar
+
+from pydantic import Field
+
+from rlsys.section import Section
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlsys.actors.batching import MicroBatch
+    from rlsys.algorithms.grpo import ImportanceWeights, PolicyLossTerms
+    from rlsys.config import AlgorithmConfig
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyLoss(Section):
+    """One policy loss: its parameters (the pydantic fields of a subclass), what it brings to the
+    rest of the run (class attributes) and its per-token computation (`terms`)."""
+
+    name: str = Field(description="The loss.")
+
+    summary: ClassVar[str] = ""  # one line for the configuration reference: the formula, whose method
+    aggregation: ClassVar[str] = "token-mean"  # its own loss_agg_mode (TRL 1.16's pairing), used when unset
+    one_ratio_per_sequence: ClassVar[bool] = False  # clips one ratio per sequence: seq_clip_fraction is logged
+    whole_sequence: ClassVar[bool] = False  # needs sums over whole sequences (context parallelism splits them)
+
+    def check(self, algorithm: AlgorithmConfig) -> None:
+        """Raise ValueError naming what to change when the rest of `algorithm` does not fit this loss."""
+
+    def terms(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: MicroBatch,
+              algorithm: AlgorithmConfig, tis: ImportanceWeights | None) -> PolicyLossTerms:
+        """log p, log p_old [B, T], the micro-batch (advantages, response_mask, spans), the algorithm
+        section and the TIS weights (None: off) -> per-token loss and clip flags [B, T]. A loss that
+        uses the TIS weights itself sets `tis_applied`; otherwise they multiply its loss."""
+        raise NotImplementedError
+
+    def weight_metrics(self, mean_weight: float) -> dict[str, float]:
+        """Metrics from the mean over loss tokens of the per-token `weight` its terms return, if any."""
+        return {}
+
+
+POLICY_LOSSES: dict[str, type[PolicyLoss]] = {}
+
+
+def register_policy_loss(cls: type[PolicyLoss]) -> type[PolicyLoss]:
+    """Class decorator: `cls` becomes `algorithm.policy_loss: NAME`, NAME the default of its `name`
+    field (a Literal of that one name)."""
+    name = cls.model_fields["name"].default
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__name__} needs `name: Literal[NAME] = NAME` to be registered")
+    if name in POLICY_LOSSES and POLICY_LOSSES[name] is not cls:
+        raise ValueError(f"policy loss {name!r} is registered twice ({POLICY_LOSSES[name].__name__}, {cls.__name__})")
+    POLICY_LOSSES[name] = cls
+    return cls
+
+
+def policy_loss_named(value: object) -> object:
+    """`algorithm.policy_loss` as written -> the registered loss's parameters (validated), or the
+    value unchanged for pydantic to refuse."""
+    if isinstance(value, PolicyLoss):
+        return value
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict):
+        return value
+    name = value.get("name")
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r} (one of {', '.join(POLICY_LOSSES)}); write "
+                         "policy_loss: NAME or policy_loss: {name: NAME, PARAMETER: VALUE}")
+    return POLICY_LOSSES[name].model_validate(value)
+
+
+def fold_flat_loss_keys(algorithm: dict) -> dict:
+    """An algorithm section with the flat per-loss keys of earlier versions (`cispo_max_ratio: 5.0`:
+    a loss's name, `_`, one of its parameters) -> the same with them inside `policy_loss`, each said
+    as deprecated. A key of a loss the section does not use is dropped, as it had no effect."""
+    flat = {key: (name, key[len(name) + 1:]) for key in algorithm for name, cls in POLICY_LOSSES.items()
+            if key.startswith(name + "_") and key[len(name) + 1:] in cls.model_fields}
+    if not flat:
+        return algorithm
+    chosen = algorithm.get("policy_loss", "grpo")
+    section = {"name": chosen} if isinstance(chosen, str) else dict(chosen) if isinstance(chosen, dict) else None
+    folded = {key: value for key, value in algorithm.items() if key not in flat}
+    for key, (name, parameter) in flat.items():
+        used = section is not None and section.get("name") == name
+        if used:
+            section.setdefault(parameter, algorithm[key])  # the nested form wins where both are written
+        logger.warning("algorithm.%s is deprecated: write algorithm.policy_loss: {name: %s, %s: %s}%s", key, name,
+                       parameter, algorithm[key], "" if used else
+                       f" (ignored: the policy loss is {section.get('name') if section else chosen!r})")
+    if section is not None:
+        folded["policy_loss"] = section
+    return folded
