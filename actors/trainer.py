@@ -57,16 +57,15 @@ from rlsys.config import (
     resolve_derived_settings,
 )
 from rlsys.records import TrainSequence
-from rlsys.rollout.sglang.client import SGLangClient, check_reachable
 from rlsys.system.backend import engine_dtype, make_backend
 from rlsys.system.node import bind_gloo_to_node_address, node_address
 from rlsys.system.reaper import start_actor_reaper, stop_reaper
 from rlsys.system.stacks import answer_stack_signal
 from rlsys.system.topology import Topology
-from rlsys.weight_sync.broadcast import BroadcastWeightSender
-from rlsys.weight_sync.colocated import ColocatedWeightSender, StagingBuffer
-from rlsys.weight_sync.shared_staging import SharedStaging, node_memory_identity
-from rlsys.weight_sync.sync import sync_weights
+from rlsys.weight_sync.colocated import StagingBuffer
+from rlsys.weight_sync.shared_staging import SharedStaging
+from rlsys.weight_sync.sync import SyncPlan, WeightTransport, sync_weights
+from rlsys.weight_sync.transports import connect_transport, shared_staging_for
 
 
 @dataclass(frozen=True)
@@ -185,7 +184,7 @@ class TrainerWorker:
         self.scheduler = None
         self.offloader = StateOffloader(pin_memory=self.backend.has_gpu)
         # Set by connect_engines: this rank's weight transport (None: it only joins the gathers).
-        self.transport: ColocatedWeightSender | BroadcastWeightSender | None = None
+        self.transport: WeightTransport | None = None
         self.gather_dst: int | None = None
         self.shared_staging: SharedStaging | None = None  # set by connect_engines
         self.gather_scratch = StagingBuffer(share_memory=False)  # ranks that only join all-gathers
@@ -539,50 +538,23 @@ class TrainerWorker:
 
     # ---- weights ------------------------------------------------------------------------
     def connect_engines(self, topology: Topology, timeout_s: float) -> None:
-        """Set up this rank's weight transport as the topology says: an IPC sender to the engine
-        it feeds (colocated), the broadcast group with every engine (rank 0, disaggregated), or
-        none (the rank only joins the gathers). Replaces any earlier transport."""
+        """Set up this rank's weight transport as the topology says (weight_sync/transports.py).
+        Collective (whether the ranks share staging buffers). Replaces any earlier transport."""
         self._close_transport()
         self.gather_dst = topology.gather_dst
-        self.shared_staging = self._shared_staging(topology)
-        me = f"trainer rank {self.rank} on node {node_address()}"
-        if topology.transport == "broadcast":
-            if self.rank == 0:
-                engines = [SGLangClient(address, timeout_s) for address in topology.engines]
-                for engine in engines:
-                    check_reachable(engine, me)
-                self.transport = BroadcastWeightSender(engines, self.backend, node_address(), timeout_s)
-                self.transport.connect()
-            return
-        index = topology.engine_fed_by(self.rank)
-        if index is not None:
-            engine = topology.engines[index]
-            client = SGLangClient(engine)
-            check_reachable(client, me)
-            self.transport = ColocatedWeightSender(client, engine.tp_size)
-
-    def _shared_staging(self, topology: Topology) -> SharedStaging | None:
-        """Whether this sync's shards are written straight into the feeding rank's staging buffers
-        (weight_sync/shared_staging.py): one colocated engine, a backend whose ranks share host
-        memory, and every rank in the same shared memory as that rank. Decided by every rank from
-        the same all-gathered facts (a collective), so all ranks take the same path."""
-        if (topology.transport != "ipc" or self.gather_dst is None or self.world_size < 2
-                or not self.backend.ranks_write_into_shared_staging):
-            return None
-        memories = [None] * self.world_size
-        dist.all_gather_object(memories, node_memory_identity(node_address()))
-        return SharedStaging() if len(set(memories)) == 1 else None
+        self.shared_staging = shared_staging_for(topology, self.world_size, self.backend)
+        self.transport = connect_transport(topology, self.rank, self.backend, timeout_s)
 
     @profiled_phase("sync_weights")
     def sync_weights(self, bucket_bytes: int, weight_version: int, pipelined: bool = True) -> dict:
         """Gather the weights bucket by bucket and hand them to this rank's transport. Collective."""
         named, merge = (merged_parameters(self.model) if self.spec.model.lora is not None
                         else (self.model.named_parameters(), None))
-        return sync_weights(named, bucket_bytes, self.transport, str(weight_version),
-                            self.backend, self.gather_scratch, self.gather_dst,
-                            engine_dtype=getattr(torch, engine_dtype(self.spec.has_gpu, self.spec.model.dtype)),
-                            pieces=self.checkpoint_pieces,
-                            materialize=merge, pipelined=pipelined, shared_staging=self.shared_staging).as_dict()
+        plan = SyncPlan(bucket_bytes, str(weight_version), pipelined=pipelined, gather_dst=self.gather_dst,
+                        engine_dtype=getattr(torch, engine_dtype(self.spec.has_gpu, self.spec.model.dtype)),
+                        pieces=self.checkpoint_pieces)
+        return sync_weights(named, plan, self.transport, self.backend, self.gather_scratch, materialize=merge,
+                            shared_staging=self.shared_staging).as_dict()
 
     def _close_transport(self) -> None:
         if self.transport is not None:

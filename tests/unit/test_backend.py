@@ -160,8 +160,8 @@ def _sync_dtype(spec, monkeypatch):
 
     seen = {}
 
-    def fake_sync_weights(named, *args, engine_dtype=None, **kwargs):
-        seen["engine_dtype"] = engine_dtype
+    def fake_sync_weights(named, plan, *args, **kwargs):
+        seen["engine_dtype"] = plan.engine_dtype
         return types.SimpleNamespace(as_dict=dict)
 
     monkeypatch.setattr(trainer_module, "sync_weights", fake_sync_weights)

@@ -253,10 +253,10 @@ class _RecordingEngine:
 def _sync(engine, bucket_bytes: int):
     from rlsys.system.backend import make_backend
     from rlsys.weight_sync.colocated import ColocatedWeightSender
-    from rlsys.weight_sync.sync import sync_weights
+    from rlsys.weight_sync.sync import SyncPlan, sync_weights
 
     params = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(3)]  # 64 bytes each
-    return sync_weights(params, bucket_bytes, ColocatedWeightSender(engine), "7", make_backend(False))
+    return sync_weights(params, SyncPlan(bucket_bytes, "7"), ColocatedWeightSender(engine), make_backend(False))
 
 
 def test_a_colocated_sync_is_begin_one_request_per_bucket_and_end():
@@ -300,13 +300,14 @@ def test_the_staging_buffers_hold_the_largest_tensor_whatever_the_bucket_size():
 def test_a_sync_allocates_the_staging_buffers_their_size_function_plans():
     from rlsys.system.backend import make_backend
     from rlsys.weight_sync.colocated import ColocatedWeightSender
-    from rlsys.weight_sync.sync import staging_buffer_bytes, sync_weights
+    from rlsys.weight_sync.sync import SyncPlan, staging_buffer_bytes, sync_weights
 
     params = [("small", torch.ones(3)), ("large", torch.ones(40, 5)), ("steps", torch.ones(2, dtype=torch.int64))]
     # buckets [small], [large], [steps]: 6, 400 and 16 bytes plus 16 of padding each
     for pipelined, expected in [(False, 400 + 16), (True, (400 + 16) + (16 + 16))]:
         sender = ColocatedWeightSender(_RecordingEngine())
-        sync_weights(params, 64, sender, "1", make_backend(False), engine_dtype=torch.bfloat16, pipelined=pipelined)
+        sync_weights(params, SyncPlan(64, "1", engine_dtype=torch.bfloat16, pipelined=pipelined), sender,
+                     make_backend(False))
         assert sender.staging_nbytes == expected == staging_buffer_bytes(params, 64, engine_dtype=torch.bfloat16,
                                                                          pipelined=pipelined)
         sender.release_staging_buffer()
@@ -339,7 +340,7 @@ class _SlowLoadingEngine(_RecordingEngine):
 def test_the_next_bucket_is_gathered_while_the_engine_loads_and_no_buffer_is_overwritten_while_read():
     from rlsys.system.backend import make_backend
     from rlsys.weight_sync.colocated import ColocatedWeightSender
-    from rlsys.weight_sync.sync import sync_weights
+    from rlsys.weight_sync.sync import SyncPlan, sync_weights
 
     params = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(6)]  # 64 bytes each: one bucket each
     gathered_at: dict[str, float] = {}
@@ -350,7 +351,7 @@ def test_the_next_bucket_is_gathered_while_the_engine_loads_and_no_buffer_is_ove
 
     engine = _SlowLoadingEngine(load_s=0.2)
     sender = ColocatedWeightSender(engine)
-    stats = sync_weights(params, 64, sender, "3", make_backend(False), materialize=materialize)
+    stats = sync_weights(params, SyncPlan(64, "3"), sender, make_backend(False), materialize=materialize)
     sender.close()
     assert [names for kind, names, _ in engine.calls if kind == "update"] == (
         [[f"w{i}"] for i in range(5)] + [["w5", END_OF_SYNC]])

@@ -23,7 +23,7 @@ from rlsys.system.backend import make_backend
 from rlsys.weight_sync import colocated
 from rlsys.weight_sync.colocated import DEVICE_ARG_INDEX, ColocatedWeightSender, serialize_named_tensors, with_device_uuid
 from rlsys.weight_sync.engine_loader import END_OF_SYNC, load_bucket, random_seed_entry
-from rlsys.weight_sync.sync import sync_weights
+from rlsys.weight_sync.sync import SyncPlan, sync_weights
 
 # ---------------------------------------------------------------- (a) a failed sync shares nothing it never handed over
 
@@ -77,7 +77,7 @@ def test_a_failed_sync_pickles_no_bucket_queued_behind_the_failure_and_frees_its
     params = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(3)]  # 64 bytes: one bucket each
     # Pipelined: buckets 0 and 1 are queued (slots 0 and 1) before the sync waits on bucket 0.
     with pytest.raises(RuntimeError, match="refused"):
-        sync_weights(params, 64, sender, "1", backend)
+        sync_weights(params, SyncPlan(64, "1"), sender, backend)
     # Only what the engine was really handed is pickled: after a refused begin nothing; after a
     # refused bucket 0, bucket 0 and the empty bucket that makes the loader let go of the buffers.
     assert pickled == handed_over
@@ -101,7 +101,7 @@ def test_a_bucket_handed_over_after_a_good_sync_is_pickled_once_per_tp_rank(monk
     engine = _OpeningEngine()
     sender = ColocatedWeightSender(engine, tp_size=2)
     params = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(2)]
-    sync_weights(params, 64, sender, "1", backend)
+    sync_weights(params, SyncPlan(64, "1"), sender, backend)
     assert pickled == [["w0"], ["w0"], ["w1", END_OF_SYNC], ["w1", END_OF_SYNC]]
     files = [_shm_path(sender.staging_buffer(slot, 1, torch.device("cpu"))) for slot in (0, 1)]
     sender.release_staging_buffer()

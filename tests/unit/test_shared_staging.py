@@ -68,7 +68,7 @@ def _scenario(rank: int, port: int, shm_dir: str, out: str) -> None:
     from rlsys.system.backend import make_backend
     from rlsys.weight_sync.colocated import ColocatedWeightSender
     from rlsys.weight_sync.shared_staging import SharedStaging
-    from rlsys.weight_sync.sync import sync_weights
+    from rlsys.weight_sync.sync import SyncPlan, sync_weights
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
@@ -82,8 +82,8 @@ def _scenario(rank: int, port: int, shm_dir: str, out: str) -> None:
             engine = _SlowEngine()
             sender = ColocatedWeightSender(engine) if rank == 0 else None
             shared = SharedStaging()
-            stats = sync_weights(params, 512, sender, "1", make_backend(False), gather_dst=0,
-                                 engine_dtype=engine_dtype, pipelined=pipelined, shared_staging=shared)
+            plan = SyncPlan(512, "1", engine_dtype=engine_dtype, pipelined=pipelined, gather_dst=0)
+            stats = sync_weights(params, plan, sender, make_backend(False), shared_staging=shared)
             key = f"{engine_dtype}-{pipelined}"
             results[key] = {"gathered_by": stats.gathered_by, "buckets": stats.buckets, "bytes": stats.bytes}
             if rank == 0:
