@@ -112,35 +112,7 @@ def build_micro_batch(
     else:
         rows = [[seq] for seq in sequences]
         width = max(len(s.token_ids) for s in sequences)
-    # Filled as numpy arrays and handed to torch once: a few torch ops per sequence (slice
-    # assignment, torch.tensor of a short list) cost microseconds each, which for hundreds of
-    # short sequences was a third of a small model's training step.
-    shape = (len(rows), width)
-    input_ids = np.full(shape, pad_id, dtype=np.int64)
-    position_ids = np.zeros(shape, dtype=np.int64)
-    attention_mask = np.zeros(shape, dtype=np.int64)
-    per_token = {name: np.zeros((len(rows), width - 1), dtype=np.float32)
-                 for name in ("mask", "weight", "adv", "engine", "engine_mask")}
-    positions = np.arange(max(len(s.token_ids) for s in sequences), dtype=np.int64)
-    spans = []
-    for row, row_sequences in enumerate(rows):
-        offset = 0
-        for seq in row_sequences:
-            length = len(seq.token_ids)
-            input_ids[row, offset:offset + length] = seq.token_ids
-            position_ids[row, offset:offset + length] = positions[:length]
-            attention_mask[row, offset:offset + length] = 1
-            first, end = offset + seq.prompt_len - 1, offset + length - 1
-            spans.append((row, first, end))
-            loss_mask = per_token["mask"][row, first:end]
-            loss_mask[:] = 1.0 if seq.loss_mask is None else seq.loss_mask
-            per_token["weight"][row, first:end] = loss_mask * np.float32(
-                1.0 if seq.loss_weight is None else seq.loss_weight)
-            per_token["adv"][row, first:end] = seq.advantage
-            if seq.engine_logprobs:
-                per_token["engine"][row, first:end] = seq.engine_logprobs
-                per_token["engine_mask"][row, first:end] = loss_mask
-            offset += length
+    input_ids, position_ids, attention_mask, per_token, spans = _laid_out(rows, width, pad_id)
     if is_dummy:
         for name in ("mask", "weight", "engine_mask"):
             per_token[name][:] = 0.0
@@ -167,6 +139,41 @@ def build_micro_batch(
         cu_seq_lens=None if cu_seq_lens is None else cu_seq_lens.to(device),
         max_length=max(lengths) if packed else None,
     )
+
+
+def _laid_out(rows: list[list[TrainSequence]], width: int, pad_id: int):
+    """The rows' sequences one after another in arrays `width` tokens wide: input ids, positions,
+    attention mask, the per-token arrays of MicroBatch by short name, and each sequence's span."""
+    # Filled as numpy arrays and handed to torch once: a few torch ops per sequence (slice
+    # assignment, torch.tensor of a short list) cost microseconds each, which for hundreds of
+    # short sequences was a third of a small model's training step.
+    shape = (len(rows), width)
+    input_ids = np.full(shape, pad_id, dtype=np.int64)
+    position_ids = np.zeros(shape, dtype=np.int64)
+    attention_mask = np.zeros(shape, dtype=np.int64)
+    per_token = {name: np.zeros((len(rows), width - 1), dtype=np.float32)
+                 for name in ("mask", "weight", "adv", "engine", "engine_mask")}
+    positions = np.arange(max(len(s.token_ids) for row in rows for s in row), dtype=np.int64)
+    spans = []
+    for row, row_sequences in enumerate(rows):
+        offset = 0
+        for seq in row_sequences:
+            length = len(seq.token_ids)
+            input_ids[row, offset:offset + length] = seq.token_ids
+            position_ids[row, offset:offset + length] = positions[:length]
+            attention_mask[row, offset:offset + length] = 1
+            first, end = offset + seq.prompt_len - 1, offset + length - 1
+            spans.append((row, first, end))
+            loss_mask = per_token["mask"][row, first:end]
+            loss_mask[:] = 1.0 if seq.loss_mask is None else seq.loss_mask
+            per_token["weight"][row, first:end] = loss_mask * np.float32(
+                1.0 if seq.loss_weight is None else seq.loss_weight)
+            per_token["adv"][row, first:end] = seq.advantage
+            if seq.engine_logprobs:
+                per_token["engine"][row, first:end] = seq.engine_logprobs
+                per_token["engine_mask"][row, first:end] = loss_mask
+            offset += length
+    return input_ids, position_ids, attention_mask, per_token, spans
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

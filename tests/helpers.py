@@ -19,10 +19,13 @@ def trainer_spec(model_dir: Path, *, dtype: str = "float32", lora=None, **fields
     goes to the config section that has the field (trainer: lr, packing, ...; algorithm:
     use_kl_loss, clip_eps_low, ...)."""
     from rlsys.actors.trainer import TrainerSpec
+    from rlsys.algorithms.policy_losses import POLICY_LOSSES
     from rlsys.config import AlgorithmConfig, ModelConfig, TrainerConfig
 
     trainer = {k: v for k, v in fields.items() if k in TrainerConfig.model_fields}
-    algorithm = {k: v for k, v in fields.items() if k in AlgorithmConfig.model_fields}
+    # and a policy loss's flat keys of earlier versions (cispo_max_ratio), which the section still reads
+    algorithm = {k: v for k, v in fields.items()
+                 if k in AlgorithmConfig.model_fields or k.split("_", 1)[0] in POLICY_LOSSES}
     unknown = fields.keys() - trainer.keys() - algorithm.keys()
     if unknown:
         raise TypeError(f"no trainer or algorithm field named {sorted(unknown)}")

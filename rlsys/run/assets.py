@@ -236,6 +236,46 @@ def _check_the_trainer_can_load(model_dir: Path, lora: LoraConfig | None = None)
 
 def load_assets(config: RunConfig) -> RunAssets:
     model_dir = Path(config.model.path)
+    _check_the_model(config, model_dir)
+    tokenizer_dir = Path(config.model.tokenizer_dir)
+    if not (tokenizer_dir / "tokenizer_config.json").is_file():
+        raise ConfigError(f"invalid config: no tokenizer in {tokenizer_dir} (no tokenizer_config.json); "
+                          "set model.tokenizer_path to the tokenizer's directory")
+    tokenizer = _load_tokenizer_checked(config, tokenizer_dir)
+    if config.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"invalid config: data.apply_chat_template is on but the tokenizer in {tokenizer_dir} "
+                          "has no chat template")
+    if config.reward.url is None:
+        load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
+    for eval_set in config.eval.datasets:
+        if eval_set.reward_function:
+            load_reward_function(eval_set.reward_function, f"eval.datasets[{eval_set.name}].reward_function")
+    splits = load_splits(config.data, config.seed)
+    budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
+    if budget < 1:
+        raise ConfigError(
+            "invalid config: rollout.max_new_tokens must be below rollout.engine.context_length"
+        )
+    train, too_long_train = _encode_fitting(config, tokenizer, splits.train, budget)
+    eval_, too_long_eval = _encode_fitting(config, tokenizer, splits.eval, budget)
+    eval_sets = [_eval_set_assets(config, tokenizer, eval_set) for eval_set in config.eval.datasets]
+    if not train:
+        raise ConfigError(
+            f"no training prompt fits in {budget} tokens (context_length - max_new_tokens)"
+        )
+    if config.eval.stop_at_reward is not None and not eval_:
+        raise ConfigError("invalid config: eval.stop_at_reward is set but the data has no eval prompt to reach it "
+                          "with (data.eval_fraction, data.eval_path or the synthetic task's num_eval)")
+    return RunAssets(
+        tokenizer=tokenizer, train=train, eval=eval_,
+        stop_token_ids=_stop_token_ids(config, tokenizer),
+        skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval, eval_sets=eval_sets,
+    )
+
+
+def _check_the_model(config: RunConfig, model_dir: Path) -> None:
+    """The model directory holds a config transformers builds, weight files the trainer reads, and
+    (Ulysses context parallelism) heads that split over the CP ranks; refused with a ConfigError."""
     if not (model_dir / "config.json").is_file():
         raise ConfigError(
             f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
@@ -257,58 +297,28 @@ def load_assets(config: RunConfig) -> RunAssets:
             "point it at a complete Hugging Face checkpoint"
         )
     _check_the_trainer_can_load(model_dir, config.model.lora)
-    tokenizer_dir = Path(config.model.tokenizer_dir)
-    if not (tokenizer_dir / "tokenizer_config.json").is_file():
-        raise ConfigError(f"invalid config: no tokenizer in {tokenizer_dir} (no tokenizer_config.json); "
-                          "set model.tokenizer_path to the tokenizer's directory")
-    tokenizer = _load_tokenizer_checked(config, tokenizer_dir)
-    if config.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"invalid config: data.apply_chat_template is on but the tokenizer in {tokenizer_dir} "
-                          "has no chat template")
-    if config.reward.url is None:
-        load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
-    for eval_set in config.eval.datasets:
-        if eval_set.reward_function:
-            load_reward_function(eval_set.reward_function, f"eval.datasets[{eval_set.name}].reward_function")
-    splits = load_splits(config.data, config.seed)
-    budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
-    if budget < 1:
-        raise ConfigError(
-            "invalid config: rollout.max_new_tokens must be below rollout.engine.context_length"
-        )
 
-    def encode_all(records: list[PromptRecord]) -> tuple[list[EncodedPrompt], int]:
-        data = config.data
-        encoded = [EncodedPrompt(r, _encode(tokenizer, r, data.apply_chat_template, data.system_prompt)) for r in records]
-        kept = [e for e in encoded if 0 < len(e.token_ids) <= budget]
-        return kept, len(encoded) - len(kept)
 
-    train, too_long_train = encode_all(splits.train)
-    eval_, too_long_eval = encode_all(splits.eval)
-    eval_sets = []
-    for eval_set in config.eval.datasets:
-        records, skipped = _read_eval_set(config, eval_set)
-        budget_set = config.rollout.engine.context_length - (eval_set.max_new_tokens or config.rollout.max_new_tokens)
-        encoded = [EncodedPrompt(r, _encode(tokenizer, r, config.data.apply_chat_template, config.data.system_prompt))
-                   for r in records]
-        kept = [e for e in encoded if 0 < len(e.token_ids) <= budget_set]
-        if not kept:
-            raise ConfigError(f"invalid config: eval set {eval_set.name!r} ({eval_set.path}): none of its "
-                              f"{len(records)} prompts fits in {budget_set} tokens (rollout.engine.context_length "
-                              "minus its max_new_tokens)")
-        eval_sets.append(EvalSetAssets(eval_set, kept, skipped, len(encoded) - len(kept)))
-    if not train:
-        raise ConfigError(
-            f"no training prompt fits in {budget} tokens (context_length - max_new_tokens)"
-        )
-    if config.eval.stop_at_reward is not None and not eval_:
-        raise ConfigError("invalid config: eval.stop_at_reward is set but the data has no eval prompt to reach it "
-                          "with (data.eval_fraction, data.eval_path or the synthetic task's num_eval)")
-    return RunAssets(
-        tokenizer=tokenizer, train=train, eval=eval_,
-        stop_token_ids=_stop_token_ids(config, tokenizer),
-        skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval, eval_sets=eval_sets,
-    )
+def _encode_fitting(config: RunConfig, tokenizer, records: list[PromptRecord],
+                    budget: int) -> tuple[list[EncodedPrompt], int]:
+    """The records encoded (chat template, system prompt), those of 1 to `budget` tokens kept; and
+    how many were not."""
+    data = config.data
+    encoded = [EncodedPrompt(r, _encode(tokenizer, r, data.apply_chat_template, data.system_prompt)) for r in records]
+    kept = [e for e in encoded if 0 < len(e.token_ids) <= budget]
+    return kept, len(encoded) - len(kept)
+
+
+def _eval_set_assets(config: RunConfig, tokenizer, eval_set: EvalSetConfig) -> EvalSetAssets:
+    """An eval set's prompts that fit with its own max_new_tokens; refused when none does."""
+    records, skipped = _read_eval_set(config, eval_set)
+    budget = config.rollout.engine.context_length - (eval_set.max_new_tokens or config.rollout.max_new_tokens)
+    kept, too_long = _encode_fitting(config, tokenizer, records, budget)
+    if not kept:
+        raise ConfigError(f"invalid config: eval set {eval_set.name!r} ({eval_set.path}): none of its "
+                          f"{len(records)} prompts fits in {budget} tokens (rollout.engine.context_length "
+                          "minus its max_new_tokens)")
+    return EvalSetAssets(eval_set, kept, skipped, too_long)
 
 
 def _read_eval_set(config: RunConfig, eval_set: EvalSetConfig) -> tuple[list[PromptRecord], int]:

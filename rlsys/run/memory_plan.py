@@ -141,14 +141,42 @@ def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, f
           gpus_per_node: int, longest: int) -> MemoryPlan:
     """The plan of `config` whose longest sequence is `longest` tokens."""
     t, ranks = config.trainer, config.trainer.num_ranks
-    compute = DTYPE_BYTES[config.model.dtype]
-    served = engine_dtype(on_gpu, config.model.dtype)  # bf16 on a GPU whatever model.dtype; the sync casts to it
-    engine_bytes = DTYPE_BYTES[served]
-    engine = config.rollout.engine
-    colocated = config.placement.mode == "colocated"
-    cp = t.context_parallel_size
-
     tokens = rank_tokens(config, longest)
+    terms = {**_trainer_terms(config, shape, on_gpu, flash_attention, tokens, longest),
+             **_engine_terms(config, shape, gpu_memory, on_gpu)}
+    kv_room, kv_tokens = terms.pop("kv_room"), terms.pop("kv_tokens")
+    members, train, sync = _phase_members(terms, config, on_gpu)
+    phases = {name: sum(terms[k] for k in names) for name, names in members.items()}
+    notes = []
+    per_gpu = max(phases.values())
+    fits = per_gpu <= gpu_memory and kv_room > 0
+    advice = ""
+    engine = config.rollout.engine
+    if kv_room <= 0:
+        advice = (f"engine_weights {terms['engine_weights'] / GiB:.1f} GiB exceed rollout.engine.mem_fraction_static "
+                  f"x GPU ({engine.mem_fraction_static} x {gpu_memory / GiB:.1f} GiB): {ADVICE['engine_weights']}")
+    elif not fits:
+        worst_phase = max(phases, key=phases.get)
+        largest = max(members[worst_phase], key=lambda name: terms[name])
+        advice = (f"{worst_phase} needs {phases[worst_phase] / GiB:.1f} GiB of {gpu_memory / GiB:.1f} GiB; "
+                  f"largest term {largest} {terms[largest] / GiB:.1f} GiB: {ADVICE[largest]}")
+    if kv_tokens and kv_tokens < config.rollout.max_new_tokens + 64:
+        notes.append(f"the KV cache holds only {kv_tokens} tokens")
+    host = host_terms(config, shape, on_gpu)
+    ranks_per_node = min(ranks, gpus_per_node) if on_gpu else ranks
+    return MemoryPlan(fits, per_gpu, gpu_memory, terms, phases, kv_tokens, config.placement.mode, advice, notes,
+                      host_terms=host, host_per_rank_bytes=sum(host.values()), ranks_per_node=ranks_per_node,
+                      host_per_node_bytes=ranks_per_node * sum(host.values()), longest_sequence=longest,
+                      context_parallel_size=t.context_parallel_size, rank_tokens=tokens,
+                      trainer_terms={"train": train, "sync": tuple(n for n in sync if not n.startswith("engine"))})
+
+
+def _trainer_terms(config: RunConfig, shape: ModelShape, on_gpu: bool, flash_attention: bool, tokens: int,
+                   longest: int) -> dict[str, int]:
+    """A trainer rank's terms (bytes) for `tokens` per micro-batch, the longest sequence `longest`."""
+    t, ranks = config.trainer, config.trainer.num_ranks
+    compute = DTYPE_BYTES[config.model.dtype]
+    cp = t.context_parallel_size
     # Packed rows attend within each sequence (actors/packed_attention.py): at worst, full-length ones.
     sequence = min(tokens, longest)
     sequences = max(1, tokens // sequence) if t.packing else t.micro_batch_size
@@ -175,9 +203,7 @@ def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, f
     # AdamW moments; the reference is the same model with the adapters off (no second model); the
     # frozen output layer computes no weight gradient; FSDP reduce-scatters the adapters' gradients.
     trained = shape.adapter_params if lora else shape.params
-    # Processes per GPU: colocated, a trainer rank and an engine (TP) worker; else one.
-    processes = 2 if colocated else 1
-    terms = {
+    return {
         "trainer_params": 4 * (shape.params + (shape.adapter_params if lora else 0)) // ranks,
         "trainer_grads": 4 * trained // ranks,
         "optimizer_states": 8 * trained // ranks,
@@ -195,8 +221,19 @@ def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, f
         "logprob_head_backward": 0 if lora else logprob_head_backward_bytes(shape, compute),
         "gradient_reduce": (shape.layer_adapter_params * (compute + 4) + shape.layer_adapter_params * 4 // ranks
                             if lora else gradient_reduce_bytes(shape, ranks, compute)) if gathers else 0,
-        "weight_sync_staging": staging_bytes(shape, int(config.weight_sync.bucket_size_mb * 2**20),
-                                             served, config.weight_sync.pipelined),
+    }
+
+
+def _engine_terms(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool) -> dict[str, int]:
+    """The weight sync's and an engine's terms (bytes), and its KV cache's room and tokens."""
+    served = engine_dtype(on_gpu, config.model.dtype)  # bf16 on a GPU whatever model.dtype; the sync casts to it
+    engine_bytes = DTYPE_BYTES[served]
+    engine = config.rollout.engine
+    colocated = config.placement.mode == "colocated"
+    processes = 2 if colocated else 1  # per GPU: colocated, a trainer rank and an engine (TP) worker; else one
+    bucket_bytes = int(config.weight_sync.bucket_size_mb * 2**20)
+    terms = {
+        "weight_sync_staging": staging_bytes(shape, bucket_bytes, served, config.weight_sync.pipelined),
         "engine_weights": shape.params * engine_bytes // engine.tp_size,
         "cuda_contexts": processes * CUDA_CONTEXT_BYTES if on_gpu else 0,
         "nccl_buffers": processes * NCCL_BUFFER_BYTES if on_gpu else 0,
@@ -205,13 +242,17 @@ def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, f
     # Disaggregated: SGLang receives each broadcast bucket into a new flat tensor on the engine's GPU
     # (FlattenedTensorBucket.empty, sglang/srt/weight_sync/tensor_bucket.py), one bucket at a time;
     # colocated, the engine reads the trainer's staging buffer through its IPC handle.
-    terms["engine_receive_bucket"] = 0 if colocated else staging_bytes(
-        shape, int(config.weight_sync.bucket_size_mb * 2**20), served, pipelined=False)
+    terms["engine_receive_bucket"] = 0 if colocated else staging_bytes(shape, bucket_bytes, served, pipelined=False)
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * engine_bytes // engine.tp_size
     kv_room = int(engine.mem_fraction_static * gpu_memory) - terms["engine_weights"]
     kv_tokens = max(0, min(engine.max_total_tokens, kv_room // max(kv_per_token, 1)))
     terms["engine_kv_cache"] = kv_tokens * kv_per_token
+    return {**terms, "kv_room": kv_room, "kv_tokens": kv_tokens}
 
+
+def _phase_members(terms: dict[str, int], config: RunConfig, on_gpu: bool) -> tuple[dict, tuple, tuple]:
+    """The terms held at once in each phase of a step (by name), and the training and sync phases'."""
+    colocated = config.placement.mode == "colocated"
     # Backward's transients: the output layer's gradient first, then per layer its attention's
     # (CP) while FSDP reduce-scatters the layer before; the phases take the larger.
     head, layer = ("logprob_head_backward",), ("gradient_reduce", "attention_block", "ring_buffers", "ulysses_buffers")
@@ -222,7 +263,7 @@ def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, f
              "activations", "attention_scores", "attention_saved", "logits_chunk", "reference_model", *transient)
     sync = ("trainer_params", "optimizer_states", "unsharded_layers", "weight_sync_staging", "engine_weights")
     serving = ("engine_weights", "engine_kv_cache")
-    if t.sleeps_between_steps(colocated, on_gpu):
+    if config.trainer.sleeps_between_steps(colocated, on_gpu):
         members = {"generate": serving + runtime, "train": train + runtime, "sync": sync + runtime}
     elif colocated:
         other = set(head + layer) - set(transient)
@@ -230,28 +271,7 @@ def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, f
     else:
         members = {"trainer_gpu": train + ("weight_sync_staging",) + runtime,
                    "engine_gpu": serving + ("engine_unreleased", "engine_receive_bucket") + runtime}
-    phases = {name: sum(terms[k] for k in names) for name, names in members.items()}
-    notes = []
-    per_gpu = max(phases.values())
-    fits = per_gpu <= gpu_memory and kv_room > 0
-    advice = ""
-    if kv_room <= 0:
-        advice = (f"engine_weights {terms['engine_weights'] / GiB:.1f} GiB exceed rollout.engine.mem_fraction_static "
-                  f"x GPU ({engine.mem_fraction_static} x {gpu_memory / GiB:.1f} GiB): {ADVICE['engine_weights']}")
-    elif not fits:
-        worst_phase = max(phases, key=phases.get)
-        largest = max(members[worst_phase], key=lambda name: terms[name])
-        advice = (f"{worst_phase} needs {phases[worst_phase] / GiB:.1f} GiB of {gpu_memory / GiB:.1f} GiB; "
-                  f"largest term {largest} {terms[largest] / GiB:.1f} GiB: {ADVICE[largest]}")
-    if kv_tokens and kv_tokens < config.rollout.max_new_tokens + 64:
-        notes.append(f"the KV cache holds only {kv_tokens} tokens")
-    host = host_terms(config, shape, on_gpu)
-    ranks_per_node = min(ranks, gpus_per_node) if on_gpu else ranks
-    return MemoryPlan(fits, per_gpu, gpu_memory, terms, phases, kv_tokens, config.placement.mode, advice, notes,
-                      host_terms=host, host_per_rank_bytes=sum(host.values()), ranks_per_node=ranks_per_node,
-                      host_per_node_bytes=ranks_per_node * sum(host.values()), longest_sequence=longest,
-                      context_parallel_size=cp, rank_tokens=tokens,
-                      trainer_terms={"train": train, "sync": tuple(n for n in sync if not n.startswith("engine"))})
+    return members, train, sync
 
 
 def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,
