@@ -124,13 +124,6 @@ class TrainerGroup:
         (weight_sync.sync.SyncStats)."""
         return self._on_every_rank("sync_weights", bucket_bytes, weight_version, pipelined)
 
-    def loss_gradients(self, sequences: list[TrainSequence]) -> dict:
-        """Gradients of the loss of `sequences` as one mini-batch (tests)."""
-        sequences = weighed(sequences, self.spec)
-        shares = self._shares(sequences)
-        return ray.get([w.loss_gradients.remote([sequences[i] for i in share])
-                        for w, share in zip(self.workers, shares, strict=True)])[0]
-
     def compute_sequence_kl(self, sequences: list[TrainSequence]) -> list[float]:
         return self._per_sequence("compute_sequence_kl", sequences)
 
@@ -155,9 +148,6 @@ class TrainerGroup:
 
     def load_checkpoint(self, directory: str) -> None:
         self._on_every_rank("load_checkpoint", directory)
-
-    def load_memory_reports(self) -> list[dict]:
-        return self._on_every_rank("load_memory_report", bounded=False)
 
     def host_memory_bytes(self) -> list[int]:
         return self._on_every_rank("host_memory_bytes", bounded=False)
@@ -187,9 +177,6 @@ class TrainerGroup:
 
     def vocab_size(self) -> int:
         return ray.get(self.workers[0].vocab_size.remote())
-
-    def full_state_dict(self) -> dict:
-        return self._on_every_rank("full_state_dict", bounded=False)[0]
 
     def shutdown(self) -> None:
         try:

@@ -475,18 +475,6 @@ class TrainerWorker:
         self.scheduler.step()
         return norm
 
-    def loss_gradients(self, sequences: list[TrainSequence]) -> dict[str, torch.Tensor]:
-        """Full gradients of the step's loss on `sequences` as one mini-batch, no update (tests)."""
-        from rlsys.weight_sync.buckets import gather_full_tensor
-
-        plan = self._plan([sequences])
-        self._attach_old_and_ref_logprobs(plan)
-        self._backward_mini_batch(plan[0])
-        grads = {name: gather_full_tensor(p.grad).cpu().clone() for name, p in self.model.named_parameters()
-                 if p.grad is not None}
-        self.optimizer.zero_grad(set_to_none=True)
-        return grads
-
     # ---- offload ------------------------------------------------------------------------
     def release_cached_memory(self) -> dict:
         """Return the caching allocator's free blocks to the device: after a train step they hold
@@ -520,11 +508,6 @@ class TrainerWorker:
 
     def host_memory_bytes(self) -> int:
         return _resident_bytes()
-
-    def load_memory_report(self) -> dict:
-        """Host memory around the policy's load: resident before, this process's peak after, and
-        the full model's fp32 bytes (bench/memory.py, tests)."""
-        return dict(self.load_memory)
 
     # ---- checkpoints --------------------------------------------------------------------
     @profiled_phase("save_checkpoint")
@@ -582,12 +565,6 @@ class TrainerWorker:
                 "threads": torch.get_num_threads(),
                 "context_parallel": (f"{self.context_parallel.style} over {self.context_parallel.size} ranks"
                                      if self.context_parallel is not None else "off")}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full CPU copies of every parameter (collective; for tests and export)."""
-        from rlsys.weight_sync.buckets import gather_full_tensor
-
-        return {name: gather_full_tensor(p).cpu().clone() for name, p in self.model.named_parameters()}
 
     def shutdown(self) -> None:
         self._close_transport()

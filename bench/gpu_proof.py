@@ -299,12 +299,13 @@ def _has_varlen() -> bool:
 
 
 def check_trainer_steps(proof: Proof, fields: dict) -> None:
-    from rlsys.actors.trainer import TrainerSpec, TrainerWorker
+    from rlsys.actors.inspection import InspectableTrainerWorker
+    from rlsys.actors.trainer import TrainerSpec
 
     config = run_config(proof)
     spec = TrainerSpec.from_config(config, has_gpu=proof.gpu)
     tick = time.perf_counter()
-    worker = TrainerWorker(spec, rank=0, world_size=1)
+    worker = InspectableTrainerWorker(spec, rank=0, world_size=1)  # full_state_dict for the sync's check
     worker.setup("127.0.0.1", free_port())
     proof.worker = worker
     fields["setup_s"] = round(time.perf_counter() - tick, 2)

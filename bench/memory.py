@@ -72,14 +72,14 @@ def _free_ports(count: int) -> list[int]:
 def load_peaks(model_dir: Path) -> dict:
     import ray
 
-    from rlsys.actors.group import TrainerGroup
+    from rlsys.actors.inspectable_group import InspectableTrainerGroup
     from rlsys.actors.trainer import TrainerSpec
     from rlsys.config import ModelConfig, TrainerConfig
     from rlsys.system.cluster import ACTOR_ENV
 
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV})
     try:
-        group = TrainerGroup(TrainerSpec(ModelConfig(path=str(model_dir)), TrainerConfig(num_ranks=2)), 2)
+        group = InspectableTrainerGroup(TrainerSpec(ModelConfig(path=str(model_dir)), TrainerConfig(num_ranks=2)), 2)
         reports = group.load_memory_reports()
         group.shutdown()
     finally:

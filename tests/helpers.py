@@ -39,10 +39,10 @@ def trainer_groups(*groups: tuple) -> list:
     after another leaves the second core idle. If any fails to start, the others are shut down."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rlsys.actors.group import TrainerGroup
+    from rlsys.actors.inspectable_group import InspectableTrainerGroup
 
     with ThreadPoolExecutor(len(groups)) as pool:
-        starting = [pool.submit(TrainerGroup, spec, num_ranks) for spec, num_ranks in groups]
+        starting = [pool.submit(InspectableTrainerGroup, spec, num_ranks) for spec, num_ranks in groups]
     started = [future.result() for future in starting if future.exception() is None]
     failed = [future.exception() for future in starting if future.exception() is not None]
     if failed:

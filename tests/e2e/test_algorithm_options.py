@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlsys.actors.group import TrainerGroup
+from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_spec
 
@@ -20,8 +20,8 @@ def _batch(seed: int, count: int = 10) -> list[TrainSequence]:
 
 @pytest.fixture(scope="module")
 def groups(ray_cluster, tiny_model_dir):
-    plain = TrainerGroup(trainer_spec(tiny_model_dir, lr=1e-3), 1)
-    tis = TrainerGroup(trainer_spec(tiny_model_dir, lr=1e-3, tis={"enabled": True, "cap": CAP}), 1)
+    plain = InspectableTrainerGroup(trainer_spec(tiny_model_dir, lr=1e-3), 1)
+    tis = InspectableTrainerGroup(trainer_spec(tiny_model_dir, lr=1e-3, tis={"enabled": True, "cap": CAP}), 1)
     yield plain, tis
     plain.shutdown()
     tis.shutdown()

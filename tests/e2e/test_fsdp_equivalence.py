@@ -21,7 +21,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlsys.actors.group import TrainerGroup
+from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.actors.parallelize import uses_fsdp
 from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_groups, trainer_spec
@@ -48,7 +48,7 @@ def trainers(ray_cluster, tiny_model_dir):
     single.shutdown()
 
 
-def _copy_state(source: TrainerGroup, target: TrainerGroup, directory) -> None:
+def _copy_state(source: InspectableTrainerGroup, target: InspectableTrainerGroup, directory) -> None:
     """Model, optimizer, scheduler and RNG of `source` into `target`, through a DCP checkpoint."""
     directory.mkdir()
     source.save_checkpoint(str(directory))
@@ -97,7 +97,7 @@ def test_two_fsdp_ranks_compute_the_gradient_of_one_process(trainers, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_every_loss_aggregation_gives_the_gradient_of_one_process(trainers, tmp_path, mode):
-    """The mode lives in the driver-side TrainerGroup: it turns each global mini-batch into token
+    """The mode lives in the driver-side InspectableTrainerGroup: it turns each global mini-batch into token
     weights, so the ranks' split (over 2 ranks and 24-token micro-batches here) cannot change it."""
     sharded, single, spec = trainers
     _copy_state(sharded, single, tmp_path / "state")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlsys.actors.group import TrainerGroup
+from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint, parameters_on_meta
 from rlsys.tools.tiny_model import write_random_checkpoint
 from tests.helpers import trainer_spec
@@ -64,7 +64,7 @@ def test_a_checkpoint_that_does_not_match_the_config_is_named(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_hold_exactly_the_checkpoint_between_them(ray_cluster, tmp_path):
     _write_model(tmp_path, max_shard_size="20KB")
-    group = TrainerGroup(trainer_spec(tmp_path), num_ranks=2)
+    group = InspectableTrainerGroup(trainer_spec(tmp_path), num_ranks=2)
     try:
         full = group.full_state_dict()
     finally:
@@ -82,7 +82,7 @@ def test_a_rank_load_peaks_near_its_shard_not_the_model(ray_cluster, tmp_path):
     """2 ranks, a ~0.5B-parameter model (Qwen2.5-0.5B's shape, bf16 files): each rank's resident
     memory rises during the load by at most 0.75x the model's fp32 bytes (its half, plus a slice)."""
     model_bytes = write_random_checkpoint(tmp_path, "qwen2.5-0.5b")
-    group = TrainerGroup(trainer_spec(tmp_path), num_ranks=2)
+    group = InspectableTrainerGroup(trainer_spec(tmp_path), num_ranks=2)
     try:
         reports = group.load_memory_reports()
     finally:

@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from rlsys.actors.group import TrainerGroup
+from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.config import EngineConfig, ModelConfig
 from rlsys.records import TrainSequence
 from rlsys.rollout.manager import RolloutManager
@@ -44,7 +44,7 @@ def test_adapters_train_the_base_stays_and_the_engine_serves_the_merged_weights(
     engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120)
     rollout = RolloutManager(ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine), 1, str(tmp_path / "logs"),
                              [{"num_cpus": 1}])
-    trainer = TrainerGroup(trainer_spec(tiny_model_dir, lr=3e-2, use_kl_loss=True, kl_coef=0.1, lora=LORA),
+    trainer = InspectableTrainerGroup(trainer_spec(tiny_model_dir, lr=3e-2, use_kl_loss=True, kl_coef=0.1, lora=LORA),
                            num_ranks=2)
     fixed = [TrainSequence(tokens, prompt_len=1) for tokens in FIXED]
     try:
@@ -87,7 +87,7 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_e
     from torch.distributed.checkpoint import FileSystemReader
 
     spec = trainer_spec(tiny_model_dir, lr=3e-2, use_kl_loss=True, kl_coef=0.1, lora=LORA)
-    first = TrainerGroup(spec, num_ranks=2)
+    first = InspectableTrainerGroup(spec, num_ranks=2)
     try:
         first.train_step(random_sequences(1, count=16, vocab=80))
         first.save_checkpoint(str(tmp_path / "ckpt"))
@@ -99,7 +99,7 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_e
         expected = first.full_state_dict()
     finally:
         first.shutdown()
-    second = TrainerGroup(spec, num_ranks=2)
+    second = InspectableTrainerGroup(spec, num_ranks=2)
     try:
         second.load_checkpoint(str(tmp_path / "ckpt"))
         resumed = second.train_step(random_sequences(2, count=16, vocab=80))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlsys.actors.group import TrainerGroup
+from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_groups, trainer_spec
 
@@ -47,8 +47,8 @@ def _rank_state(checkpoint: Path, rank: int) -> dict:
     return torch.load(checkpoint / f"trainer_rank{rank}.pt", weights_only=False)
 
 
-def _resumes_as_the_saver_goes_on(saver: TrainerGroup, resumer: TrainerGroup, batch: list[TrainSequence],
-                                  checkpoint: Path) -> None:
+def _resumes_as_the_saver_goes_on(saver: InspectableTrainerGroup, resumer: InspectableTrainerGroup,
+                                  batch: list[TrainSequence], checkpoint: Path) -> None:
     checkpoint.mkdir()
     saver.save_checkpoint(str(checkpoint))
     resumer.load_checkpoint(str(checkpoint))

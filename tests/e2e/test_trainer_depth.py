@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from rlsys.actors.group import TrainerGroup
+from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_groups, trainer_spec
 
@@ -47,7 +47,7 @@ def medium_model_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_twenty_sleep_cycles_do_not_leak_host_memory(ray_cluster, medium_model_dir):
-    group = TrainerGroup(_spec(medium_model_dir), 2)
+    group = InspectableTrainerGroup(_spec(medium_model_dir), 2)
     try:
         group.train_step(_batch(0))  # optimizer state exists from here on
         moved = group.sleep()["bytes"]
@@ -98,7 +98,7 @@ def test_one_or_four_micro_batches_give_the_same_gradient(ray_cluster, tiny_mode
 
 @pytest.mark.slow
 def test_kl_is_zero_at_start_and_positive_once_the_policy_moves(ray_cluster, tiny_model_dir):
-    group = TrainerGroup(_spec(tiny_model_dir, use_kl_loss=True, kl_coef=0.1, kl_estimator="k3"), 2)
+    group = InspectableTrainerGroup(_spec(tiny_model_dir, use_kl_loss=True, kl_coef=0.1, kl_estimator="k3"), 2)
     try:
         first = group.train_step(_batch(0))
         assert first["kl"] == 0.0

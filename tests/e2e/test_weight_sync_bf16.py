@@ -6,7 +6,7 @@ import pytest
 import ray
 import torch
 
-from rlsys.actors.group import TrainerGroup
+from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.config import EngineConfig, ModelConfig
 from rlsys.records import TrainSequence
 from rlsys.rollout.manager import RolloutManager
@@ -30,7 +30,7 @@ def test_a_bf16_engine_receives_bf16_buckets_and_matches_the_trainer(ray_cluster
     engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120)
     rollout = RolloutManager(ServerSpec(ModelConfig(path=str(tiny_model_dir), dtype="bfloat16"), engine), 1,
                              str(tmp_path), [{"num_cpus": 1}])
-    trainer = TrainerGroup(trainer_spec(tiny_model_dir, dtype="bfloat16", lr=1e-2), num_ranks=2)
+    trainer = InspectableTrainerGroup(trainer_spec(tiny_model_dir, dtype="bfloat16", lr=1e-2), num_ranks=2)
     try:
         rollout.wait_ready()
         fp32_bytes = sum(t.numel() * 4 for t in trainer.full_state_dict().values())
@@ -65,7 +65,7 @@ def test_verify_passes_a_bf16_engine_and_names_a_stale_or_missing_tensor(ray_clu
     engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120)
     rollout = RolloutManager(ServerSpec(ModelConfig(path=str(tiny_model_dir), dtype="bfloat16"), engine), 1,
                              str(tmp_path), [{"num_cpus": 1}])
-    trainer = TrainerGroup(trainer_spec(tiny_model_dir, dtype="float32", lr=1e-2), num_ranks=1)
+    trainer = InspectableTrainerGroup(trainer_spec(tiny_model_dir, dtype="float32", lr=1e-2), num_ranks=1)
     check = {"tolerance": None, "seed": 0, "dtype": "bfloat16", "num_layers": model_depth(str(tiny_model_dir))}
 
     def sync_with(version: int, name: str | None = None, value=None):
