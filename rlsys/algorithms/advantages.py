@@ -1,8 +1,9 @@
 """Advantage estimators, registered by name (config: algorithm.advantage_estimator).
 
 Each estimator maps the scores of equal-sized groups, laid out group by group as a [num_groups,
-group_size] tensor, to one advantage per sample, the same shape. Adding one: a function here and
-its entry in ADVANTAGE_ESTIMATORS (and its name in AlgorithmConfig.advantage_estimator).
+group_size] tensor, to one advantage per sample, the same shape. Adding one: a function here with
+`@advantage_estimator(NAME)`, and NAME in AlgorithmConfig.advantage_estimator's Literal (the config
+does not import torch; tests/unit/test_grpo.py checks that the two name the same estimators).
 
 Scores are per sample (reward + shaping, KL in reward being the sequence's summed KL), so every
 estimator gives one advantage per sample, shared by its tokens; "batch" statistics are over the
@@ -18,8 +19,22 @@ import torch
 
 from rlsys.records import Sample
 
+AdvantageEstimator = Callable[[torch.Tensor, float], torch.Tensor]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Registers the decorated function as `algorithm.advantage_estimator: NAME`."""
+    def register(estimator: AdvantageEstimator) -> AdvantageEstimator:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ADVANTAGE_ESTIMATORS[name] = estimator
+        return estimator
+    return register
+
 
 # A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (GRPO; an all-equal group gets 0)
+@advantage_estimator("group")
 def group_normalised(grouped: torch.Tensor, eps: float) -> torch.Tensor:
     """[G, n] scores -> [G, n] advantages, each group centred and scaled by its own std."""
     centered = grouped - grouped.mean(dim=1, keepdim=True)
@@ -27,6 +42,7 @@ def group_normalised(grouped: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # A_i = (r_i - mean(r_group)) / (std(r_batch) + eps)   (Lite PPO: group baseline, batch scale)
+@advantage_estimator("batch")
 def batch_normalised(grouped: torch.Tensor, eps: float) -> torch.Tensor:
     """[G, n] scores -> [G, n] advantages, each group centred, all scaled by the batch's std."""
     centered = grouped - grouped.mean(dim=1, keepdim=True)
@@ -35,12 +51,14 @@ def batch_normalised(grouped: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # A_i = r_i - mean(r_group)   (Dr. GRPO: no std scaling)
+@advantage_estimator("none")
 def group_centred(grouped: torch.Tensor, eps: float) -> torch.Tensor:
     """[G, n] scores -> [G, n] advantages, each group centred only (`eps` unused)."""
     return grouped - grouped.mean(dim=1, keepdim=True)
 
 
 # A_i = r_i - mean_{j != i}(r_j) = n / (n - 1) * (r_i - mean(r_group))   (RLOO; needs n >= 2)
+@advantage_estimator("rloo")
 def leave_one_out(grouped: torch.Tensor, eps: float) -> torch.Tensor:
     """[G, n] scores -> [G, n] advantages, each score minus the mean of the rest of its group (`eps` unused)."""
     n = grouped.shape[1]
@@ -51,6 +69,7 @@ def leave_one_out(grouped: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # A_i = (r_i - mean(r_batch)) / (std(r_batch) + eps)   (REINFORCE++: no group baseline, global normalisation)
+@advantage_estimator("reinforce++")
 def batch_whitened(grouped: torch.Tensor, eps: float) -> torch.Tensor:
     """[G, n] scores -> [G, n] advantages, centred and scaled by the whole batch's mean and std."""
     batch_std = grouped.std(unbiased=True) if grouped.numel() > 1 else torch.zeros(())
@@ -58,20 +77,10 @@ def batch_whitened(grouped: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # d_i = r_i - mean(r_group);  A_i = (d_i - mean(d_batch)) / (std(d_batch) + eps)   (REINFORCE++-baseline)
+@advantage_estimator("reinforce++-baseline")
 def group_centred_batch_whitened(grouped: torch.Tensor, eps: float) -> torch.Tensor:
     """[G, n] scores -> [G, n] advantages, each group centred, then normalised over the whole batch."""
     return batch_whitened(group_centred(grouped, eps), eps)
-
-
-AdvantageEstimator = Callable[[torch.Tensor, float], torch.Tensor]
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "group": group_normalised,
-    "batch": batch_normalised,
-    "none": group_centred,
-    "rloo": leave_one_out,
-    "reinforce++": batch_whitened,
-    "reinforce++-baseline": group_centred_batch_whitened,
-}
 
 
 def group_advantages(scores: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-6) -> torch.Tensor:
