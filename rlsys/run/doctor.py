@@ -3,7 +3,7 @@ run can work there; every problem named with its node and what to change.
 
 With a config it reserves the run's own placement (rlsys/actors/placement.py, so it checks the
 nodes the run would land on, and a run that cannot be placed is the first blocker), probes every
-node with the checks `rlsys train` runs at start (rlsys/run/components.py `probe_placement_nodes`,
+node with the checks `rlsys train` runs at start (rlsys/run/placement_checks.py `probe_placement_nodes`,
 `judge_placement_nodes`: one implementation, two callers), then puts one agent in a bundle of
 each node (rlsys/system/net_checks.py) for ports, clocks and a collective test over the run's
 backend. Without a config: every alive node of the cluster, without the run's own checks.
@@ -125,7 +125,8 @@ def _run_nodes(config: RunConfig, layout, stack: ExitStack, problems: list[Probl
     """The run's placement, its nodes' reports and one agent per node (two on a one-node run)."""
     from rlsys.actors.placement import create_placement
     from rlsys.errors import RunFailed
-    from rlsys.run.components import judge_placement_nodes, probe_placement_nodes, run_uses_gpus, trainer_env
+    from rlsys.run.components import trainer_env
+    from rlsys.run.placement_checks import judge_placement_nodes, probe_placement_nodes, run_uses_gpus
     from rlsys.system.topology import Topology
 
     env = trainer_env(config)

@@ -28,6 +28,7 @@ from rlsys.observability.status.state import RunStatus
 from rlsys.observability.tracking import Trackers, check_backends_installed
 from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import EngineRestartLimit
+from rlsys.run.absolute_paths import with_absolute_paths
 from rlsys.run.assets import RunAssets, load_assets, refuse_incompatible_checkpoint
 from rlsys.run.batches import OnPolicyRounds
 from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume, disk_full_failure
@@ -35,7 +36,6 @@ from rlsys.run.components import (
     Components,
     bring_engines_up_to_date,
     restart_trainers,
-    run_uses_gpus,
     start_components,
 )
 from rlsys.run.coordinator import Run, train_loop
@@ -43,6 +43,7 @@ from rlsys.run.evaluation import Evaluator
 from rlsys.run.generation import SampleMaker
 from rlsys.run.hangs import HangReporter
 from rlsys.run.partial_rollouts import PartialRollouts
+from rlsys.run.placement_checks import run_uses_gpus
 from rlsys.run.reporting import HealthMonitor, new_status, status_server
 from rlsys.run.standing_engines import cluster_address
 from rlsys.system.cluster import ray_cluster
@@ -88,40 +89,6 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
             run.continue_from(checkpoint)
             run.trainer_restarts = resumes + 1
 
-
-
-def with_absolute_paths(config: RunConfig, run_dir: str) -> RunConfig:
-    """The config with run_dir, the model's, the data's and the user functions' file paths made
-    absolute: trainers and engines on other nodes (or in another working directory) must not resolve
-    them against their own, and RUN_DIR/config.yaml must run again from anywhere. A function named
-    as a module (`package.module:function`) is left as it is: it is found on the Python path."""
-
-    def absolute(path: str | None) -> str | None:
-        return str(Path(path).absolute()) if path else path
-
-    model = config.model.model_copy(update={"path": absolute(config.model.path),
-                                            "tokenizer_path": absolute(config.model.tokenizer_path)})
-    data = config.data.model_copy(update={"train_path": absolute(config.data.train_path),
-                                          "eval_path": absolute(config.data.eval_path)})
-    reward = config.reward.model_copy(update={"function": absolute_function_path(config.reward.function)})
-    rollout = config.rollout.model_copy(update={
-        "generate_function": absolute_function_path(config.rollout.generate_function)})
-    eval_sets = [eval_set.model_copy(update={"path": absolute(eval_set.path),
-                                             "reward_function": absolute_function_path(eval_set.reward_function)})
-                 for eval_set in config.eval.datasets]
-    return config.model_copy(update={
-        "run_dir": str(Path(run_dir).absolute()), "model": model, "data": data, "reward": reward, "rollout": rollout,
-        "eval": config.eval.model_copy(update={"datasets": eval_sets})})
-
-
-def absolute_function_path(import_path: str | None) -> str | None:
-    """`path/to/file.py:function` with the file's path made absolute; other forms as they are."""
-    if not import_path:
-        return import_path
-    module, sep, attribute = import_path.rpartition(":")
-    if not sep or not module.endswith(".py"):
-        return import_path
-    return f"{Path(module).absolute()}:{attribute}"
 
 
 def prepare_run_dir(config: RunConfig, run_dir: Path, resuming: bool) -> None:

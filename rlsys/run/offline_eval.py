@@ -16,9 +16,9 @@ from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.run.assets import load_assets
-from rlsys.run.components import run_uses_gpus
 from rlsys.run.evaluation import Evaluator
 from rlsys.run.generation import SampleMaker
+from rlsys.run.placement_checks import run_uses_gpus
 from rlsys.system.cluster import ray_cluster
 from rlsys.system.topology import Topology
 

@@ -35,6 +35,8 @@ from rlsys.rollout.standing import (
     service,
     standing_names,
 )
+from rlsys.run.absolute_paths import with_absolute_paths
+from rlsys.run.placement_checks import check_placement_nodes, run_uses_gpus
 from rlsys.system.cluster import ACTOR_ENV
 from rlsys.system.topology import Topology
 
@@ -98,8 +100,6 @@ def stop_local_head() -> None:
 
 def _layout(config: RunConfig) -> Topology:
     """The run's topology on the connected cluster (GPUs if it has the ones the placement needs)."""
-    from rlsys.run.components import run_uses_gpus
-
     return Topology.from_config(config, run_uses_gpus(config, Topology.from_config(config, has_gpu=False)))
 
 
@@ -117,8 +117,6 @@ def engines_up(config: RunConfig, name: str, log_dir: Path, address: str | None 
     """Start `config`'s engines as standing set `name` and return once every engine answers."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from rlsys.run.components import check_placement_nodes
-    from rlsys.run.lifecycle import with_absolute_paths
     from rlsys.system.model_source import resolve_model_paths
 
     # Absolute paths: the engines' actors resolve none against a working directory.

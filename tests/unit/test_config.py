@@ -429,7 +429,7 @@ def test_a_float_setting_at_infinity_or_nan_is_refused_naming_the_field(tmp_path
 def test_the_run_config_names_data_and_user_function_files_by_absolute_paths(tmp_path, tiny_model_dir, monkeypatch):
     """RUN_DIR/config.yaml runs again from any directory: relative data, eval-set and function files
     are made absolute against the directory the run started in; module-style functions stay."""
-    from rlsys.run.lifecycle import with_absolute_paths
+    from rlsys.run.absolute_paths import with_absolute_paths
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.jsonl").write_text('{"prompt": "1 2>", "label": "2"}\n')

@@ -9,7 +9,7 @@ No torch here: config.py imports this to validate a config, and a loss imports t
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import Field
 
@@ -20,9 +20,21 @@ if TYPE_CHECKING:
 
     from rlsys.actors.batching import MicroBatch
     from rlsys.algorithms.grpo import ImportanceWeights, PolicyLossTerms
-    from rlsys.config import AlgorithmConfig
 
 logger = logging.getLogger(__name__)
+
+
+class AlgorithmSettings(Protocol):
+    """What a loss reads of the algorithm section it belongs to (rlsys/config.py AlgorithmConfig,
+    which imports this module: the loss names the fields, not the class)."""
+
+    clip_eps_low: float
+    clip_eps_high: float
+    loss_agg_mode: str | None
+    tis: Any  # its truncated importance sampling: .enabled, .cap, .level
+
+    @property
+    def aggregation(self) -> str: ...  # loss_agg_mode, or the loss's own
 
 
 class PolicyLoss(Section):
@@ -36,11 +48,11 @@ class PolicyLoss(Section):
     one_ratio_per_sequence: ClassVar[bool] = False  # clips one ratio per sequence: seq_clip_fraction is logged
     whole_sequence: ClassVar[bool] = False  # needs sums over whole sequences (context parallelism splits them)
 
-    def check(self, algorithm: AlgorithmConfig) -> None:
+    def check(self, algorithm: AlgorithmSettings) -> None:
         """Raise ValueError naming what to change when the rest of `algorithm` does not fit this loss."""
 
     def terms(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: MicroBatch,
-              algorithm: AlgorithmConfig, tis: ImportanceWeights | None) -> PolicyLossTerms:
+              algorithm: AlgorithmSettings, tis: ImportanceWeights | None) -> PolicyLossTerms:
         """log p, log p_old [B, T], the micro-batch (advantages, response_mask, spans), the algorithm
         section and the TIS weights (None: off) -> per-token loss and clip flags [B, T]. A loss that
         uses the TIS weights itself sets `tis_applied`; otherwise they multiply its loss."""
