@@ -1,9 +1,10 @@
 """Where a step's batch comes from: the one interface the loop calls once per step.
 
 Two choices make a run's batches, each behind a small interface:
-- **Rounds**, how one round of groups is generated: `OnPolicyRounds` (new prompts each round,
-  every sample from the engines' current weights) or `PartialRollouts` (rollout.partial_rollouts,
-  rlsys/run/partial_rollouts.py: groups carried between steps, continued with newer weights).
+- **Rounds** (its Protocol in rlsys/run/run_state.py), how one round of groups is generated:
+  `OnPolicyRounds` (new prompts each round, every sample from the engines' current weights) or
+  `PartialRollouts` (rollout.partial_rollouts, rlsys/run/partial_rollouts.py: groups carried
+  between steps, continued with newer weights).
 - **Step batches**, when a step's batch is generated: `StepBatches` (at the step's start, in the
   loop's thread) or `BatchesAhead` (rollout.max_staleness = N: the next N steps' batches in a
   background thread while the trainer trains).
@@ -17,7 +18,6 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 from ray.exceptions import RayError
 
@@ -27,31 +27,12 @@ from rlsys.data.datasets import PromptSampler
 from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rollout.manager import EngineCallFailed, RolloutManager, is_engine_death
 from rlsys.run.generation import SampleMaker
-
-if TYPE_CHECKING:
-    from rlsys.run.coordinator import Run
+from rlsys.run.run_state import Run
 
 logger = logging.getLogger(__name__)
 
 
 # ---- rounds -----------------------------------------------------------------------------------
-
-class Rounds(Protocol):
-    """How one round of a step's groups is generated, and what a checkpoint keeps of it."""
-
-    def begin_step(self, trainer_version: int) -> None: ...
-
-    def round(self, rollout: RolloutManager, sampler: PromptSampler, sampling: SamplingParams, wanted: int,
-              recover: bool) -> tuple[list[EncodedPrompt], list[Generation]]:
-        """At least `wanted` groups' prompts and their generations, grouped prompt by prompt."""
-
-    def step_metrics(self, trained: list[Generation], trainer_version: int) -> dict: ...
-
-    def saved(self) -> list[dict] | None:
-        """What a checkpoint keeps (coordinator.json's partial_groups)."""
-
-    def restore(self, saved: list[dict] | None) -> None: ...
-
 
 class OnPolicyRounds:
     """Each round: data.prompts_per_step new prompts, n samples each from the engines' weights

@@ -12,110 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 from rlsys.algorithms.samples import ScoredBatch, prepare, truncated_fraction
 from rlsys.config import RunConfig
-from rlsys.data.datasets import PromptSampler
-from rlsys.observability.metrics import MetricsLog
-from rlsys.observability.status.state import RunStatus
-from rlsys.observability.tracking import Trackers
-from rlsys.rewards.pool import RewardPool
-from rlsys.rewards.remote import RemoteReward
-from rlsys.run.assets import RunAssets
-from rlsys.run.batches import Rounds, step_batches
-from rlsys.run.checkpointing import Checkpointer, CoordinatorState
-from rlsys.run.components import Components, restore, sync_engines
-from rlsys.run.evaluation import Evaluator, sampling_params
+from rlsys.run.batches import step_batches
+from rlsys.run.components import Components, sync_engines
+from rlsys.run.evaluation import sampling_params
 from rlsys.run.generation import trajectory_metrics
-from rlsys.run.nonfinite import NonfiniteGuard
-from rlsys.run.profiling import StepProfiler
-from rlsys.run.reporting import HealthMonitor, ProgressLines, shows_progress_bar
+from rlsys.run.run_state import Run
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Run", "train_loop"]
-
-
-@dataclass
-class Run:
-    """Everything the loop works with, started and restored by `run` (rlsys/run/lifecycle.py)."""
-
-    config: RunConfig
-    assets: RunAssets
-    parts: Components
-    state: CoordinatorState
-    status: RunStatus
-    log: MetricsLog
-    sampler: PromptSampler
-    evaluator: Evaluator
-    checkpointer: Checkpointer
-    health: HealthMonitor
-    rewards: RewardPool | RemoteReward
-    trackers: Trackers
-    rounds: Rounds  # how a round of groups is generated: on-policy, or partial rollouts carried between steps
-    trainer_restarts: int = 0  # automatic resumes after a trainer rank died
-    # The version of the weights the trainer holds: the engines' (state.weight_version) except between
-    # a train step and its sync, when it is one ahead. An engine restarted then gets these weights,
-    # so it must be told this version (the sync it died in expects it).
-    trainer_version: int = 0
-    nonfinite: NonfiniteGuard | None = None  # set from trainer.max_nonfinite_steps
-    progress: ProgressLines | None = None  # set from logging
-    profiler: StepProfiler | None = None  # set from profile
-
-    def __post_init__(self):
-        if self.profiler is None:
-            self.profiler = StepProfiler(self.config.profile.steps, Path(self.config.run_dir), lambda: self.parts.trainer)
-        if self.nonfinite is None:
-            self.nonfinite = NonfiniteGuard(self.config.trainer.max_nonfinite_steps)
-        if self.progress is None:
-            logging_config = self.config.logging
-            self.progress = ProgressLines(self.config.trainer.total_steps, shows_progress_bar(logging_config.progress_bar),
-                                          logging_config.summary_interval_s)
-
-    @contextmanager
-    def phase(self, row: dict, state: str, timing: str):
-        """Shows `state` in the status and adds the block's seconds to row["time_<timing>_s"]."""
-        self.status.set_state(state)
-        start = time.perf_counter()
-        try:
-            with self.profiler.span(row["step"], timing):
-                yield
-        finally:
-            row[f"time_{timing}_s"] = row.get(f"time_{timing}_s", 0.0) + time.perf_counter() - start
-
-    def continue_from(self, checkpoint: Path | None) -> None:
-        """Trainer, engines, data position and metrics as `checkpoint` left them (fresh if None)."""
-        self.state = restore(self.config, self.parts, checkpoint)
-        self.log.truncate_from(self.state.next_step)  # rows of steps that will run again
-        self.status.replace_steps(self.log.rows)
-        self.sampler.restore(self.state.data_epoch, self.state.data_index)
-        self.trainer_version = self.state.weight_version
-        self.rounds.restore(self.state.partial_groups)
-        self.health.refresh(self.status)
-        self.parts.handoff.to_engines({})  # a sleeping trainer leaves the device to the engines
-
-    def steps(self) -> Iterator[int]:
-        """The steps still to run, with a progress bar; waits while paused, ends on a stop request."""
-        from tqdm import tqdm
-
-        total = self.config.trainer.total_steps
-        bar = tqdm(range(self.state.next_step, total), initial=self.state.next_step, total=total, desc="GRPO",
-                   disable=not shows_progress_bar(self.config.logging.progress_bar), dynamic_ncols=True)
-        last_eval = None
-        for step in bar:
-            _wait_while_paused(self.status)
-            if self.status.stop_requested:
-                return
-            yield step
-            row = self.log.rows[-1]
-            last_eval = row.get("eval_reward_mean", last_eval)
-            reward = row.get("reward_mean")  # None: no sample of the step was scored
-            bar.set_postfix(reward="-" if reward is None else f"{reward:.2f}",
-                            eval="-" if last_eval is None else f"{last_eval:.2f}")
 
 
 def train_loop(run: Run) -> None:
@@ -229,11 +136,3 @@ def _record(run: Run, row: dict, last_step: bool) -> None:
     if run.health.due(last_step):
         run.health.refresh(run.status)
     run.status.save_snapshot()
-
-
-def _wait_while_paused(status: RunStatus) -> None:
-    if status.pause_requested and not status.stop_requested:
-        status.set_state("paused")
-        status.save_snapshot()
-        while status.pause_requested and not status.stop_requested:
-            time.sleep(0.2)

@@ -38,13 +38,14 @@ from rlsys.run.components import (
     restart_trainers,
     start_components,
 )
-from rlsys.run.coordinator import Run, train_loop
+from rlsys.run.coordinator import train_loop
 from rlsys.run.evaluation import Evaluator
 from rlsys.run.generation import SampleMaker
 from rlsys.run.hangs import HangReporter
 from rlsys.run.partial_rollouts import PartialRollouts
 from rlsys.run.placement_checks import run_uses_gpus
 from rlsys.run.reporting import HealthMonitor, new_status, status_server
+from rlsys.run.run_state import Run
 from rlsys.run.standing_engines import cluster_address
 from rlsys.system.cluster import ray_cluster
 from rlsys.system.model_source import resolve_model_paths
