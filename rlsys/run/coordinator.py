@@ -17,8 +17,7 @@ from rlsys.algorithms.samples import ScoredBatch, prepare, truncated_fraction
 from rlsys.config import RunConfig
 from rlsys.run.batches import step_batches
 from rlsys.run.components import Components, sync_engines
-from rlsys.run.evaluation import sampling_params
-from rlsys.run.generation import trajectory_metrics
+from rlsys.run.generation import sampling_params, trajectory_metrics
 from rlsys.run.run_state import Run
 
 logger = logging.getLogger(__name__)

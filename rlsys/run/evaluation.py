@@ -13,20 +13,7 @@ from rlsys.records import EncodedPrompt, SamplingParams
 from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import RolloutManager
 from rlsys.run.assets import RunAssets
-from rlsys.run.generation import SampleMaker
-
-
-def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, top_p: float,
-                    max_new_tokens: int | None = None) -> SamplingParams:
-    extra = config.rollout.sampling
-    return SamplingParams(
-        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or config.rollout.max_new_tokens,
-        # Without its tokenizer the engine stops on token ids only (assets.stop_token_ids).
-        stop=config.rollout.stop if not config.rollout.engine.skip_tokenizer_init else [],
-        stop_token_ids=[*assets.stop_token_ids, *extra.stop_token_ids],
-        top_k=extra.top_k, min_p=extra.min_p, repetition_penalty=extra.repetition_penalty,
-        min_new_tokens=extra.min_new_tokens, ignore_eos=extra.ignore_eos,
-    )
+from rlsys.run.generation import SampleMaker, sampling_params
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

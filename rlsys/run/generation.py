@@ -1,5 +1,6 @@
 """Which way samples are made: one engine call each (the default), or the configured
-rollout.generate_function (multi-turn, tools; rollout/trajectory.py)."""
+rollout.generate_function (multi-turn, tools; rollout/trajectory.py); and with which sampling
+parameters (`sampling_params`, the one place training's and every eval set's are built)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,22 @@ from rlsys.plugins import PluginError, load_user_function
 from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.trajectory import GenerateFunction
+from rlsys.run.assets import RunAssets
+
+
+def sampling_params(config: RunConfig, assets: RunAssets, temperature: float, top_p: float,
+                    max_new_tokens: int | None = None) -> SamplingParams:
+    """What the engines sample with: the given temperature, top_p and length (default
+    rollout.max_new_tokens), rollout.sampling's options and the stop rules of the run."""
+    extra = config.rollout.sampling
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or config.rollout.max_new_tokens,
+        # Without its tokenizer the engine stops on token ids only (assets.stop_token_ids).
+        stop=config.rollout.stop if not config.rollout.engine.skip_tokenizer_init else [],
+        stop_token_ids=[*assets.stop_token_ids, *extra.stop_token_ids],
+        top_k=extra.top_k, min_p=extra.min_p, repetition_penalty=extra.repetition_penalty,
+        min_new_tokens=extra.min_new_tokens, ignore_eos=extra.ignore_eos,
+    )
 
 
 def load_generate_function(import_path: str) -> GenerateFunction:

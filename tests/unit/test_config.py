@@ -126,7 +126,7 @@ def test_adam_betas_outside_zero_one_are_rejected(tmp_path, tiny_model_dir, beta
 
 def test_sampling_options_reach_the_engine_request_and_bad_ones_are_refused(tmp_path, tiny_model_dir):
     from rlsys.run.assets import load_assets
-    from rlsys.run.evaluation import sampling_params
+    from rlsys.run.generation import sampling_params
 
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
     config = load_config(path, ["rollout.max_new_tokens=16", "rollout.engine.skip_tokenizer_init=false",
