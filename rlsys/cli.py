@@ -160,7 +160,7 @@ def _engines(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _library_output_hidden(log_level: int):
-    """For a command whose output is its result (`export`, `eval`): transformers' and
+    """For a command whose output is its result (`export`, `eval`, `make-tiny-model`): transformers' and
     huggingface_hub's progress bars, transformers' logger below errors and Python's warnings off,
     unless -v asks for everything."""
     if log_level <= logging.DEBUG:
@@ -378,7 +378,9 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
     spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed, arch=args.arch,
                          init_std=args.init_std)
-    logger.info("tiny model written to %s", make_tiny_model(args.out_dir, spec, chat=args.chat))
+    with _library_output_hidden(args.log_level):  # transformers' "Writing model shards" bar
+        out = make_tiny_model(args.out_dir, spec, chat=args.chat)
+    logger.info("tiny model written to %s", out)
     return 0
 
 

@@ -167,6 +167,14 @@ def test_make_tiny_model_refuses_a_file_in_the_way_and_impossible_sizes(tmp_path
         assert not (tmp_path / "new").exists()
 
 
+def test_make_tiny_model_prints_its_one_line_and_no_library_progress_bar(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rlsys.cli", "make-tiny-model", str(tmp_path / "model")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Writing model shards" not in result.stdout + result.stderr  # transformers' save_pretrained bar
+    assert f"tiny model written to {tmp_path / 'model'}" in result.stdout
+
+
 def _checkpointed_run(run_dir, model_dir, steps):
     """A run directory as `rlsys train` leaves it: config.yaml and a real trainer checkpoint (DCP
     shards, rank state, coordinator.json) after each of `steps`, the weights changed between them;
