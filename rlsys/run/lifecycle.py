@@ -50,6 +50,7 @@ from rlsys.run.standing_engines import cluster_address
 from rlsys.system.cluster import ray_cluster
 from rlsys.system.model_source import resolve_model_paths
 from rlsys.system.reaper import start_reaper
+from rlsys.system.resource_tracker import start_resource_tracker
 from rlsys.system.run_lock import RunDirLock
 from rlsys.system.shm_sweep import sweep_shared_memory
 from rlsys.system.topology import Topology
@@ -244,6 +245,7 @@ def run(config: RunConfig) -> Path:
     if checkpoint is not None:
         refuse_incompatible_checkpoint(checkpoint, config)
     lock, log = _open_run_dir(config, run_dir, resuming=checkpoint is not None)
+    start_resource_tracker(run_dir / "logs" / "resource_tracker.log")  # before the reward pool registers anything
     logger.info("run directory %s", run_dir.resolve())
     logger.info("data: %s", _describe_data(assets))
     if note := repeated_prompts_note(config.data.prompts_per_step, len(assets.train)):
