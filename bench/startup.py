@@ -14,6 +14,10 @@ started once, before the rounds (`engines_up_s`).
 Per run: `to_training_s`, the seconds from the command to its "training (started in ...)" line
 (the first step begins right after); and the time of each start-up line (driver ready, Ray, trainer
 ranks, engines, first weights), read as the lines arrive, so the note can say where the seconds go.
+`cpu_s`: the CPU-seconds each kind of process spent from the command to that line (the driver, its
+trainer ranks, the engines' processes, Ray's), from psutil: what a machine's cores must do before
+the first step however well it overlaps, so `cpu_floor_s` = their sum / the machine's cores is the
+shortest start this process layout can have here.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parent.parent
 RLSYS = REPO / ".venv" / "bin" / "rlsys"
 MARKS = {  # start-up line -> its name in the timeline
@@ -37,23 +43,56 @@ MARKS = {  # start-up line -> its name in the timeline
 }
 
 
+def _kind(command: str) -> str | None:
+    if "TrainerWorker" in command:
+        return "trainer_ranks"
+    if "sglang" in command or "RolloutEngine" in command or "EngineService" in command:
+        return "engines"
+    if "ray" in command or "raylet" in command or "gcs_server" in command:
+        return "ray"
+    if "multiprocessing" in command or "rlsys.system.reaper" in command:
+        return "driver_helpers"  # the reward workers, the resource tracker, the reaper
+    return None
+
+
+def _cpu_seconds() -> dict[int, tuple[str | None, float]]:
+    """Per process of this machine: its kind (`_kind`) and the CPU-seconds it has used."""
+    seen = {}
+    for process in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        times = process.info["cpu_times"]
+        if times is not None:
+            seen[process.info["pid"]] = (_kind(" ".join(process.info["cmdline"] or [])), times.user + times.system)
+    return seen
+
+
 def timed_run(model: Path, run_dir: Path, *overrides: str) -> dict:
-    """One quickstart step; the seconds from the command to each start-up line."""
+    """One quickstart step; the seconds from the command to each start-up line, and the CPU-seconds
+    spent until the first step by kind of process."""
     command = [str(RLSYS), "train", str(REPO / "configs" / "quickstart.yaml"), f"model.path={model}",
                f"run_dir={run_dir}", "logging.progress_bar=false", "status.port=0", "trainer.total_steps=1",
                "eval.interval=1000", *overrides]
+    before = _cpu_seconds()
     start = time.monotonic()
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    timeline, lines = {}, []
+    driver = psutil.Process(process.pid)
+    timeline, lines, cpu_s = {}, [], {}
     for line in process.stdout:
         lines.append(line)
         for mark, name in MARKS.items():
             if mark in line and name not in timeline:
                 timeline[name] = round(time.monotonic() - start, 2)
+        if "training (started" in line and not cpu_s:
+            times = driver.cpu_times()
+            cpu_s["driver"] = times.user + times.system
+            for pid, (kind, used) in _cpu_seconds().items():
+                if kind is not None and pid != process.pid:
+                    cpu_s[kind] = cpu_s.get(kind, 0.0) + used - before.get(pid, (kind, 0.0))[1]
+            cpu_s = {kind: round(value, 2) for kind, value in cpu_s.items()}
     if process.wait() != 0:
         raise RuntimeError(f"rlsys train failed ({process.returncode}):\n{''.join(lines)[-3000:]}")
     return {"to_training_s": timeline.get("training"), "exit_s": round(time.monotonic() - start, 2),
-            "timeline": timeline}
+            "timeline": timeline, "cpu_s": cpu_s,
+            "cpu_floor_s": round(sum(cpu_s.values()) / (os.cpu_count() or 1), 2)}
 
 
 def main() -> None:
