@@ -43,7 +43,7 @@ class PolicyLoss(Section):
 
     name: str = Field(description="The loss.")
 
-    summary: ClassVar[str] = ""  # one line for the configuration reference: the formula, whose method
+    summary: ClassVar[str] = ""  # one line for the configuration reference: its formula, what it does
     aggregation: ClassVar[str] = "token-mean"  # its own loss_agg_mode (TRL 1.16's pairing), used when unset
     one_ratio_per_sequence: ClassVar[bool] = False  # clips one ratio per sequence: seq_clip_fraction is logged
     whole_sequence: ClassVar[bool] = False  # needs sums over whole sequences (context parallelism splits them)
@@ -99,7 +99,7 @@ def fold_flat_loss_keys(algorithm: dict) -> dict:
     a loss's name, `_`, one of its parameters) -> the same with them inside `policy_loss`, each said
     as deprecated. A key of a loss the section does not use is dropped, as it had no effect."""
     flat = {key: (name, key[len(name) + 1:]) for key in algorithm for name, cls in POLICY_LOSSES.items()
-            if key.startswith(name + "_") and key[len(name) + 1:] in cls.model_fields}
+            if key.startswith(name + "_") and key[len(name) + 1:] in cls.model_fields.keys() - {"name"}}
     if not flat:
         return algorithm
     chosen = algorithm.get("policy_loss", "grpo")
