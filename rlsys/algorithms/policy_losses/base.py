@@ -9,6 +9,7 @@ No torch here: config.py imports this to validate a config, and a loss imports t
 from __future__ import annotations
 
 import logging
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import Field
@@ -51,12 +52,12 @@ class PolicyLoss(Section):
     def check(self, algorithm: AlgorithmSettings) -> None:
         """Raise ValueError naming what to change when the rest of `algorithm` does not fit this loss."""
 
+    @abstractmethod  # pydantic's model metaclass is an ABCMeta: a loss without `terms` cannot be built
     def terms(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: MicroBatch,
               algorithm: AlgorithmSettings, tis: ImportanceWeights | None) -> PolicyLossTerms:
         """log p, log p_old [B, T], the micro-batch (advantages, response_mask, spans), the algorithm
         section and the TIS weights (None: off) -> per-token loss and clip flags [B, T]. A loss that
         uses the TIS weights itself sets `tis_applied`; otherwise they multiply its loss."""
-        raise NotImplementedError
 
     def weight_metrics(self, mean_weight: float) -> dict[str, float]:
         """Metrics from the mean over loss tokens of the per-token `weight` its terms return, if any."""
