@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from rlsys.actors.batching import MicroBatch, build_micro_batch, split_by_token_budget, split_evenly
 from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
@@ -60,6 +60,7 @@ from rlsys.records import TrainSequence
 from rlsys.system.backend import engine_dtype, make_backend
 from rlsys.system.node import bind_gloo_to_node_address, node_address
 from rlsys.system.reaper import start_actor_reaper, stop_reaper
+from rlsys.system.rendezvous import ReservedPort, rank_store
 from rlsys.system.stacks import answer_stack_signal
 from rlsys.system.topology import Topology
 from rlsys.weight_sync.colocated import StagingBuffer
@@ -190,6 +191,7 @@ class TrainerWorker:
         self.gather_scratch = StagingBuffer(share_memory=False)  # ranks that only join all-gathers
         self.context_parallel = None  # this rank's CP group (setup), None without context parallelism
         self.profiler = RankProfiler(self.backend, rank)  # records only between start_profile and stop_profile
+        self.reserved_port: ReservedPort | None = None  # rank 0's, from rendezvous_address until setup
 
     # ---- set-up -------------------------------------------------------------------------
     def node_address(self) -> str:
@@ -202,18 +204,18 @@ class TrainerWorker:
         return os.getpid(), ray.get_runtime_context().get_node_id(), node_address()
 
     def rendezvous_address(self) -> tuple[str, int]:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return node_address(), sock.getsockname()[1]
+        """Where the group meets (called on rank 0): a port this rank holds until `setup` serves the
+        group's store on it, so no other process can take it in between (system/rendezvous.py)."""
+        self.reserved_port = ReservedPort()
+        return node_address(), self.reserved_port.port
 
     def setup(self, master_address: str, master_port: int) -> None:
         os.environ.setdefault("MASTER_ADDR", master_address)
-        dist.init_process_group(
-            backend=self.backend.dist_backend,
-            init_method=f"tcp://{master_address}:{master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-        )
+        store = rank_store(self.rank, master_address, master_port, self.world_size, default_pg_timeout,
+                           self.reserved_port)
+        self.reserved_port = None
+        dist.init_process_group(backend=self.backend.dist_backend, store=store, rank=self.rank,
+                                world_size=self.world_size)
         t = self.spec.trainer
         check_context_parallel(t, self.spec.algorithm)  # a RunConfig checked it; a spec built directly too
         self.context_parallel = new_context_parallel_groups(self.world_size, self.rank, t.context_parallel_size,

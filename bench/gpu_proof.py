@@ -34,7 +34,6 @@ import math
 import multiprocessing
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -139,12 +138,6 @@ class Proof:
 
 
 # ---- building blocks ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def build_random_model(directory: Path, fields: dict, device: torch.device) -> Path:
     """A random-init model of `fields`' architecture saved in bf16 (initialised on the device: a
     1.5B model's init takes seconds there, minutes on a CPU)."""
@@ -306,7 +299,7 @@ def check_trainer_steps(proof: Proof, fields: dict) -> None:
     spec = TrainerSpec.from_config(config, has_gpu=proof.gpu)
     tick = time.perf_counter()
     worker = InspectableTrainerWorker(spec, rank=0, world_size=1)  # full_state_dict for the sync's check
-    worker.setup("127.0.0.1", free_port())
+    worker.setup(*worker.rendezvous_address())
     proof.worker = worker
     fields["setup_s"] = round(time.perf_counter() - tick, 2)
     fields["describe"] = worker.describe()

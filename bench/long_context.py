@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import json
 import logging
 import os
@@ -86,14 +85,6 @@ MMAP_THRESHOLD = 256 * 2**10
 WHAT_IF_LOGPROB_CHUNK_TOKENS = 128
 
 log = logging.getLogger("bench.long_context")
-
-
-def _free_port() -> int:
-    """bench/memory.py's `_free_ports` (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_memory", REPO / "bench" / "memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._free_ports(1)[0]
 
 
 def build_model(directory: Path) -> Path:
@@ -239,7 +230,7 @@ def _longest_under(worker, probe: PeakProbe, budget: int, start: int, cp: int, s
     return {"length": good, "shortest_over": bad, "probes": probes}
 
 
-def _rank(rank: int, job: dict, results: str) -> None:
+def _rank(rank: int, job: dict, meeting, results: str) -> None:
     """One rank of a CP group: a warm-up step, STEPS measured steps at `job["length"]`, then the
     search when the job has a budget."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s   rank {rank}: %(message)s", stream=sys.stderr)
@@ -252,7 +243,11 @@ def _rank(rank: int, job: dict, results: str) -> None:
         max_tokens_per_microbatch=SEARCH_MAX, logprob_chunk_tokens=job["logprob_chunk_tokens"],
         gradient_checkpointing=job["checkpointing"], threads_per_rank=max(1, CORES // cp)))
     worker = TrainerWorker(spec, rank=rank, world_size=cp)
-    worker.setup("127.0.0.1", job["port"])
+    if rank == 0:  # rank 0 holds the group's port until its store serves it (rlsys/system/rendezvous.py)
+        address = worker.rendezvous_address()
+        for _ in range(cp - 1):
+            meeting.put(address)
+    worker.setup(*(address if rank == 0 else meeting.get()))
     worker.train_step([[_sequence(WARMUP_LENGTH)]])
     probe = PeakProbe()
     probe.install()
@@ -279,7 +274,7 @@ def run_group(model_dir: Path, cp: int, style: str, checkpointing: bool, length:
     import torch.multiprocessing as mp
 
     job = dict(model_dir=str(model_dir), cp=cp, style=style, checkpointing=checkpointing, length=length,
-               port=_free_port(), budget=budget, logprob_chunk_tokens=logprob_chunk_tokens)
+               budget=budget, logprob_chunk_tokens=logprob_chunk_tokens)
     log.info("CP %d %s, gradient checkpointing %s, %d tokens%s%s", cp, style, "on" if checkpointing else "off",
              length, "; then the longest under " + (f"{budget / 2**20:.0f} MiB" if budget != "own" else "its own peak")
              if budget else "",
@@ -287,7 +282,8 @@ def run_group(model_dir: Path, cp: int, style: str, checkpointing: bool, length:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as results:
         try:
-            mp.start_processes(_rank, args=(job, results), nprocs=cp, start_method="spawn")
+            meeting = mp.get_context("spawn").SimpleQueue()  # where rank 0 tells the others its port
+            mp.start_processes(_rank, args=(job, meeting, results), nprocs=cp, start_method="spawn")
         except mp.ProcessExitedException as error:
             # Seen once in gloo's teardown ("terminate called without an active exception"), after
             # every rank had written its figures: those stand; a rank that died earlier has none.

@@ -43,11 +43,11 @@ os.environ.update(MASTER_ADDR="127.0.0.1")
 from rlsys.records import TrainSequence
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker, peak_resident_bytes
 from rlsys.config import ModelConfig, TrainerConfig
-model_dir, chunk, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model_dir, chunk = sys.argv[1], int(sys.argv[2])
 spec = TrainerSpec(ModelConfig(path=model_dir), TrainerConfig(
     num_ranks=1, lr=1e-4, packing=True, max_tokens_per_microbatch=4096, logprob_chunk_tokens=chunk))
 worker = TrainerWorker(spec, rank=0, world_size=1)
-worker.setup("127.0.0.1", port)
+worker.setup(*worker.rendezvous_address())
 rng = random.Random(0)
 batch = [TrainSequence([rng.randrange(3, 150000) for _ in range(256)], prompt_len=32,
                        advantage=rng.uniform(-1, 1)) for _ in range(8)]
@@ -55,18 +55,6 @@ before = psutil.Process().memory_info().rss
 worker.train_step([batch])
 print(json.dumps({"rise_bytes": peak_resident_bytes() - before}))
 """
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct free ports (each held open until all are chosen)."""
-    import socket
-    from contextlib import ExitStack
-
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
 
 
 def load_peaks(model_dir: Path) -> dict:
@@ -98,10 +86,10 @@ def train_step_peaks(work: Path) -> dict:
     _make_large_vocab_model(model_dir)
     # Both variants at once, each in its own process: a peak is the process's own (ru_maxrss of its
     # address space), and most of each run is a single-threaded start-up (imports).
-    variants = {chunk: subprocess.Popen([sys.executable, "-c", _TRAIN_STEP, str(model_dir), str(chunk), str(port)],
+    variants = {chunk: subprocess.Popen([sys.executable, "-c", _TRAIN_STEP, str(model_dir), str(chunk)],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                                         env={**os.environ, "OMP_NUM_THREADS": "2"})
-                for chunk, port in zip((CHUNK, 0), _free_ports(2), strict=True)}
+                for chunk in (CHUNK, 0)}
     rises = {}
     for chunk, process in variants.items():
         out, err = process.communicate()

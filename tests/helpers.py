@@ -52,6 +52,39 @@ def trainer_groups(*groups: tuple) -> list:
     return started
 
 
+def meeting_queue():
+    """What ranks a test spawns meet through (`meet`): create it in the test, pass it to each rank."""
+    import multiprocessing
+
+    return multiprocessing.get_context("spawn").SimpleQueue()
+
+
+def meet(rank: int, world: int, queue, reserve) -> tuple[str, int]:
+    """Where a group of spawned ranks meets, as a run's ranks do (actors/group.py): rank 0 reserves
+    the port (`reserve()` -> (address, port), held until its store serves it, so no other process
+    can take it in between) and tells the others through `queue` (`meeting_queue`)."""
+    if rank == 0:
+        address, port = reserve()
+        for _ in range(world - 1):
+            queue.put((address, port))
+        return address, port
+    return queue.get()
+
+
+def join_gloo_group(rank: int, world: int, queue) -> None:
+    """The default gloo group of spawned ranks, met through `meet` (rlsys/system/rendezvous.py)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rlsys.system.rendezvous import ReservedPort, rank_store
+
+    reserved = ReservedPort("127.0.0.1") if rank == 0 else None
+    address, port = meet(rank, world, queue, lambda: ("127.0.0.1", reserved.port))
+    store = rank_store(rank, address, port, world, timedelta(minutes=5), reserved)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
 def random_sequences(seed: int, count: int, prompt_lens: tuple[int, int] = (2, 9),
                      response_lens: tuple[int, int] = (1, 12), vocab: int = 80) -> list:
     """`count` TrainSequences of random tokens (ids 3..vocab-1), lengths drawn from the inclusive

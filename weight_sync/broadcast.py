@@ -15,7 +15,6 @@ Order, chosen so that nothing can wait forever:
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from rlsys.system.backend import Backend
+from rlsys.system.rendezvous import ReservedPort, rank_store
 from rlsys.weight_sync.buckets import WeightBucket
 from rlsys.weight_sync.call_queue import EngineCallQueue
 from rlsys.weight_sync.colocated import StagingSlots
@@ -58,13 +58,13 @@ class WeightSyncTimeout(TimeoutError):
 
 
 def new_custom_process_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                             group_name: str, timeout: timedelta):
-    """A process group outside the default one, rendezvousing exactly as SGLang's engine side does
-    (tcp:// rendezvous, PrefixStore(group_name), torch's group helper), so the two always match."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+                             group_name: str, timeout: timedelta, reserved: ReservedPort | None = None):
+    """A process group outside the default one, meeting as SGLang's engine side does (a `tcp://`
+    store at master_address:master_port, PrefixStore(group_name), torch's group helper), so the two
+    always match. Rank 0 serves the store, on `reserved` when it holds that port."""
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
+    store = rank_store(rank, master_address, master_port, world_size, timeout, reserved)
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
@@ -168,9 +168,8 @@ class BroadcastWeightSender:
         self._staging.release()
 
     def connect(self) -> None:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
+        reserved = ReservedPort()  # held until this rank's store serves it: no one can take it meanwhile
+        port = reserved.port
         world_size = 1 + sum(e.tp_size for e in self.engines)
         calls, offset = _Calls(), 1
         for engine in self.engines:
@@ -181,7 +180,7 @@ class BroadcastWeightSender:
         try:
             self.group = new_custom_process_group(
                 self.backend.dist_backend, self.master_address, port, 0, world_size, self.group_name,
-                timedelta(seconds=self.timeout_s),
+                timedelta(seconds=self.timeout_s), reserved,
             )
         except Exception as error:  # noqa: BLE001 - the store raises a generic error on timeout
             outcome = calls.wait(1.0)

@@ -45,6 +45,7 @@ class NodeAgent:
     def __init__(self, has_gpu: bool):
         self.has_gpu = has_gpu
         self._listener: socket.socket | None = None
+        self._reserved = None  # the group store's port, held from free_port until collectives serves it
 
     def node(self) -> tuple[str, str]:
         """(Ray node id, node address)."""
@@ -79,11 +80,13 @@ class NodeAgent:
         return time.time()
 
     def free_port(self) -> int:
-        """A free port on this node's address (for the group's store, which rank 0 opens)."""
-        from rlsys.rollout.sglang.server import find_free_port
+        """A port on this node's address for the group's store, which rank 0 serves: held until then,
+        as the run's trainer rank 0 holds its own (system/rendezvous.py)."""
         from rlsys.system.node import node_address
+        from rlsys.system.rendezvous import ReservedPort
 
-        return find_free_port(node_address())
+        self._reserved = ReservedPort(node_address())
+        return self._reserved.port
 
     def collectives(self, master: str, port: int, rank: int, world: int, nbytes: int, repeats: int,
                     timeout_s: float) -> CollectiveResult:
@@ -96,12 +99,15 @@ class NodeAgent:
 
         from rlsys.system.backend import make_backend
         from rlsys.system.node import bind_gloo_to_node_address, node_address
+        from rlsys.system.rendezvous import rank_store
 
         backend = make_backend(self.has_gpu)
         bind_gloo_to_node_address(node_address())
         device = backend.device()
-        dist.init_process_group(backend.dist_backend, init_method=f"tcp://{master}:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s),
+        timeout = timedelta(seconds=timeout_s)
+        store = rank_store(rank, master, port, world, timeout, self._reserved)
+        self._reserved = None
+        dist.init_process_group(backend.dist_backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 **({"device_id": device} if self.has_gpu else {}))
         try:
             tensor = torch.full((nbytes // 4,), float(rank + 1), dtype=torch.float32, device=device)

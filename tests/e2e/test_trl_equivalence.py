@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 
 import pytest
 import torch
@@ -198,15 +197,12 @@ def _trl_steps(model_dir, trl_fields: dict, prompts, completions, rewards, engin
 def _rlsys_steps(model_dir, algorithm_fields: dict, sequences):
     """rlsys's step on the batch in one in-process trainer rank (world size 1, fp32: the model whole,
     as TRL holds it): (metrics, recorded gradients, params)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     spec = trainer_spec(model_dir, lr=LR, grad_clip=1e9, mini_batches_per_step=2, total_steps=1,
                         betas=(0.9, 0.999), weight_decay=0.0, **algorithm_fields)
     environment, threads = dict(os.environ), torch.get_num_threads()  # a rank sets both for its process
     worker = TrainerWorker(spec, 0, 1)
     try:
-        worker.setup("127.0.0.1", port)
+        worker.setup(*worker.rendezvous_address())
         recorded = _Recorded(worker.model, worker.optimizer)
         metrics = worker.train_step(global_mini_batches(sequences, spec))
         return metrics, recorded.steps, {n: p.detach().clone() for n, p in worker.model.named_parameters()}

@@ -200,15 +200,15 @@ def group_with_silent_peer():
     import sys
     from datetime import timedelta
 
+    from rlsys.system.rendezvous import ReservedPort
     from rlsys.weight_sync.broadcast import new_custom_process_group
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    reserved = ReservedPort("127.0.0.1")
+    port = reserved.port
     name = f"silent-{port}"
     peer = subprocess.Popen([sys.executable, "-c", _SILENT_PEER, str(port), name])
     try:
-        yield new_custom_process_group("gloo", "127.0.0.1", port, 0, 2, name, timedelta(seconds=5))
+        yield new_custom_process_group("gloo", "127.0.0.1", port, 0, 2, name, timedelta(seconds=5), reserved)
     finally:
         peer.kill()
         peer.wait()

@@ -12,7 +12,6 @@ mutation test).
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from rlsys.actors.context_parallel import (
     padded_length,
     zigzag_positions,
 )
+from tests.helpers import join_gloo_group, meeting_queue
 
 ATOL = 1e-5
 LENGTHS = [7, 12, 1, 20]  # odd lengths: padded to a multiple of 2 x CP
@@ -64,8 +64,8 @@ def _local(full: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def _rank(rank: int, size: int, port: int, style: str, swap_chunks: bool, results):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+def _rank(rank: int, size: int, queue, style: str, swap_chunks: bool, results):
+    join_gloo_group(rank, size, queue)
     try:
         from rlsys.actors import context_parallel
 
@@ -93,13 +93,11 @@ def _rank(rank: int, size: int, port: int, style: str, swap_chunks: bool, result
 
 
 def _run(size: int, style: str, swap_chunks: bool = False) -> dict:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_rank, args=(size, port, style, swap_chunks, results), nprocs=size, start_method="spawn")
+    mp.start_processes(_rank, args=(size, meeting_queue(), style, swap_chunks, results), nprocs=size,
+                       start_method="spawn")
     return {rank: {name: value.clone() for name, value in part.items()} for rank, part in results.items()}
 
 

@@ -9,12 +9,11 @@ its observations.
 """
 
 import json
-import socket
 
 import pytest
 import torch.multiprocessing as mp
 
-from tests.helpers import random_sequences, trainer_spec
+from tests.helpers import meet, meeting_queue, random_sequences, trainer_spec
 
 BUCKET_BYTES = 1024  # far below the embedding's size: the largest tensor travels alone
 
@@ -36,14 +35,14 @@ def _gathered(model) -> list[str]:
     return [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
 
 
-def _scenario(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+def _scenario(rank: int, world: int, queue, model_dir: str, out: str) -> None:
     from rlsys.actors.trainer import TrainerWorker
     from rlsys.weight_sync.colocated import ColocatedWeightSender
     from rlsys.weight_sync.sync import staging_buffer_bytes
 
     spec = trainer_spec(model_dir, use_kl_loss=True, kl_coef=0.1, mini_batches_per_step=2)
     worker = TrainerWorker(spec, rank, world)
-    worker.setup("127.0.0.1", port)
+    worker.setup(*meet(rank, world, queue, worker.rendezvous_address))
     sequences = random_sequences(rank, 4, vocab=worker.vocab_size())
     seen = {}
     worker.compute_log_probs(sequences)
@@ -74,10 +73,7 @@ def _scenario(rank: int, world: int, port: int, model_dir: str, out: str) -> Non
 @pytest.fixture(scope="module")
 def observed(tiny_model_dir, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("reshard")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_scenario, args=(2, port, str(tiny_model_dir), str(out)), nprocs=2, join=True)
+    mp.spawn(_scenario, args=(2, meeting_queue(), str(tiny_model_dir), str(out)), nprocs=2, join=True)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

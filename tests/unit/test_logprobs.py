@@ -103,7 +103,6 @@ def test_the_trainers_chunked_log_probs_equal_its_unchunked_path(tiny_model_dir)
     """Through the real model and its LogProbHead: chunked (7 tokens at a time) and unchunked
     log-probs of the same sequences agree to a few fp32 ulps of their magnitude."""
     import random
-    import socket
 
     from rlsys.actors.trainer import TrainerWorker
     from rlsys.records import TrainSequence
@@ -113,11 +112,8 @@ def test_the_trainers_chunked_log_probs_equal_its_unchunked_path(tiny_model_dir)
     sequences = [TrainSequence([rng.randrange(3, 80) for _ in range(40)], prompt_len=8) for _ in range(6)]
     results = {}
     for chunk in (7, 0):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         worker = TrainerWorker(trainer_spec(tiny_model_dir, num_ranks=1, logprob_chunk_tokens=chunk), 0, 1)
-        worker.setup("127.0.0.1", port)
+        worker.setup(*worker.rendezvous_address())
         try:
             results[chunk] = torch.tensor([lp for row in worker.compute_log_probs(sequences) for lp in row])
         finally:

@@ -221,7 +221,7 @@ def test_page_lock_registers_a_views_whole_storage_until_the_last_view_is_gone()
     assert locker.locked == {}
 
 
-def _reference_scenario(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+def _reference_scenario(rank: int, world: int, queue, model_dir: str, out: str) -> None:
     """A trainer rank with a reference model, as on a GPU host as far as page-locking goes (a
     recording locker stands in for cudaHostRegister)."""
     import json
@@ -230,14 +230,14 @@ def _reference_scenario(rank: int, world: int, port: int, model_dir: str, out: s
     import rlsys.actors.offload as offload_module
     import rlsys.actors.trainer as trainer_module
     from rlsys.actors.trainer import TrainerWorker
-    from tests.helpers import random_sequences, trainer_spec
+    from tests.helpers import meet, random_sequences, trainer_spec
 
     locker = RecordingLocker()
     offload_module.page_locker = lambda pin_memory: locker
     pin_host_shards = trainer_module.pin_host_shards
     trainer_module.pin_host_shards = lambda model, pin_memory: pin_host_shards(model, True)
     worker = TrainerWorker(trainer_spec(model_dir, use_kl_loss=True, kl_coef=0.1), rank, world)
-    worker.setup("127.0.0.1", port)
+    worker.setup(*meet(rank, world, queue, worker.rendezvous_address))
 
     def shard_storages() -> dict[int, int]:
         return {p.to_local().untyped_storage().data_ptr(): p.to_local().untyped_storage().nbytes()
@@ -259,17 +259,14 @@ def test_the_reference_models_host_shards_are_page_locked_in_place_at_their_padd
     a rank (the memory plan's dim-0 padding). Every shard FSDP streams the reference from is locked
     once, in place (no copy into torch's caching host allocator), and its forwards keep using it."""
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
+    from tests.helpers import meeting_queue
 
     model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(intermediate_size=129))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_reference_scenario, args=(2, port, str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_reference_scenario, args=(2, meeting_queue(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["locked"] == seen["loaded"] == seen["after_forward"]

@@ -215,7 +215,6 @@ def test_a_loss_added_as_one_class_runs_through_config_trainer_metrics_and_docs(
     """A new policy loss is one class and its registration: the config reads it and its parameter,
     resolves its own aggregation and writes it to config.yaml; a trainer rank trains on it and logs
     its metric; the configuration reference lists it. Nothing else is edited."""
-    import socket
     from typing import Literal
 
     from pydantic import Field
@@ -254,11 +253,8 @@ def test_a_loss_added_as_one_class_runs_through_config_trainer_metrics_and_docs(
                      TrainSequence([5, 9, 8, 7, 6, 5, 4], prompt_len=3, advantage=-0.5)]
         for sequence, weight in zip(sequences, sequence_loss_weights([3, 4], config.algorithm.aggregation), strict=True):
             sequence.loss_weight = weight
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         worker = TrainerWorker(TrainerSpec.from_config(config, has_gpu=False), 0, 1)
-        worker.setup("127.0.0.1", port)
+        worker.setup(*worker.rendezvous_address())
         try:
             logprobs = worker.compute_log_probs(sequences)  # before the step: what the loss sees
             metrics = worker.train_step([sequences])

@@ -9,7 +9,6 @@ import base64
 import json
 import os
 import pickle
-import socket
 import time
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlsys.weight_sync.engine_loader import END_OF_SYNC
+from tests.helpers import join_gloo_group, meeting_queue
 
 LOAD_S = 0.05  # each load takes this long: a rank writing too early would change what it reads
 
@@ -60,7 +60,7 @@ def _bytes(tensor: torch.Tensor) -> tuple:
     return tensor.dtype, tuple(tensor.shape), bytes(tensor.contiguous().reshape(-1).view(torch.uint8).tolist())
 
 
-def _scenario(rank: int, port: int, shm_dir: str, out: str) -> None:
+def _scenario(rank: int, queue, shm_dir: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -70,7 +70,7 @@ def _scenario(rank: int, port: int, shm_dir: str, out: str) -> None:
     from rlsys.weight_sync.shared_staging import SharedStaging
     from rlsys.weight_sync.sync import SyncPlan, sync_weights
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_gloo_group(rank, 2, queue)
     mesh = init_device_mesh("cpu", (2,))
     full = _full_tensors()
     params = [(name, tensor if name == "plain" else distribute_tensor(tensor, mesh, [Shard(0)]))
@@ -102,10 +102,7 @@ def _scenario(rank: int, port: int, shm_dir: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("shared-staging")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_scenario, args=(port, "/dev/shm", str(out)), nprocs=2, join=True)
+    mp.spawn(_scenario, args=(meeting_queue(), "/dev/shm", str(out)), nprocs=2, join=True)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

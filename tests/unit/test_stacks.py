@@ -12,12 +12,17 @@ import psutil
 from rlsys.system.stacks import ProcessRef, _py_spy_dump, collect_stacks, read_frames, summarize
 
 # Rank 1 stops itself (SIGSTOP) before the all-reduce; rank 0 waits inside it.
+# Rank 0 reserves the group's port and prints it (rlsys/system/rendezvous.py); rank 1 is given it.
 RANK = """
 import os, signal, sys, torch, torch.distributed as dist
 from datetime import timedelta
+from rlsys.system.rendezvous import ReservedPort, rank_store
 rank = int(sys.argv[1])
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
-                        timeout=timedelta(seconds=120))
+reserved = ReservedPort("127.0.0.1") if rank == 0 else None
+port = reserved.port if rank == 0 else int(sys.argv[2])
+print(port, flush=True)
+store = rank_store(rank, "127.0.0.1", port, 2, timedelta(seconds=120), reserved)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=120))
 print("joined", flush=True)
 def step():
     if rank == 1:
@@ -57,12 +62,11 @@ def test_frames_name_the_collective_and_where_rlsys_called_it():
 
 
 def test_a_stopped_rank_and_the_rank_waiting_for_it_in_a_collective_are_told_apart(tmp_path):
-    with __import__("socket").socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(port)], stdout=subprocess.PIPE, text=True)
-             for rank in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, "0"], stdout=subprocess.PIPE, text=True)]
+    port = ranks[0].stdout.readline().strip()
+    ranks.append(subprocess.Popen([sys.executable, "-c", RANK, "1", port], stdout=subprocess.PIPE, text=True))
     try:
+        assert ranks[1].stdout.readline().strip() == port
         for rank in ranks:
             assert rank.stdout.readline().strip() == "joined"
         deadline = time.monotonic() + 60
