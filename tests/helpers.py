@@ -85,6 +85,29 @@ def join_gloo_group(rank: int, world: int, queue) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
+def ports_outside_the_ephemeral_range(count: int) -> list[int]:
+    """`count` distinct ports, free now, for a program that binds them itself later (`ray start`'s):
+    drawn below the kernel's ephemeral range, which every outgoing connection takes its local port
+    from (a port from bind(0) lies in it and can be taken by any connection before the program binds
+    it), and above Ray's worker ports (10002-19999)."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = random.Random().sample(range(20000, low), min(low - 20000, 50 * count))
+    ports = []
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError(f"not {count} free ports in 20000-{low - 1}")
+
+
 def random_sequences(seed: int, count: int, prompt_lens: tuple[int, int] = (2, 9),
                      response_lens: tuple[int, int] = (1, 12), vocab: int = 80) -> list:
     """`count` TrainSequences of random tokens (ids 3..vocab-1), lengths drawn from the inclusive
@@ -111,19 +134,21 @@ def train_command(config: str, model_dir: Path, run_dir: Path, *overrides: str) 
 
 @contextmanager
 def served_run_dir(run_dir: Path):
-    """`rlsys serve RUN_DIR` on a free port, answering; yields its URL."""
-    import socket
+    """`rlsys serve RUN_DIR` on a port it picks itself (--port 0: none chosen here can be taken before
+    it binds), answering; yields its URL, read from its "serving ... at URL/" line."""
+    import re
     import subprocess
     import time
     import urllib.request
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "rlsys.cli", "serve", str(run_dir), "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "rlsys.cli", "serve", str(run_dir), "--port", "0"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
     try:
+        said = ""
+        while not (found := re.search(r" at (http://\S+?)/?$", said.strip())):
+            said = server.stdout.readline()
+            assert said, f"rlsys serve ended without saying where it serves (exit {server.wait()})"
+        url = found.group(1)
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -4,7 +4,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,10 +56,6 @@ def _chromium(*args: str) -> str:
                     reason="Debian's chromium is not installed (make test installs it)")
 def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
     assert CHROMIUM, "CI must have Debian's chromium: `make test` installs it with apt-get"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
     # a named eval set (eval.datasets) gets a chart of its own
     (tmp_path / "held_out.jsonl").write_text("".join(f'{{"prompt": "{d} {d + 1} {d + 2}>", "label": "{d + 2}"}}\n'
                                                      for d in range(7)))
@@ -69,21 +64,23 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address, quick
     run = subprocess.Popen(
         [sys.executable, "-m", "rlsys.cli", "train", str(REPO / "configs/quickstart.yaml"),
          f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "logging.progress_bar=false",
-         "trainer.total_steps=400", "eval.interval=5", f"status.port={port}", "status.token=let-me-in", eval_set,
+         "trainer.total_steps=400", "eval.interval=5", "status.port=0", "status.token=let-me-in", eval_set,
          ray_address, quickstart_engines],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "RLSYS_STATUS_TOKEN": ""},
     )
     try:
         deadline = time.monotonic() + 600
+        url = None  # the server picks its port (status.port=0) and the run's status.json says which
         while True:
             assert run.poll() is None, run.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the run never finished 6 steps"
             try:
-                status = _get(f"{url}/api/v1/status")
+                url = url or json.loads((tmp_path / "run" / "status.json").read_text()).get("status_url")
+                status = _get(f"{url}/api/v1/status") if url else {"step": -1}
                 if status["step"] >= 6:
                     break
-            except OSError:
+            except (OSError, ValueError):  # no status.json yet, or its server not answering yet
                 pass
             time.sleep(0.5)
         assert status["state"] in ("rollout", "training", "syncing", "evaluating")

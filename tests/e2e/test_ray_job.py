@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,21 +13,9 @@ import psutil
 import pytest
 
 from rlsys.observability.metrics import read_metrics
-from tests.helpers import REPO
+from tests.helpers import REPO, ports_outside_the_ephemeral_range
 
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets, ports = [], []
-    for _ in range(count):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sockets.append(sock)
-        ports.append(sock.getsockname()[1])
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def _stop_head(temp_dir: str) -> None:
@@ -56,7 +43,8 @@ def _stop_head(temp_dir: str) -> None:
 @pytest.fixture
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths have a length limit
-    gcs, dashboard, agent, agent_grpc, client, metrics, node_manager, object_manager, runtime_env = _free_ports(9)
+    ports = ports_outside_the_ephemeral_range(9)  # ray start binds them itself, seconds later
+    gcs, dashboard, agent, agent_grpc, client, metrics, node_manager, object_manager, runtime_env = ports
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     subprocess.run(
