@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
 from rlsys.actors.batching import MicroBatch, build_micro_batch, split_by_token_budget, split_evenly
 from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
@@ -211,8 +211,9 @@ class TrainerWorker:
 
     def setup(self, master_address: str, master_port: int) -> None:
         os.environ.setdefault("MASTER_ADDR", master_address)
-        store = rank_store(self.rank, master_address, master_port, self.world_size, default_pg_timeout,
-                           self.reserved_port)
+        # torch's default for the backend, which its tcp:// rendezvous gave the store too (NCCL 10 min)
+        timeout = (default_pg_nccl_timeout if self.backend.dist_backend == "nccl" else None) or default_pg_timeout
+        store = rank_store(self.rank, master_address, master_port, self.world_size, timeout, self.reserved_port)
         self.reserved_port = None
         dist.init_process_group(backend=self.backend.dist_backend, store=store, rank=self.rank,
                                 world_size=self.world_size)
