@@ -71,7 +71,7 @@ iptables:
 		apt-get install -y -qq iptables >/dev/null) || echo "rlsys: could not install iptables"
 
 test: install chromium iptables
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # The `gpu`-marked tests (they skip without CUDA), then the one-GPU smoke run.
 test-gpu:

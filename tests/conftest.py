@@ -34,8 +34,9 @@ def ray_cluster() -> str:
     from rlsys.system.cluster import ACTOR_ENV
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # Logical CPUs: the standing engine sets hold their placement bundles for the whole session.
-    ray.init(address="local", num_cpus=24, include_dashboard=False, log_to_driver=False,
+    # Logical CPUs: the standing engine sets hold their placement bundles while they stand (a colocated
+    # set of 2 ranks holds 4), beside the runs and trainer groups the tests start.
+    ray.init(address="local", num_cpus=64, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": ACTOR_ENV})
     yield ray.get_runtime_context().gcs_address
     _stop_standing_engines()
@@ -67,6 +68,15 @@ def standing_set(name: str, config: str, overrides: list[str], log_dir: Path) ->
     return f"rollout.attach={name}"
 
 
+def stop_standing_set(name: str) -> None:
+    """Stop standing set NAME when the tests of its identity are done (a set used by one module only
+    need not hold its memory for the rest of the session)."""
+    if _STANDING.pop(name, None) is not None:
+        from rlsys.run.standing_engines import engines_down
+
+        engines_down(name, force=True)
+
+
 @pytest.fixture(scope="session")
 def quickstart_engines(ray_cluster, tiny_model_dir, tmp_path_factory) -> str:
     """Standing engines for configs/quickstart.yaml on the tiny model (colocated, 2 trainer ranks,
@@ -79,9 +89,26 @@ def quickstart_engines(ray_cluster, tiny_model_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def disaggregated_engines(ray_cluster, tiny_model_dir, tmp_path_factory) -> str:
     """Standing engines for configs/quickstart_disaggregated.yaml with one trainer rank and one
-    engine, on the tiny model: the override that attaches a run to them."""
+    engine, on the tiny model, with a context of DISAGGREGATED_CONTEXT tokens (room for long answers):
+    the override that attaches a run to them (a run also sets rollout.engine.context_length to it)."""
     return standing_set("disaggregated", "quickstart_disaggregated.yaml",
-                        [f"model.path={tiny_model_dir}", "trainer.num_ranks=1", "rollout.num_engines=1"],
+                        [f"model.path={tiny_model_dir}", "trainer.num_ranks=1", "rollout.num_engines=1",
+                         f"rollout.engine.context_length={DISAGGREGATED_CONTEXT}"],
+                        tmp_path_factory.getbasetemp() / "standing-engines")
+
+
+# The disaggregated set's context: the long-tailed copy task's (bench/long_tail.py), whose runs share it.
+DISAGGREGATED_CONTEXT = 320
+
+
+@pytest.fixture(scope="session")
+def bf16_engines(ray_cluster, tiny_model_dir, tmp_path_factory) -> str:
+    """Standing engines for configs/quickstart.yaml whose SGLang computes in bf16
+    (rollout.engine.extra_args) while the model and trainers are fp32: a behaviour policy that
+    differs from the trainer's by bf16 rounding. For bf16 weight sync and the corrections of a
+    mismatched engine; the override that attaches a run to them."""
+    return standing_set("bf16", "quickstart.yaml",
+                        [f"model.path={tiny_model_dir}", "rollout.engine.extra_args=[--dtype, bfloat16]"],
                         tmp_path_factory.getbasetemp() / "standing-engines")
 
 
@@ -93,7 +120,8 @@ class _StartCounter:
         import threading
 
         self.seen: dict[str, set] = {"sglang": set(), "ray": set()}
-        self.test = "(session start)"  # the test running now (pytest_runtest_logstart), whom a start is charged to
+        self.test = "(session start)"  # the test running now (pytest_runtest_setup), whom a start is charged to
+        self.own_engines: set[str] = set()  # tests marked own_engines (not charged to the shared budget)
         self.by_test: dict[str, dict[str, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="start-counter")
@@ -137,17 +165,34 @@ def pytest_runtest_setup(item):
     counter = getattr(item.config, "_rlsys_starts", None)
     if counter is not None:  # before the test's fixtures: a session set's starts go to its first user
         counter.test = item.nodeid
+        if item.get_closest_marker("own_engines") is not None:
+            counter.own_engines.add(item.nodeid)
+
+
+# SGLang starts the suite may spend outside the tests whose subject is an engine's start-up, death or
+# cleanup (marked own_engines): every other test shares the session's engine sets (docs/design.md).
+SHARED_START_BUDGET = 12
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """What the suite started, and which test started it (its budget: SHARED_START_BUDGET)."""
     counter = getattr(config, "_rlsys_starts", None)
-    if counter is not None:
-        counts = counter.stop()
-        if os.environ.get("RLSYS_START_REPORT"):  # which tests started what (the suite's start-up budget)
-            for test, started in sorted(counter.by_test.items(), key=lambda item: -item[1]["sglang"]):
-                terminalreporter.write_line(f"rlsys starts: {started['sglang']} SGLang, {started['ray']} Ray: {test}")
-        terminalreporter.write_line(f"rlsys: this session started {counts['sglang']} SGLang server(s) and "
-                                    f"{counts['ray']} Ray cluster(s)")
+    if counter is None:
+        return
+    counts = counter.stop()
+    shared = 0
+    for test, started in sorted(counter.by_test.items(), key=lambda item: (-item[1]["sglang"], -item[1]["ray"])):
+        own = test in counter.own_engines
+        shared += 0 if own else started["sglang"]
+        terminalreporter.write_line(f"rlsys starts: {started['sglang']} SGLang, {started['ray']} Ray: {test}"
+                                    + (" (own_engines)" if own else ""))
+    terminalreporter.write_line(
+        f"rlsys: this session started {counts['sglang']} SGLang server(s) and {counts['ray']} Ray cluster(s); "
+        f"{shared} SGLang start(s) outside the own_engines tests (budget {SHARED_START_BUDGET})")
+    if shared > SHARED_START_BUDGET:
+        terminalreporter.write_line(f"rlsys: over the budget of {SHARED_START_BUDGET} shared SGLang starts: a test "
+                                    "that is not about an engine's own life should use the session's engine sets",
+                                    red=True, bold=True)
 
 
 @pytest.fixture(scope="session")
@@ -173,9 +218,26 @@ def leftovers(monkeypatch):
     return Leftovers(mark)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests run only where CUDA is available (they are skipped on the CPU machines)."""
+    """Tests filed by cost (docs/design.md): every test in tests/e2e is `slow` (it starts Ray, SGLang,
+    an `rlsys train` run, a browser or network namespaces), and a test in tests/unit that is marked
+    `slow` or asks for the session's Ray cluster is refused: it belongs in tests/e2e. `gpu`-marked
+    tests run only where CUDA is available (they are skipped on the CPU machines)."""
     import torch
+
+    tests = Path(__file__).parent
+    ray_fixtures = {"ray_cluster", "ray_address", "quickstart_engines", "disaggregated_engines", "bf16_engines"}
+    for item in items:
+        path = Path(item.path)
+        if path.is_relative_to(tests / "e2e"):
+            item.add_marker(pytest.mark.slow)
+        elif path.is_relative_to(tests / "unit"):
+            uses = sorted(ray_fixtures.intersection(item.fixturenames))
+            if item.get_closest_marker("slow") is not None or uses:
+                why = f"uses {', '.join(uses)}" if uses else "is marked slow"
+                raise pytest.UsageError(f"{item.nodeid} {why}: it belongs in tests/e2e, not tests/unit "
+                                        "(tests filed by cost: docs/design.md)")
 
     if torch.cuda.is_available():
         return

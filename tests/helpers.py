@@ -164,6 +164,35 @@ def served_run_dir(run_dir: Path):
 
 
 @contextmanager
+def standing_rollout(name: str, log_dir: Path):
+    """The engines of the session's standing set `name` (tests/conftest.py `standing_set`) behind a
+    RolloutManager, leased to the test as a run leases them, each engine first given the model's own
+    weights at version 0 from disk: a test starts from the checkpoint whatever the last user of the
+    set left. On exit an engine the test killed is started again in its slot (a start charged to the
+    test that killed it), the engines are left ready (nothing in flight, no weight-update session
+    open) and the lease is released; they keep running for the next test."""
+    import ray
+
+    from rlsys.rollout.manager import RolloutManager
+    from rlsys.rollout.standing import Lease, engine_handle, service
+    from rlsys.run.standing_engines import revive_dead_engines
+
+    record = ray.get(service(name).record.remote())
+    lease = Lease.take(name, "test", str(log_dir))
+    rollout = RolloutManager(record.spec, record.topology.num_engines, str(log_dir), [], standing=record)
+    try:
+        rollout.wait_ready()
+        ray.get([engine.make_ready.remote() for engine in rollout.engines])
+        ray.get([engine.load_weights_from_disk.remote(record.model_path, 0) for engine in rollout.engines])
+        yield rollout
+    finally:
+        if revive_dead_engines(record):
+            rollout.engines = [engine_handle(record, index) for index in range(len(rollout.engines))]
+        rollout.shutdown()
+        lease.release()
+
+
+@contextmanager
 def started_run(config: str, model_dir: Path, run_dir: Path, *overrides: str, own_process_group: bool = False):
     """`rlsys train` running in the background (stdout/stderr piped); killed if still running at the end.
     `own_process_group`: the run leads a process group, as a command in a terminal's foreground does."""

@@ -301,7 +301,7 @@ def attach(config: RunConfig, topology: Topology, run_dir: Path, command: str) -
                        _env_text(config.placement.env))
     lease = Lease.take(name, command, str(run_dir))
     try:
-        revived = _revive_dead_engines(record)
+        revived = revive_dead_engines(record)
         states = ray.get([engine_handle(record, index).make_ready.remote()
                           for index in range(record.topology.num_engines)])
     except BaseException:
@@ -318,7 +318,7 @@ def _env_text(env: dict[str, str]) -> str:
     return " ".join(f"{name}={value}" for name, value in sorted(env.items())) or "none"
 
 
-def _revive_dead_engines(record: StandingRecord) -> list[int]:
+def revive_dead_engines(record: StandingRecord) -> list[int]:
     """Start again, in its slot, each engine of the set whose actor or server is gone."""
     from rlsys.rollout.manager import RolloutManager
 

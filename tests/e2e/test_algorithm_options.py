@@ -34,7 +34,6 @@ def _close(a: dict, b: dict) -> None:
         assert torch.allclose(a[name], b[name], atol=1e-5 * scale, rtol=1e-5), name
 
 
-@pytest.mark.slow
 def test_a_masked_sequence_contributes_nothing(groups):
     plain, _ = groups
     batch = _batch(0)
@@ -45,7 +44,6 @@ def test_a_masked_sequence_contributes_nothing(groups):
     _close(plain.loss_gradients(masked), plain.loss_gradients(without))
 
 
-@pytest.mark.slow
 def test_tis_weights_each_sequence_by_its_capped_engine_ratio(groups):
     """A deliberately perturbed engine: its log-probs are the trainer's minus delta_i for every
     token of sequence i, so rho = exp(delta_i). With one mini-batch the PPO ratio is 1 and the
@@ -70,12 +68,12 @@ def test_tis_weights_each_sequence_by_its_capped_engine_ratio(groups):
     assert "tis_weight_mean" not in plain.train_step(batch)
 
 
-@pytest.mark.slow
-def test_truncation_options_and_tis_run_end_to_end_against_a_bf16_engine(tmp_path, tiny_model_dir, ray_address):
+def test_truncation_options_and_tis_run_end_to_end_against_a_bf16_engine(tmp_path, tiny_model_dir, ray_address,
+                                                                            bf16_engines):
     """Responses of up to 3 tokens from an untrained model nearly all run to max_new_tokens: the
     engine's finish reason masks them (mask_truncated) and the overlong penalty scores them. The
     engine runs in bf16 against the fp32 trainer, so its log-probs differ (a deliberately
-    perturbed behaviour policy) and TIS weights are not all 1."""
+    perturbed behaviour policy) and TIS weights are not all 1 (the session's bf16 standing set)."""
     import subprocess
 
     from rlsys.observability.metrics import read_metrics
@@ -85,7 +83,8 @@ def test_truncation_options_and_tis_run_end_to_end_against_a_bf16_engine(tmp_pat
     result = subprocess.run(train_command(
         "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=4", "rollout.max_new_tokens=3",
         "algorithm.mask_truncated=true", "algorithm.overlong_penalty={buffer_tokens: 1, factor: 0.5}",
-        "algorithm.tis.enabled=true", "rollout.engine.extra_args=[--dtype, bfloat16]", ray_address),
+        "algorithm.tis.enabled=true", "rollout.engine.extra_args=[--dtype, bfloat16]", ray_address,
+        bf16_engines),
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")

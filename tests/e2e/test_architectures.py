@@ -17,14 +17,12 @@ import sys
 import pytest
 
 from rlsys.actors.group import TrainerGroup
-from rlsys.config import EngineConfig, ModelConfig
 from rlsys.records import TrainSequence
 from rlsys.rollout.manager import RolloutManager
-from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.run.verify import verify_engine_weights
 from rlsys.system.topology import Topology
 from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
-from tests.helpers import REPO, random_sequences, train_command, trainer_spec
+from tests.helpers import REPO, random_sequences, standing_rollout, train_command, trainer_spec
 
 # Qwen2, the default, goes through every other test: both transports in tests/e2e/test_weight_sync.py,
 # learning in tests/e2e/test_quickstart.py, export in tests/e2e/test_resume.py.
@@ -38,9 +36,25 @@ FIXED = [[5, 9, 14, 3, 7, 7, 20, 31], [40, 41, 42, 6, 6, 6], [12, 65, 13, 65, 14
 BOUND = 1e-3
 
 
-@pytest.fixture(scope="module", params=SERVED)
-def arch_model(request, tmp_path_factory):
-    return request.param, make_tiny_model(tmp_path_factory.mktemp(request.param), TinyModelSpec(arch=request.param))
+@pytest.fixture(scope="module")
+def served(ray_cluster, tmp_path_factory):
+    """`served(arch)`: (its tiny model, the override attaching a run to the standing set that serves it).
+    One set per architecture in configs/recipes/cispo.yaml's layout, started at the first test of the
+    architecture and shared by its tests (the sync checks and the learning run), stopped with the module."""
+    from tests.conftest import standing_set, stop_standing_set
+
+    made = {}
+
+    def served(arch: str) -> tuple:
+        if arch not in made:
+            model = make_tiny_model(tmp_path_factory.mktemp(arch), TinyModelSpec(arch=arch))
+            made[arch] = model, standing_set(f"arch-{arch}", "recipes/cispo.yaml", [f"model.path={model}"],
+                                             tmp_path_factory.getbasetemp() / "standing-engines")
+        return made[arch]
+
+    yield served
+    for arch in made:
+        stop_standing_set(f"arch-{arch}")
 
 
 def _engine_gap(rollout: RolloutManager, trainer: TrainerGroup) -> float:
@@ -49,33 +63,28 @@ def _engine_gap(rollout: RolloutManager, trainer: TrainerGroup) -> float:
     return max(abs(x - y) for a, b in zip(served, expected, strict=True) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.slow
-def test_one_engine_serves_what_two_sharded_ranks_hold_through_both_transports(arch_model, ray_cluster, tmp_path):
-    arch, model_dir = arch_model
-    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120)
-    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(model_dir)), engine), 1, str(tmp_path / "logs"),
-                             [{"num_cpus": 1}])
+@pytest.mark.parametrize("arch", SERVED)
+def test_one_engine_serves_what_two_sharded_ranks_hold_through_both_transports(arch, served, tmp_path):
+    model_dir, _ = served(arch)
     trainer = TrainerGroup(trainer_spec(model_dir, lr=1e-2), num_ranks=2)  # meta-device build, shard reads
     try:
-        rollout.wait_ready()
-        assert trainer.describe()["layout"] == "FSDP2"
-        assert _engine_gap(rollout, trainer) < BOUND, arch  # the same checkpoint, read two ways
-        for version, mode in enumerate(("colocated", "disaggregated"), start=1):
-            trainer.train_step(random_sequences(version, count=16, vocab=80))
-            assert _engine_gap(rollout, trainer) > 10 * BOUND  # the engine still serves the old weights
-            topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
-            trainer.connect_engines(topology, timeout_s=60)
-            trainer.sync_weights(16 * 2**20, weight_version=version)
-            assert _engine_gap(rollout, trainer) < BOUND, f"{arch}, {mode} sync"
-            assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
+        with standing_rollout(f"arch-{arch}", tmp_path / "logs") as rollout:
+            assert trainer.describe()["layout"] == "FSDP2"
+            assert _engine_gap(rollout, trainer) < BOUND, arch  # the same checkpoint, read two ways
+            for version, mode in enumerate(("colocated", "disaggregated"), start=1):
+                trainer.train_step(random_sequences(version, count=16, vocab=80))
+                assert _engine_gap(rollout, trainer) > 10 * BOUND  # the engine still serves the old weights
+                topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
+                trainer.connect_engines(topology, timeout_s=60)
+                trainer.sync_weights(16 * 2**20, weight_version=version)
+                assert _engine_gap(rollout, trainer) < BOUND, f"{arch}, {mode} sync"
+                assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
     finally:
-        rollout.shutdown()
         trainer.shutdown()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", DENSE)
-def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_path, ray_address):
+def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, served, tmp_path, ray_address):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,14 +92,15 @@ def test_the_quickstart_task_learns_and_exports_on_each_architecture(arch, tmp_p
     from rlsys.data.tasks import generate_task
     from rlsys.data.tokenizer import load_tokenizer
 
-    model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(arch=arch))
+    model_dir, attach = served(arch)  # the engine the sync test used: the run gives it its weights first
     run_dir = tmp_path / "run"
     # The CISPO recipe (two optimizer steps per batch): the quickstart's task and model size, learning in
     # fewer steps; this is also the recipe's own learning test. Qwen3's run splits every sequence over
     # its two ranks (context parallelism, ring): it must learn as the others do.
     split = ("trainer.context_parallel_size=2",) if arch == CONTEXT_PARALLEL_ARCH else ()
     result = subprocess.run(train_command("recipes/cispo.yaml", model_dir, run_dir, "trainer.total_steps=100",
-                                          "checkpoint.interval=100", "eval.stop_at_reward=0.9", ray_address, *split),
+                                          "checkpoint.interval=100", "eval.stop_at_reward=0.9", ray_address, attach,
+                                          *split),
                             cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

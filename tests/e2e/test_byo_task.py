@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import REPO
 
 
@@ -20,7 +18,6 @@ def walkthrough_script() -> str:
     return "set -euo pipefail\n" + "\n".join(blocks)
 
 
-@pytest.mark.slow
 def test_the_byo_task_walkthrough_runs_as_written(leftovers, tmp_path):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     result = subprocess.run(["bash", "-c", walkthrough_script()], cwd=tmp_path, env=env, capture_output=True,

@@ -45,7 +45,6 @@ def groups(ray_cluster, tiny_model_dir):
         group.shutdown()
 
 
-@pytest.mark.slow
 def test_context_parallel_log_probs_and_gradients_equal_one_rank(groups):
     single, split, spec = groups
     sequences = _batch(single.vocab_size())
@@ -66,7 +65,6 @@ def test_context_parallel_log_probs_and_gradients_equal_one_rank(groups):
         assert worst <= GRADIENT_RTOL * scale, (layout, worst, scale)
 
 
-@pytest.mark.slow
 def test_context_parallel_trains_a_step_like_one_rank(groups):
     """One optimizer step (two mini-batches, so the second is off-policy and its old log-probs are a
     CP forward too): the same loss, KL, clip fraction and gradient norm."""

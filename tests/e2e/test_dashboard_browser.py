@@ -51,7 +51,6 @@ def _chromium(*args: str) -> str:
         shutil.rmtree(profile, ignore_errors=True)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
                     reason="Debian's chromium is not installed (make test installs it)")
 def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
@@ -140,7 +139,6 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address, quick
             run.wait(timeout=60)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
                     reason="Debian's chromium is not installed (make test installs it)")
 def test_dashboard_renders_server_strings_as_text(tmp_path):

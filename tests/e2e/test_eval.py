@@ -19,7 +19,6 @@ def half_credit(prompt, response, label, metadata):
 '''
 
 
-@pytest.mark.slow
 def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoint(tmp_path, tiny_model_dir, ray_address,
                                                                                   quickstart_engines):
     _, held_out = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800, num_eval=100))

@@ -6,13 +6,14 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, started_run, train_command
+from tests.helpers import REPO, standing_rollout, started_run, train_command
 
 
-@pytest.mark.slow
+@pytest.mark.own_engines
 @pytest.mark.parametrize(("config", "engines"), [("quickstart.yaml", 1)])
 def test_engine_killed_with_no_restarts_left_fails_the_run_with_a_clear_message(leftovers, tmp_path, tiny_model_dir,
                                                                                  config, engines):
@@ -44,7 +45,6 @@ def hangs_or_lies(prompt, response, label, metadata):
 '''
 
 
-@pytest.mark.slow
 def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_path, tiny_model_dir, ray_address,
                                                                          quickstart_engines):
     (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
@@ -66,7 +66,6 @@ def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_pat
     assert [r["step"] for r in evals] == [0, 2] and all(r["eval_reward_errors"] > 0 for r in evals)
 
 
-@pytest.mark.slow
 def test_steps_whose_loss_is_not_finite_are_said_counted_and_stop_the_run(tmp_path, tiny_model_dir, ray_address,
                                                                           quickstart_engines):
     """An entropy bonus of 1e38 (finite, so the config takes it) times an entropy of ~4 overflows
@@ -100,7 +99,6 @@ def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float
         time.sleep(0.3)
 
 
-@pytest.mark.slow
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(leftovers, tmp_path, tiny_model_dir,
                                                                            ray_address, quickstart_engines):
     """Ctrl-C in a terminal: SIGINT to the run's whole process group, the local Ray cluster's
@@ -140,7 +138,7 @@ def _engine_servers(leftovers, model_dir) -> list:
     return [p for p in leftovers.new_pids("sglang.launch_server") if str(model_dir) in " ".join(p.info["cmdline"] or [])]
 
 
-@pytest.mark.slow
+@pytest.mark.own_engines
 def test_a_silent_engine_in_the_broadcast_group_is_restarted_and_the_run_goes_on(leftovers, tmp_path, tiny_model_dir):
     """One of two engines in the broadcast group, alive but silent past rollout.engine.health_timeout_s."""
     run_dir = tmp_path / "run"
@@ -174,7 +172,7 @@ def test_a_silent_engine_in_the_broadcast_group_is_restarted_and_the_run_goes_on
     assert leftovers.processes() == [] and leftovers.shm_files() == []
 
 
-@pytest.mark.slow
+@pytest.mark.own_engines
 def test_a_killed_engine_then_a_killed_trainer_rank_are_recovered_and_the_run_goes_on(leftovers, tmp_path, tiny_model_dir):
     """Colocated (IPC transport), in one run: the engine's server is killed, restarted and brought up to
     date; later a trainer rank is killed and the trainers restart from the latest checkpoint, the
@@ -227,22 +225,17 @@ def _check_every_step_once(run_dir, total: int) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow
-def test_a_request_that_kills_its_freshly_restarted_engine_is_not_sent_again(ray_cluster, tiny_model_dir, tmp_path):
-    """One engine and a request that crashes it (an id past the embedding: the driver's vocabulary
-    check is widened so the id reaches the engine). The engine is restarted once and the request
-    sent again; the fresh engine dies of it too, so the request is blamed and the rest of
-    rollout.engine.max_restarts is kept."""
-    from rlsys.config import EngineConfig, ModelConfig
+@pytest.mark.own_engines
+def test_a_request_that_kills_its_freshly_restarted_engine_is_not_sent_again(quickstart_engines, tmp_path):
+    """One engine (the session's quickstart set: its restarts take the set's slot) and a request that
+    crashes it (an id past the embedding: the driver's vocabulary check is widened so the id reaches
+    the engine). The engine is restarted once and the request sent again; the fresh engine dies of it
+    too, so the request is blamed and the rest of rollout.engine.max_restarts (3) is kept."""
     from rlsys.records import SamplingParams
-    from rlsys.rollout.manager import PoisonRequest, RolloutManager
-    from rlsys.rollout.sglang.server import ServerSpec
+    from rlsys.rollout.manager import PoisonRequest
 
-    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120,
-                          max_restarts=3)
-    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine), 1, str(tmp_path), [{"num_cpus": 1}])
-    try:
-        rollout.wait_ready()
+    with standing_rollout("quickstart", tmp_path) as rollout:
+        assert rollout.max_restarts == 3
         # SGLang pads its embedding to a multiple of 64 rows: an id past the padding too
         past_the_embedding = rollout.vocab_size + 500
         rollout.vocab_size += 1000
@@ -254,30 +247,21 @@ def test_a_request_that_kills_its_freshly_restarted_engine_is_not_sent_again(ray
                                   f"first's token ids begin [5, 9, {past_the_embedding}]) in flight both times: that "
                                   "request, not the engine, is taken to be the cause, and it is not sent again "
                                   "(restarts used: 1 of 3)")
-        assert "IndexError" in (tmp_path / "engine_0.log").read_text()  # what killed it, both times
-    finally:
-        rollout.shutdown()
+        assert "IndexError" in (Path(rollout.standing.log_dir) / "engine_0.log").read_text()  # what killed it
 
 
-@pytest.mark.slow
-def test_a_replacement_engine_lost_before_it_is_up_is_launched_again_in_the_same_restart(ray_cluster, tiny_model_dir,
-                                                                                         tmp_path, monkeypatch):
+@pytest.mark.own_engines
+def test_a_replacement_engine_lost_before_it_is_up_is_launched_again_in_the_same_restart(quickstart_engines, tmp_path,
+                                                                                         monkeypatch):
     """A node that is lost takes its engine at once, but Ray declares the node dead only after its
     missed heartbeats: the first replacement may land on it and be cancelled before it runs (CI saw
     "The actor never ran - it was cancelled before it started running"). Here the first replacement
     is killed before it is up; the restart launches another and the engine is back, one restart."""
     import ray
 
-    from rlsys.config import EngineConfig, ModelConfig
     from rlsys.records import SamplingParams
-    from rlsys.rollout.manager import RolloutManager
-    from rlsys.rollout.sglang.server import ServerSpec
 
-    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120,
-                          max_restarts=3)
-    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine), 1, str(tmp_path), [{"num_cpus": 1}])
-    try:
-        rollout.wait_ready()
+    with standing_rollout("quickstart", tmp_path) as rollout:  # the set's slot takes the replacements
         launch, launched = rollout._launch, []
 
         def first_one_lost(index):
@@ -293,5 +277,3 @@ def test_a_replacement_engine_lost_before_it_is_up_is_launched_again_in_the_same
         assert len(launched) == 2 and rollout.restarts == 1
         generations = rollout.generate([[5, 9, 14]], SamplingParams(max_new_tokens=2, ignore_eos=True), n=2)
         assert [len(g.response_ids) for g in generations] == [2, 2]
-    finally:
-        rollout.shutdown()

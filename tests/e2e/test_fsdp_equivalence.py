@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from rlsys.actors.inspectable_group import InspectableTrainerGroup
-from rlsys.actors.parallelize import uses_fsdp
 from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_groups, trainer_spec
 
@@ -55,7 +54,6 @@ def _copy_state(source: InspectableTrainerGroup, target: InspectableTrainerGroup
     target.load_checkpoint(str(directory))
 
 
-@pytest.mark.slow
 def test_two_fsdp_ranks_train_step_by_step_like_one_process(trainers, tmp_path):
     sharded, single, spec = trainers
     for step in range(3):
@@ -79,7 +77,6 @@ def test_two_fsdp_ranks_train_step_by_step_like_one_process(trainers, tmp_path):
     assert a["kl"] > 0 and a["clip_fraction"] > 0  # the policy moved, so both terms were exercised
 
 
-@pytest.mark.slow
 def test_two_fsdp_ranks_compute_the_gradient_of_one_process(trainers, tmp_path):
     sharded, single, _ = trainers
     sharded.train_step(_sequences(100, count=13, vocab=80))  # away from the reference: KL acts
@@ -94,7 +91,6 @@ def test_two_fsdp_ranks_compute_the_gradient_of_one_process(trainers, tmp_path):
     assert worst <= GRADIENT_RTOL * scale, f"{worst_name}: gradients differ by {worst} (scale {scale})"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_every_loss_aggregation_gives_the_gradient_of_one_process(trainers, tmp_path, mode):
     """The mode lives in the driver-side InspectableTrainerGroup: it turns each global mini-batch into token
@@ -120,14 +116,6 @@ def test_every_loss_aggregation_gives_the_gradient_of_one_process(trainers, tmp_
     assert max((grads_b[k] - token_mean[k]).abs().max().item() for k in grads_b) > 0.01 * scale
 
 
-def test_fsdp_wraps_the_model_only_where_it_has_work():
-    assert uses_fsdp(world_size=2, dtype="float32", trainable=True)  # shards
-    assert uses_fsdp(world_size=1, dtype="bfloat16", trainable=True)  # casts to the compute dtype
-    assert uses_fsdp(world_size=1, dtype="float32", trainable=False)  # streams the frozen reference
-    assert not uses_fsdp(world_size=1, dtype="float32", trainable=True)  # would only copy
-
-
-@pytest.mark.slow
 def test_one_fp32_rank_trains_the_model_whole_and_two_ranks_shard_it(trainers):
     sharded, single, _ = trainers
     assert single.describe()["layout"] == "whole model"

@@ -6,16 +6,11 @@ The engine bound is tests/e2e/test_weight_sync.py's (fp32 on both sides, differe
 
 import hashlib
 
-import pytest
-
 from rlsys.actors.inspectable_group import InspectableTrainerGroup
-from rlsys.config import EngineConfig, ModelConfig
 from rlsys.records import TrainSequence
-from rlsys.rollout.manager import RolloutManager
-from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.run.verify import verify_engine_weights
 from rlsys.system.topology import Topology
-from tests.helpers import random_sequences, trainer_spec
+from tests.helpers import random_sequences, standing_rollout, trainer_spec
 
 FIXED = [[5, 9, 14, 3, 7, 7, 20, 31], [40, 41, 42, 6, 6, 6], [12, 65, 13, 65, 14, 73, 15, 1]]
 BOUND = 1e-3
@@ -38,47 +33,42 @@ def _checksums(state: dict) -> dict[str, str]:
     return {name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for name, t in state.items()}
 
 
-@pytest.mark.slow
-def test_adapters_train_the_base_stays_and_the_engine_serves_the_merged_weights(tiny_model_dir, ray_cluster,
+def test_adapters_train_the_base_stays_and_the_engine_serves_the_merged_weights(tiny_model_dir, quickstart_engines,
                                                                                  tmp_path):
-    engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120)
-    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine), 1, str(tmp_path / "logs"),
-                             [{"num_cpus": 1}])
     trainer = InspectableTrainerGroup(trainer_spec(tiny_model_dir, lr=3e-2, use_kl_loss=True, kl_coef=0.1, lora=LORA),
                            num_ranks=2)
     fixed = [TrainSequence(tokens, prompt_len=1) for tokens in FIXED]
+    # the session's engine, as the model holds it
     try:
-        rollout.wait_ready()
-        before = trainer.full_state_dict()
-        base = {name: t for name, t in before.items() if ".lora_" not in name}
-        adapters = [name for name in before if ".lora_" in name]
-        assert len(adapters) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 decoder layers
-        assert all(not before[name].any() for name in adapters if ".lora_B." in name)  # the policy starts as the base
-        served = rollout.score(FIXED, engine_index=0)  # the engine serves the checkpoint: the base
-        assert _gap(served, trainer.compute_log_probs(fixed)) < BOUND
+        with standing_rollout("quickstart", tmp_path / "logs") as rollout:
+            before = trainer.full_state_dict()
+            base = {name: t for name, t in before.items() if ".lora_" not in name}
+            adapters = [name for name in before if ".lora_" in name]
+            assert len(adapters) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 decoder layers
+            assert all(not before[name].any() for name in adapters if ".lora_B." in name)  # the policy starts as the base
+            served = rollout.score(FIXED, engine_index=0)  # the engine serves the checkpoint: the base
+            assert _gap(served, trainer.compute_log_probs(fixed)) < BOUND
 
-        for version, mode in enumerate(("colocated", "disaggregated"), start=1):
-            metrics = trainer.train_step(random_sequences(version, count=16, vocab=80))
-            assert metrics["kl"] > 0 or version == 1  # the KL to the base grows once the adapters moved
-            after = trainer.full_state_dict()
-            assert _checksums({n: after[n] for n in base}) == _checksums(base), "a frozen base weight changed"
-            assert max((after[n] - before[n]).abs().max().item() for n in adapters) > 1e-3
-            # The reference is the base: it matches the engine that still holds the base (before
-            # the first sync), while the policy has moved away from it.
-            if version == 1:
-                assert _gap(served, trainer.compute_log_probs(fixed, reference=True)) < BOUND
-                assert _gap(served, trainer.compute_log_probs(fixed)) > 10 * BOUND
-            topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
-            trainer.connect_engines(topology, timeout_s=60)
-            trainer.sync_weights(16 * 2**10, weight_version=version)  # 16 KiB: buckets smaller than some weights
-            assert _gap(rollout.score(FIXED, engine_index=0), trainer.compute_log_probs(fixed)) < BOUND, mode
-            assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
+            for version, mode in enumerate(("colocated", "disaggregated"), start=1):
+                metrics = trainer.train_step(random_sequences(version, count=16, vocab=80))
+                assert metrics["kl"] > 0 or version == 1  # the KL to the base grows once the adapters moved
+                after = trainer.full_state_dict()
+                assert _checksums({n: after[n] for n in base}) == _checksums(base), "a frozen base weight changed"
+                assert max((after[n] - before[n]).abs().max().item() for n in adapters) > 1e-3
+                # The reference is the base: it matches the engine that still holds the base (before
+                # the first sync), while the policy has moved away from it.
+                if version == 1:
+                    assert _gap(served, trainer.compute_log_probs(fixed, reference=True)) < BOUND
+                    assert _gap(served, trainer.compute_log_probs(fixed)) > 10 * BOUND
+                topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
+                trainer.connect_engines(topology, timeout_s=60)
+                trainer.sync_weights(16 * 2**10, weight_version=version)  # 16 KiB: buckets smaller than some weights
+                assert _gap(rollout.score(FIXED, engine_index=0), trainer.compute_log_probs(fixed)) < BOUND, mode
+                assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
     finally:
-        rollout.shutdown()
         trainer.shutdown()
 
 
-@pytest.mark.slow
 def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_exactly(tiny_model_dir, ray_cluster,
                                                                                        tmp_path):
     """Save after one step, load into fresh ranks: the next step gives the same metrics and weights
@@ -111,7 +101,6 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_e
     assert all((got[name] == expected[name]).all() for name in expected)
 
 
-@pytest.mark.slow
 def test_a_lora_run_learns_the_quickstart_task_and_exports_its_adapter(tmp_path, ray_address, quickstart_engines):
     """`rlsys train` with model.lora learns (measured here with the entropy bonus, seeds 0, 1, 4, 5, 6:
     greedy eval 0.04 -> 0.39-0.49 at step 40 and 0.73-0.92 at step 99; full fine-tuning reaches 0.9

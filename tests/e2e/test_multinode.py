@@ -23,8 +23,6 @@ from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO, check_tracking, fill_hub_cache
 from tests.multinode import SHM_SIZE, NamespaceCluster, NodeSpec, our_namespaces, unavailable_reason
 
-pytestmark = pytest.mark.slow
-
 TRAINER_NODE = {"trainer_node": 8}
 ENGINE_NODE = {"engine_node": 8}
 ON_TRAINER_NODES = "placement.trainer_node_resources={trainer_node: 1}"
@@ -313,6 +311,7 @@ def test_the_doctor_names_each_node_that_cannot_run_its_part(cluster, tiny_model
     assert cluster.run_on("b", ["df", "-B1", "--output=size", "/dev/shm"]).stdout.split()[-1] == str(2 * 2**30)
 
 
+@pytest.mark.own_engines
 def test_a_killed_driver_leaves_nothing_on_any_node_and_the_run_resumes_as_if_uninterrupted(
         cluster, tiny_model_dir, colocated_run, tmp_path):
     reference = read_metrics(colocated_run[0] / "metrics.jsonl")
@@ -372,6 +371,7 @@ def test_disaggregated_ranks_on_one_node_broadcast_to_an_engine_on_another_and_l
     check_tracking(run_dir, rows)
 
 
+@pytest.mark.own_engines
 def test_an_engines_node_lost_mid_run_is_replaced_on_a_node_with_room(cluster, tiny_model_dir, tmp_path):
     run_dir = tmp_path / "engine-node-lost"
     job = _submit(cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}",

@@ -12,8 +12,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO, train_command
 
@@ -32,11 +30,11 @@ def _check_prompts_trained_once_or_in_flight(rows: list[dict], per_step: int, tr
         assert _position(after, train_size) == (before["step"] + 1) * per_step + before["partial_groups_carried"]
 
 
-@pytest.mark.slow
 def test_partial_rollouts_learn_the_quickstart_task(tmp_path, tiny_model_dir, ray_address, disaggregated_engines):
     run_dir = tmp_path / "run"
     result = subprocess.run(train_command("quickstart_disaggregated.yaml", tiny_model_dir, run_dir,
-                                          "trainer.num_ranks=1", "rollout.num_engines=1", "trainer.total_steps=150",
+                                          "trainer.num_ranks=1", "rollout.num_engines=1",
+                                          "rollout.engine.context_length=320", "trainer.total_steps=150",
                                           "eval.stop_at_reward=0.9", "rollout.partial_rollouts=true", "rollout.oversample=8",
                                           "weight_sync.verify=false", ray_address, disaggregated_engines),
                             cwd=REPO, capture_output=True, text=True, timeout=1200)
@@ -59,14 +57,16 @@ def _long_tail_bench():
     return module
 
 
-@pytest.mark.slow
-def test_a_checkpoint_with_aborted_samples_in_flight_resumes_them_exactly(tmp_path, ray_address):
+def test_a_checkpoint_with_aborted_samples_in_flight_resumes_them_exactly(tmp_path, tiny_model_dir, ray_address,
+                                                                           disaggregated_engines):
     """The bench's long-tailed copy task (most answers 2-4 tokens, a few up to 256): steps stop
-    before their slowest groups, whose samples are aborted part-way and continued later."""
+    before their slowest groups, whose samples are aborted part-way and continued later. Both runs
+    attach to the session's disaggregated set (the task's layout and context), each giving it its
+    own weights at start."""
     bench = _long_tail_bench()
     train, evaluation = bench.write_task(tmp_path)
     model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "rlsys.cli", "make-tiny-model", str(model)], check=True, capture_output=True)
+    shutil.copytree(tiny_model_dir, model)  # the session's tiny model (the set serves its config and tokenizer)
     bench.fine_tune(model, train, steps=120)  # answers as long as their prompts from the first step
     config = bench.config(tmp_path, model, train, evaluation)
 
@@ -74,7 +74,7 @@ def test_a_checkpoint_with_aborted_samples_in_flight_resumes_them_exactly(tmp_pa
         return subprocess.run([sys.executable, "-m", "rlsys.cli", "train", str(config), f"run_dir={run_dir}",
                                "logging.progress_bar=false", "status.port=0", "rollout.partial_rollouts=true",
                                "trainer.total_steps=12", "checkpoint.interval=6", "eval.interval=100", ray_address,
-                               *overrides],
+                               disaggregated_engines, *overrides],
                               cwd=REPO, capture_output=True, text=True, timeout=1200)
 
     run_dir = tmp_path / "run"

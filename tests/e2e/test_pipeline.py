@@ -14,10 +14,10 @@ from tests.e2e.test_dashboard_browser import CHROMIUM, _chromium
 from tests.helpers import REPO, served_run_dir, train_command
 
 
-@pytest.mark.slow
 def test_staleness_two_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_dir, ray_address,
                                                            disaggregated_engines):
-    overrides = ("trainer.num_ranks=1", "rollout.num_engines=1", "rollout.max_staleness=2",
+    overrides = ("trainer.num_ranks=1", "rollout.num_engines=1", "rollout.engine.context_length=320",
+                 "rollout.max_staleness=2",
                  "trainer.total_steps=100", "checkpoint.interval=70", "weight_sync.verify=false", ray_address,
                  disaggregated_engines)
     run_dir = tmp_path / "run"

@@ -17,7 +17,7 @@ REQUIRED_COLUMNS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.own_engines
 def test_quickstart_learns_and_cleans_up(leftovers, tmp_path, tiny_model_dir):
     """The README's command, colocated. (The disaggregated layout learns in tests/e2e/test_multinode.py,
     its engine on another node, and logs to every tracking backend there.)"""

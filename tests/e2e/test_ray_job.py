@@ -63,7 +63,6 @@ def ray_head():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.slow
 def test_ray_job_submit_runs_the_quickstart_to_success(ray_head, tiny_model_dir, tmp_path):
     address, env = ray_head
     run_dir = tmp_path / "run"

@@ -7,8 +7,6 @@ same exact-match scores as the recipe's reward.function, through the HTTP path i
 
 import subprocess
 
-import pytest
-
 from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO, RewardService, train_command
 
@@ -27,7 +25,6 @@ def _evals(rows):
     return [r["eval_reward_mean"] for r in rows if r.get("eval_reward_mean") is not None]
 
 
-@pytest.mark.slow
 def test_dapo_recipe_learns_with_dynamic_sampling(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
     rows = _run("dapo.yaml", tiny_model_dir, tmp_path / "run", ray_address, quickstart_engines)
     evals = _evals(rows)
@@ -39,7 +36,6 @@ def test_dapo_recipe_learns_with_dynamic_sampling(tmp_path, tiny_model_dir, ray_
     assert rows[-1]["filtered_groups"] < rows[0]["filtered_groups"]
 
 
-@pytest.mark.slow
 def test_dr_grpo_recipe_learns_with_rewards_from_a_reward_service(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
     service = RewardService()
     try:
@@ -56,7 +52,6 @@ def test_dr_grpo_recipe_learns_with_rewards_from_a_reward_service(tmp_path, tiny
     assert all(0.0 <= r["advantage_abs_mean"] <= 1.0 for r in rows)
 
 
-@pytest.mark.slow
 def test_gspo_recipe_learns_clipping_whole_responses(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
     rows = _run("gspo.yaml", tiny_model_dir, tmp_path / "run", ray_address, quickstart_engines)
     evals = _evals(rows)

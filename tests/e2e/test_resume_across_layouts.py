@@ -84,7 +84,6 @@ def _resumes_as_the_saver_goes_on(saver: InspectableTrainerGroup, resumer: Inspe
     assert max((params_a[k] - before[k]).abs().max().item() for k in params_a) > going_on["lr"] / 2  # a real step
 
 
-@pytest.mark.slow
 def test_a_checkpoint_resumes_on_other_rank_counts_and_context_parallel_sizes_as_the_run_would_have_gone_on(
         ray_cluster, tiny_model_dir, tmp_path):
     """2 FSDP2 ranks train two steps and save; one fresh rank (the whole model, no FSDP) loads it and

@@ -43,7 +43,6 @@ def _server_listening_on(url: str) -> psutil.Process:
     return servers[0]
 
 
-@pytest.mark.slow
 def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, tiny_model_dir, ray_address,
                                                                    quickstart_engines):
     """Two runs in a row on the same engines: the first trains them far from the model (a large
@@ -86,7 +85,7 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
     assert not (second / "profile").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.own_engines
 def test_an_attached_run_survives_its_engine_killed_and_ctrl_c_leaves_the_engines_up(tmp_path, tiny_model_dir,
                                                                                     ray_address, quickstart_engines):
     run_dir = tmp_path / "run"
@@ -111,7 +110,6 @@ def test_an_attached_run_survives_its_engine_killed_and_ctrl_c_leaves_the_engine
     assert _lease() is None
 
 
-@pytest.mark.slow
 def test_a_run_is_refused_while_another_holds_the_lease_and_when_it_does_not_match(tmp_path, tiny_model_dir,
                                                                                   ray_address, quickstart_engines):
     from rlsys.rollout.standing import Lease
@@ -139,6 +137,7 @@ def test_a_run_is_refused_while_another_holds_the_lease_and_when_it_does_not_mat
     assert _lease() is None and _set_engine()["alive"]
 
 
+@pytest.mark.own_engines
 def test_engines_down_leaves_no_process_and_no_shared_memory_file(tmp_path, tiny_model_dir, ray_cluster):
     """`rlsys engines up` then `down` on a set of its own: nothing of it is left."""
     from rlsys.config import load_config

@@ -12,14 +12,13 @@ from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO, train_command
 
 
-@pytest.mark.slow
-def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir, ray_address):
+def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
     run_dir = tmp_path / "run"
-    # eval 0.9 by ~step 160 of the example's 200 on a fresh engine. Not on the session's standing engines:
-    # their random stream depends on every test before, and on one such stream (a fresh clone's whole suite)
-    # it reached 0.83 by step 200; the example as a new user runs it starts its own engine.
+    # eval 0.9 by ~step 160 of the example's 200. On the session's quickstart engines (the example's
+    # layout): an attached run restarts the engine's random stream at its seed, so it samples as on a
+    # fresh engine of its own whatever the tests before drew from it.
     result = subprocess.run(train_command("examples/calculator.yaml", tiny_model_dir, run_dir, "eval.stop_at_reward=0.9",
-                                          ray_address),
+                                          ray_address, quickstart_engines),
                             cwd=REPO,
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -58,7 +57,6 @@ def reward(prompt, response, label, metadata):
 '''
 
 
-@pytest.mark.slow
 def test_tools_that_raise_or_hang_end_their_trajectories_and_are_counted(tmp_path, tiny_model_dir, ray_address,
                                                                          quickstart_engines):
     (tmp_path / "faulty.py").write_text(textwrap.dedent(FAULTY_TOOLS))
@@ -96,7 +94,6 @@ RETURNS_OUT_OF_VOCABULARY = SENDS_OUT_OF_VOCABULARY.replace(
     "    await ctx.generate(max_new_tokens=1)\n\n\ndef", "\n\ndef")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sends", [True, False], ids=["sent-to-the-engine", "only-returned"])
 def test_a_generate_function_with_an_out_of_vocabulary_id_fails_the_run_naming_it(tmp_path, tiny_model_dir,
                                                                                    ray_address, quickstart_engines,

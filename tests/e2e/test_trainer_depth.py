@@ -21,7 +21,6 @@ def _spec(model_dir, **overrides):
     return trainer_spec(model_dir, lr=1e-3, **overrides)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2], ids=["whole model", "FSDP2"])
 def test_training_after_sleep_and_wake_up_is_bit_identical(ray_cluster, tiny_model_dir, ranks):
     plain, cycled = trainer_groups((_spec(tiny_model_dir), ranks), (_spec(tiny_model_dir), ranks))
@@ -45,7 +44,6 @@ def medium_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("medium"), TinyModelSpec(hidden_size=256, num_layers=4))
 
 
-@pytest.mark.slow
 def test_twenty_sleep_cycles_do_not_leak_host_memory(ray_cluster, medium_model_dir):
     group = InspectableTrainerGroup(_spec(medium_model_dir), 2)
     try:
@@ -63,7 +61,6 @@ def test_twenty_sleep_cycles_do_not_leak_host_memory(ray_cluster, medium_model_d
         group.shutdown()
 
 
-@pytest.mark.slow
 def test_packed_logprobs_equal_unpacked_per_sequence(ray_cluster, tiny_model_dir):
     packed, one_by_one = trainer_groups((_spec(tiny_model_dir, packing=True, max_tokens_per_microbatch=64), 2),
                                         (_spec(tiny_model_dir, packing=False, micro_batch_size=1), 1))
@@ -78,7 +75,6 @@ def test_packed_logprobs_equal_unpacked_per_sequence(ray_cluster, tiny_model_dir
         one_by_one.shutdown()
 
 
-@pytest.mark.slow
 def test_one_or_four_micro_batches_give_the_same_gradient(ray_cluster, tiny_model_dir):
     batch = _batch(3, count=16)
     tokens = sum(len(s.token_ids) for s in batch)
@@ -96,7 +92,6 @@ def test_one_or_four_micro_batches_give_the_same_gradient(ray_cluster, tiny_mode
             group.shutdown()
 
 
-@pytest.mark.slow
 def test_kl_is_zero_at_start_and_positive_once_the_policy_moves(ray_cluster, tiny_model_dir):
     group = InspectableTrainerGroup(_spec(tiny_model_dir, use_kl_loss=True, kl_coef=0.1, kl_estimator="k3"), 2)
     try:
@@ -109,7 +104,6 @@ def test_kl_is_zero_at_start_and_positive_once_the_policy_moves(ray_cluster, tin
         group.shutdown()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2], ids=["whole model", "FSDP2"])
 def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny_model_dir, tmp_path, ranks):
     spec = _spec(tiny_model_dir, lr_schedule="cosine", warmup_steps=2, total_steps=4,
@@ -134,7 +128,6 @@ def test_trainer_resumed_from_checkpoint_continues_identically(ray_cluster, tiny
             group.shutdown()  # (a group shut down already has no ranks left to stop)
 
 
-@pytest.mark.slow
 def test_gradient_checkpointing_and_lr_warmup_behave(ray_cluster, tiny_model_dir):
     batch = _batch(5)
     plain, checkpointed = trainer_groups((_spec(tiny_model_dir, warmup_steps=4), 1),

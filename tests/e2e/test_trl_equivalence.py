@@ -221,7 +221,6 @@ def _relative_difference(a: dict, b: dict) -> float:
     return (diff / norm).item()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_optimizer_steps_equal_trls_grpo_trainer(case, tiny_model_dir):
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast

@@ -63,7 +63,7 @@ def test_the_worker_pod_holds_the_plans_host_memory_per_node_with_the_headroom_i
     figures are the plan's."""
     from rlsys.run.memory_plan import plan_memory
     from rlsys.run.model_shape import ModelShape
-    from tests.e2e.test_memory_plan import QWEN
+    from tests.unit.test_memory_plan import QWEN
 
     text = (REPO / "deploy/rayjob.yaml").read_text()
     job = _rayjob()
