@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,15 +33,32 @@ def ray_cluster() -> str:
     import ray
 
     from rlsys.system.cluster import ACTOR_ENV
+    from tests.helpers import ports_outside_the_ephemeral_range
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # The cluster's processes, a submitted job's `python` among them, run this environment's Python
+    # (as a real node's image would have it first on its PATH).
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     # Logical CPUs: the standing engine sets hold their placement bundles while they stand (a colocated
-    # set of 2 ranks holds 4), beside the runs and trainer groups the tests start.
-    ray.init(address="local", num_cpus=64, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": ACTOR_ENV})
+    # set of 2 ranks holds 4), beside the runs and trainer groups the tests start. Its dashboard is
+    # the job server `ray job submit` talks to (`ray_dashboard`), on a port no connection holds.
+    context = ray.init(address="local", num_cpus=64, include_dashboard=True, dashboard_host="127.0.0.1",
+                       dashboard_port=ports_outside_the_ephemeral_range(1)[0], log_to_driver=False,
+                       runtime_env={"env_vars": ACTOR_ENV})
+    _DASHBOARD["url"] = f"http://{context.dashboard_url}"
     yield ray.get_runtime_context().gcs_address
     _stop_standing_engines()
     ray.shutdown()
+
+
+# The session cluster's dashboard URL, once it is up.
+_DASHBOARD: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def ray_dashboard(ray_cluster) -> str:
+    """The session cluster's dashboard (its job server): the --address of `ray job submit`."""
+    return _DASHBOARD["url"]
 
 
 # Standing engine sets of the session (rlsys engines up), by name: started the first time a test asks.

@@ -99,11 +99,13 @@ def _wait_for_steps(run: subprocess.Popen, run_dir, steps: int, timeout_s: float
         time.sleep(0.3)
 
 
+@pytest.mark.own_engines
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_continues(leftovers, tmp_path, tiny_model_dir,
                                                                            ray_address, quickstart_engines):
     """Ctrl-C in a terminal: SIGINT to the run's whole process group, the local Ray cluster's
     processes and the reward workers included (SIGTERM to the driver alone takes the same path:
-    tests/e2e/test_stop_signals.py)."""
+    tests/e2e/test_stop_signals.py). Its subject is the cleanup of everything the run started, its
+    engine among them (own_engines); the resumed run attaches to the session's engines."""
     run_dir = tmp_path / "run"
     with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000",
                      own_process_group=True) as run:

@@ -348,24 +348,50 @@ def test_a_killed_driver_leaves_nothing_on_any_node_and_the_run_resumes_as_if_un
     assert rows[resumed_from]["logprob_mismatch"] < 1e-3  # the engine restarted on the checkpointed weights
 
 
-def test_disaggregated_ranks_on_one_node_broadcast_to_an_engine_on_another_and_learn(cluster, tiny_model_dir,
-                                                                                      tmp_path):
+def test_disaggregated_ranks_on_one_node_broadcast_to_an_engine_on_another_and_learn_through_their_node_lost(
+        cluster, tiny_model_dir, tmp_path):
+    """One run, two subjects: disaggregated ranks on a trainer node broadcast to an engine on another
+    node and learn; and when their node is lost mid-run (after the step-3 checkpoint), the trainers
+    resume from that checkpoint on the spare trainer node and the run goes on to learn."""
+    spare = cluster.nodes.get("spare") or cluster.add_node(NodeSpec("spare", 4, TRAINER_NODE))
     run_dir = tmp_path / "disaggregated"
-    output = _succeeded(_submit(
-        cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}", "rollout.num_engines=1",
-        "eval.stop_at_reward=0.9", "logging.backends=[tensorboard,wandb,mlflow]", ON_TRAINER_NODES,
-        ON_ENGINE_NODES))
-    trainer_node = cluster.nodes["a"].address
+    job = _submit(cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}",
+                  "trainer.num_ranks=2", "rollout.num_engines=1", "eval.stop_at_reward=0.9",
+                  "logging.backends=[tensorboard,wandb,mlflow]", "checkpoint.interval=3",
+                  "checkpoint.max_auto_resumes=1", ON_TRAINER_NODES, ON_ENGINE_NODES, wait=False)
+    cluster.wait_for(lambda: (run_dir / "checkpoints" / "step_00000003").exists() or job.poll() is not None,
+                     "the step-3 checkpoint")
+    assert job.poll() is None, job.stdout.read()[-3000:]
+    lost = cluster.node_of(cluster.find("ray::TrainerWorker")[0].pid)  # node a or the spare: Ray chose
+    (other,) = {"a", spare.name} - {lost}
+    try:
+        assert cluster.kill_node(lost) > 0
+        output = job.communicate(timeout=1800)[0]
+        assert job.returncode == 0, output[-4000:]
+    finally:
+        cluster.start_ray(lost)  # the node comes back for the tests after this one
+
+    # where the parts ran: both ranks on the trainer node Ray chose, the engine on an engine node
+    trainer_nodes = {cluster.nodes[lost].address, cluster.nodes[other].address}
     engine_nodes = {cluster.nodes["b"].address, cluster.nodes["c"].address}
     nodes = dict(part.split(": ") for part in _nodes_line(output).removeprefix("rlsys: nodes: ").split("; ")[1:])
-    assert nodes[trainer_node] == "trainer rank 0, trainer rank 1"
-    ((engine_node, roles),) = [(node, roles) for node, roles in nodes.items() if node != trainer_node]
+    assert nodes[cluster.nodes[lost].address] == "trainer rank 0, trainer rank 1", nodes
+    ((engine_node, roles),) = [(node, roles) for node, roles in nodes.items() if node not in trainer_nodes]
     assert engine_node in engine_nodes and roles == "engine-0"
+
+    # the lost node: said, and the trainers back on the other trainer node from the checkpoint
+    said = "\n".join(line for line in output.splitlines() if line.startswith("rlsys: "))
+    assert "rlsys: a trainer rank died (" in said and f"rank 0 on node {cluster.nodes[lost].address}" in said, said
+    assert f"rlsys: trainer ranks are back, on node(s) {cluster.nodes[other].address}" in said, said
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(len(rows)))
+    assert [r["step"] for r in rows] == list(range(len(rows)))  # none lost; the replayed ones logged once
+    assert rows[-1]["trainer_restarts"] == 1
+    assert [r["synced_weight_version"] for r in rows] == list(range(1, len(rows) + 1))
     # weight_sync.verify (this config's): after every sync over the cross-node gloo group, the
     # engine's log-probs on the probe sequences matched the trainer's, or the run would have failed.
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3
+
+    # and it learned
     assert rows[-1]["eval_reward_mean"] >= 0.9
     assert not (run_dir / "logs" / "device_handoff.jsonl").exists()  # disaggregated trainers keep their devices
     check_tracking(run_dir, rows)
@@ -394,30 +420,3 @@ def test_an_engines_node_lost_mid_run_is_replaced_on_a_node_with_room(cluster, t
     assert rows[-1]["engine_restarts"] == 1
     assert [r["synced_weight_version"] for r in rows] == list(range(1, 11))
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3  # verified after every sync, the restart's too
-
-
-def test_a_trainer_node_lost_mid_run_resumes_the_trainers_on_a_spare_node(cluster, tiny_model_dir, tmp_path):
-    spare = cluster.nodes.get("spare") or cluster.add_node(NodeSpec("spare", 4, TRAINER_NODE))
-    run_dir = tmp_path / "trainer-node-lost"
-    job = _submit(cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}",
-                  "trainer.num_ranks=2", "rollout.num_engines=1", "trainer.total_steps=10", "eval.interval=100",
-                  "checkpoint.interval=3", "checkpoint.max_auto_resumes=1", ON_TRAINER_NODES, ON_ENGINE_NODES,
-                  wait=False)
-    cluster.wait_for(lambda: (run_dir / "checkpoints" / "step_00000003").exists() or job.poll() is not None,
-                     "the step-3 checkpoint")
-    lost = cluster.node_of(cluster.find("ray::TrainerWorker")[0].pid)  # node a or the spare: Ray chose
-    (other,) = {"a", spare.name} - {lost}
-    try:
-        assert cluster.kill_node(lost) > 0
-        output = job.communicate(timeout=900)[0]
-        assert job.returncode == 0, output[-4000:]
-    finally:
-        cluster.start_ray(lost)
-    said = "\n".join(line for line in output.splitlines() if line.startswith("rlsys: "))
-    assert "rlsys: a trainer rank died (" in said and f"rank 0 on node {cluster.nodes[lost].address}" in said, said
-    assert f"rlsys: trainer ranks are back, on node(s) {cluster.nodes[other].address}" in said, said
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(10))  # none lost; the replayed ones logged once
-    assert rows[-1]["trainer_restarts"] == 1
-    assert [r["synced_weight_version"] for r in rows] == list(range(1, 11))
-    assert max(r["logprob_mismatch"] for r in rows) < 1e-3

@@ -1,75 +1,25 @@
-"""`ray job submit` against a real Ray head on loopback, started and stopped by this test only."""
+"""`ray job submit` (deploy/submit.sh) against a real Ray head on loopback: the session's cluster,
+through its dashboard's job server; the run attaches to the session's quickstart engines."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import psutil
-import pytest
-
 from rlsys.observability.metrics import read_metrics
-from tests.helpers import REPO, ports_outside_the_ephemeral_range
-
-RAY = str(Path(sys.executable).parent / "ray")
+from tests.helpers import REPO
 
 
-def _stop_head(temp_dir: str) -> None:
-    """Stop only this head: every process whose command line names its temp dir (never `ray stop`)."""
-    victims = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if temp_dir in " ".join(proc.info["cmdline"] or []):
-            victims.append(proc)
-    for proc in victims:
-        for child in proc.children(recursive=True):
-            victims.append(child)
-    for proc in victims:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=3)  # some of them ignore SIGTERM: not what this test is about
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-
-
-@pytest.fixture
-def ray_head():
-    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ports = ports_outside_the_ephemeral_range(9)  # ray start binds them itself, seconds later
-    gcs, dashboard, agent, agent_grpc, client, metrics, node_manager, object_manager, runtime_env = ports
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    subprocess.run(
-        [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=6",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--ray-client-server-port={client}", f"--metrics-export-port={metrics}",
-         f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
-         f"--runtime-env-agent-port={runtime_env}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-        env=env, check=True, capture_output=True, timeout=180,
-    )
-    try:
-        yield f"http://127.0.0.1:{dashboard}", env
-    finally:
-        _stop_head(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def test_ray_job_submit_runs_the_quickstart_to_success(ray_head, tiny_model_dir, tmp_path):
-    address, env = ray_head
+def test_ray_job_submit_runs_the_quickstart_to_success(ray_dashboard, quickstart_engines, tiny_model_dir, tmp_path):
+    address = ray_dashboard
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     run_dir = tmp_path / "run"
     submit = subprocess.run(
         [str(REPO / "deploy/submit.sh"), "--address", address, "configs/quickstart.yaml",
          f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "trainer.total_steps=6", "eval.interval=3",
-         "status.port=0", "logging.progress_bar=false"],
+         "status.port=0", "logging.progress_bar=false", quickstart_engines],
         env=env, capture_output=True, text=True, timeout=900, cwd=REPO,
     )
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
