@@ -95,13 +95,16 @@ class RolloutEngine:
             return None
         return str(out)
 
-    def _call(self, request):
-        """Run a client call; a server that has exited raises EngineDied."""
+    def _call(self, request, answered: str | None = None):
+        """Run a client call; a server that has exited raises EngineDied. `answered`: a failure
+        whose reason holds this text is the server's own answer (it is alive), raised at once."""
         if not self.server.is_alive():
             raise EngineDied(str(self.server.address), "(any)", "the server is not running", self.server.log_tail())
         try:
             return request()
         except EngineError as error:
+            if answered is not None and answered in error.reason:
+                raise
             # A killed server's sockets close just before its process can be reaped: give it a
             # moment to be seen as exited rather than report a live engine that failed.
             if not self.server.still_running_after(2.0):
@@ -171,7 +174,9 @@ class RolloutEngine:
         """Close a weight-update session a trainer died in the middle of (SGLang refuses the next
         `/begin_weight_update` while one is open). True if one was open."""
         try:
-            self._call(self.client.end_weight_update)
+            # "No session open" is the usual answer (every attach and release asks): the server
+            # answered, so no 2 s wait to see whether it is dying.
+            self._call(self.client.end_weight_update, answered=NO_OPEN_SESSION)
         except EngineError as error:
             if NO_OPEN_SESSION in error.reason:
                 return False
