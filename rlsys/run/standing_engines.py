@@ -155,6 +155,9 @@ def engines_up(config: RunConfig, name: str, log_dir: Path, address: str | None 
             ray.get(keeper.record.remote())
             engines = [launch_engine(record, index) for index in range(topology.num_engines)]
             ray.get([engine.start.remote(spec.startup_timeout_s) for engine in engines])
+            # An engine's first weight update costs ~2 s more than the next ones (its actor imports
+            # torch to send it): paid here, where nobody waits, not by the first run that attaches.
+            ray.get([engine.restart_random_stream.remote(config.seed) for engine in engines])
         except BaseException:
             _stop_set(name, group)
             raise
