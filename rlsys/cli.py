@@ -529,8 +529,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line. Dotted overrides may also come after a command's flags
+    (`rlsys train CONFIG --resume trainer.total_steps=100`): argparse ends a `nargs="*"`
+    positional at the first flag, so what follows the flags is taken as more overrides when the
+    command has them and none of it is a flag."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and not any(e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     configure_logging(args.log_level)
     try:
         return args.handler(args)
