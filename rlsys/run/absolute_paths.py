@@ -4,9 +4,15 @@ RUN_DIR/config.yaml runs again from anywhere."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 from rlsys.config import RunConfig
+
+
+def default_run_dir() -> str:
+    """Where a run with no run_dir writes: runs/ under the working directory, by start time."""
+    return f"runs/{datetime.now():%Y%m%d-%H%M%S}"
 
 
 def with_absolute_paths(config: RunConfig, run_dir: str) -> RunConfig:

@@ -124,7 +124,8 @@ def examine(config: RunConfig | None, address: str | None) -> DoctorReport:
 def _run_nodes(config: RunConfig, layout, stack: ExitStack, problems: list[Problem]):
     """The run's placement, its nodes' reports and one agent per node (two on a one-node run)."""
     from rlsys.actors.placement import create_placement
-    from rlsys.errors import RunFailed
+    from rlsys.errors import RunFailed, why_not_a_directory
+    from rlsys.run.absolute_paths import default_run_dir
     from rlsys.run.components import trainer_env
     from rlsys.run.placement_checks import judge_placement_nodes, probe_placement_nodes, run_uses_gpus
     from rlsys.system.topology import Topology
@@ -143,10 +144,18 @@ def _run_nodes(config: RunConfig, layout, stack: ExitStack, problems: list[Probl
                                 "placement.*_node_resources)"))
         return [], [], topology.has_gpu, env
     stack.callback(placement.remove)
-    with _scratch_directory(Path(config.run_dir)) as run_dir:
-        reports = probe_placement_nodes(config, topology, placement, run_dir)
+    # What `rlsys train` would write to: run_dir, or its default under this directory.
+    run_dir = Path(config.run_dir or default_run_dir()).absolute()
     try:
-        judge_placement_nodes(config, topology, reports, Path(config.run_dir))
+        with _scratch_directory(run_dir):
+            reports = probe_placement_nodes(config, topology, placement, run_dir)
+    except OSError as error:  # `rlsys train` refuses the same run_dir (rlsys/system/run_lock.py)
+        problems.append(Problem("blocker", "driver", f"run_dir {run_dir} cannot be used: "
+                                f"{why_not_a_directory(run_dir, error)}", "choose another run_dir"))
+        run_dir = None
+        reports = probe_placement_nodes(config, topology, placement, None)
+    try:
+        judge_placement_nodes(config, topology, reports, run_dir)
     except ConfigError as error:  # the same refusal `rlsys train` makes at start; its last line says what to set
         *what, fix = str(error).strip().splitlines() or [""]
         problems.append(Problem("blocker", "nodes", "\n".join(what) or fix, fix if what else "see above"))

@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 from contextlib import ExitStack, contextmanager
-from datetime import datetime
 from pathlib import Path
 
 from ray.exceptions import RayError
@@ -28,7 +27,7 @@ from rlsys.observability.status.state import RunStatus
 from rlsys.observability.tracking import Trackers, check_backends_installed
 from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import EngineRestartLimit
-from rlsys.run.absolute_paths import with_absolute_paths
+from rlsys.run.absolute_paths import default_run_dir, with_absolute_paths
 from rlsys.run.assets import RunAssets, load_assets, refuse_incompatible_checkpoint
 from rlsys.run.batches import OnPolicyRounds
 from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume, disk_full_failure
@@ -238,7 +237,7 @@ def run(config: RunConfig) -> Path:
     assets = load_assets(config)  # every input check happens before any actor starts
     maker = SampleMaker(config, assets.tokenizer)  # loads rollout.generate_function, if any
     random.seed(config.seed)
-    config = with_absolute_paths(config, config.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
+    config = with_absolute_paths(config, config.run_dir or default_run_dir())
     run_dir = Path(config.run_dir)
     store = CheckpointStore(run_dir, config.checkpoint.keep_last)
     checkpoint = checkpoint_to_resume(store) if config.checkpoint.resume == "auto" else None

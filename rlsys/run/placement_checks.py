@@ -53,7 +53,8 @@ def probe_placement_nodes(config: RunConfig, topology: Topology, placement: Plac
     return probe_nodes(placed, run_dir, model_paths(config), hub)
 
 
-def judge_placement_nodes(config: RunConfig, topology: Topology, reports: list[NodeReport], run_dir: Path) -> None:
+def judge_placement_nodes(config: RunConfig, topology: Topology, reports: list[NodeReport],
+                          run_dir: Path | None) -> None:
     """NodeCheckFailed (a ConfigError) for a node that cannot see run_dir or the model, ConfigError
     when the memory plan does not fit the nodes' devices; logs the plan and the nodes."""
     models = model_paths(config)
