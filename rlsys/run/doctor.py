@@ -89,15 +89,21 @@ class DoctorReport:
 def examine(config: RunConfig | None, address: str | None) -> DoctorReport:
     """The whole check (module docstring). Joins the cluster at `address` (or the config's
     placement.ray_address / RAY_ADDRESS), else starts a local one as `rlsys train` would."""
+    from rlsys.errors import RunFailed
     from rlsys.system.cluster import ray_cluster
     from rlsys.system.topology import Topology
 
     problems: list[Problem] = []
     layout = Topology.from_config(config, has_gpu=False) if config is not None else None
     with ExitStack() as stack:
-        stack.enter_context(ray_cluster(address or (config.placement.ray_address if config else None),
-                                        (config.placement.num_cpus or layout.local_cpus()) if layout else 2,
-                                        layout.custom_resources() if layout else None))
+        try:
+            stack.enter_context(ray_cluster(address or (config.placement.ray_address if config else None),
+                                            (config.placement.num_cpus or layout.local_cpus()) if layout else 2,
+                                            layout.custom_resources() if layout else None))
+        except RunFailed as error:  # no cluster at the address: the report says so (--json: still one document)
+            problems.append(Problem("blocker", "cluster", str(error),
+                                    "start the cluster, or give the address of one that runs (--address)"))
+            return DoctorReport([], None, problems, {}, package_versions(), False)
         if config is None:
             rows, agents, has_gpu, env = _whole_cluster(stack, problems)
         else:
@@ -507,7 +513,8 @@ def print_report(report: DoctorReport) -> None:
     }
     for name, cell in checks.items():
         table.add_row(name, *(cell(row) for row in report.nodes))
-    console.print(table)
+    if report.nodes:  # none when no cluster was reached: the blocker below says why
+        console.print(table)
     c = report.collectives
     if c is not None:
         if c.skipped:
@@ -521,8 +528,9 @@ def print_report(report: DoctorReport) -> None:
                 console.print(f"  bound: {c.bound_gbps:.3g} GB/s ({c.bound})")
             if c.full_sync_s is not None:
                 console.print(f"  the run's whole weight sync at the slowest pair's rate: ~{c.full_sync_s:.3g} s")
-    console.print("placement.env (trainer ranks and engines): "
-                  + (" ".join(f"{k}={v}" for k, v in sorted(report.env.items())) or "none"))
+    if report.nodes:
+        console.print("placement.env (trainer ranks and engines): "
+                      + (" ".join(f"{k}={v}" for k, v in sorted(report.env.items())) or "none"))
     for problem in report.problems:
         console.print(f"[{'red' if problem.severity == 'blocker' else 'yellow'}]{problem.severity}[/]: "
                       f"{problem.where}: {problem.what}\n    fix: {problem.fix}", highlight=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from contextlib import contextmanager
 
 import psutil
@@ -27,6 +28,9 @@ def ray_cluster(address: str | None, local_num_cpus: int, local_resources: dict[
     kwargs = dict(log_to_driver=False, logging_level=logging.WARNING)
     if address:
         logger.debug("joining the Ray cluster at %s", address)
+        if (reason := unreachable(address)) is not None:  # ray.init would retry for minutes, warning every 5 s
+            raise RunFailed(f"no Ray cluster at {address!r}: {reason} (placement.ray_address, RAY_ADDRESS; with "
+                            "rollout.attach and neither set, the cluster `rlsys engines up` started on this machine)")
         # Under `ray job submit` the job's runtime env (working_dir, env vars) applies as given;
         # per-actor env vars are set where the actors are created.
         try:
@@ -53,6 +57,24 @@ def ray_cluster(address: str | None, local_num_cpus: int, local_resources: dict[
         workers = [] if address else _with_descendants(local_cluster)
         ray.shutdown()
         _wait_for_exit(workers)
+
+
+# A Ray head answers a TCP connection on its GCS port at once; a few seconds cover a slow network.
+CONNECT_TIMEOUT_S = 5.0
+
+
+def unreachable(address: str) -> str | None:
+    """Why nothing accepts a connection at a HOST:PORT Ray address within CONNECT_TIMEOUT_S (the
+    reason, e.g. "Connection refused"), or None: it does, or the address is not of that form
+    ("auto", "local", a ray:// client address: Ray resolves those itself)."""
+    host, _, port = address.rpartition(":")
+    if address in ("auto", "local") or "://" in address or not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except OSError as error:
+        return error.strerror or str(error) or type(error).__name__
 
 
 # How long the actors' worker processes get to exit on their own after ray.shutdown: a killed actor

@@ -211,3 +211,26 @@ def test_a_key_that_begins_with_a_dash_reaches_sglang_as_the_key(tiny_model_dir)
                             "-Xk_3")
     arguments = command[command.index("sglang.launch_server") + 1:]
     assert parser.parse_args(arguments).api_key == "-Xk_3"
+
+
+def test_the_doctor_given_an_address_where_no_cluster_listens_says_so_at_once_as_a_blocker(capsys):
+    """`rlsys doctor --address HOST:PORT --json` with nothing listening there: ray.init would retry for
+    minutes; the doctor's report is one JSON document whose blocker names the address, exit 1."""
+    import json
+    import time
+
+    from rlsys.cli import main
+    from rlsys.system.cluster import unreachable
+
+    with socket.socket() as sock:  # a port nothing listens on once this closes
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    assert unreachable(address) == "Connection refused"
+    assert unreachable("auto") is None and unreachable("ray://head:10001") is None
+    start = time.monotonic()
+    assert main(["doctor", "--address", address, "--json"]) == 1
+    assert time.monotonic() - start < 30  # the connection is refused at once; 30 s: a loaded machine
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and report["nodes"] == []
+    (blocker,) = report["problems"]
+    assert blocker["severity"] == "blocker" and f"no Ray cluster at '{address}': Connection refused" in blocker["what"]
