@@ -276,9 +276,13 @@ def test_the_flat_keys_of_earlier_versions_are_read_into_the_loss_with_a_depreca
     said = " ".join(record.getMessage() for record in caplog.records)
     assert "algorithm.cispo_max_ratio is deprecated: write algorithm.policy_loss: {name: cispo, max_ratio: 1.5}" in said
     assert "algorithm.sapo_temperature_pos is deprecated" in said and "(ignored: the policy loss is 'cispo')" in said
-    # the nested form wins where both are written
-    both = AlgorithmConfig(policy_loss={"name": "vespo", "k_pos": 1.0}, vespo_k_pos=4.0, vespo_k_neg=5.0)
+    # written both ways: the same value passes; two values are refused (which one was meant?), as
+    # when a command line's flat key meets a file's nested one
+    both = AlgorithmConfig(policy_loss={"name": "vespo", "k_pos": 1.0}, vespo_k_pos=1.0, vespo_k_neg=5.0)
     assert (both.policy_loss.k_pos, both.policy_loss.k_neg) == (1.0, 5.0)
+    with pytest.raises(ValueError, match=r"algorithm.vespo_k_pos is 4.0 but algorithm.policy_loss.k_pos is 1.0: "
+                                         "set one of them"):
+        AlgorithmConfig(policy_loss={"name": "vespo", "k_pos": 1.0}, vespo_k_pos=4.0)
 
 
 def test_a_loss_named_in_yaml_takes_its_parameters_from_the_command_line(tmp_path, tiny_model_dir):
@@ -293,3 +297,12 @@ def test_a_loss_named_in_yaml_takes_its_parameters_from_the_command_line(tmp_pat
         load_config(path, ["algorithm.policy_loss=ppo"])
     with pytest.raises(ConfigError, match="max_ratio"):  # a parameter of another loss
         load_config(path, ["algorithm.policy_loss=sapo", "algorithm.policy_loss.max_ratio=3"])
+    # a parameter over a config that names no loss: the name is what is missing
+    unnamed = write_config(tmp_path / "unnamed.yaml", tiny_model_dir)
+    with pytest.raises(ConfigError, match=r"policy_loss needs a name beside its parameters \(max_ratio: -1\)"):
+        load_config(unnamed, ["algorithm.policy_loss.max_ratio=-1"])
+    # the deprecated flat key on the command line against the file's nested value: refused, not ignored
+    nested = write_config(tmp_path / "nested.yaml", tiny_model_dir,
+                          algorithm={"policy_loss": {"name": "cispo", "max_ratio": 5.0}})
+    with pytest.raises(ConfigError, match="algorithm.cispo_max_ratio is 3 but algorithm.policy_loss.max_ratio is 5.0"):
+        load_config(nested, ["algorithm.cispo_max_ratio=3"])

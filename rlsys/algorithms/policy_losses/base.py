@@ -89,6 +89,11 @@ def policy_loss_named(value: object) -> object:
     if not isinstance(value, dict):
         return value
     name = value.get("name")
+    if name is None:  # e.g. algorithm.policy_loss.max_ratio=3 on the command line, over a config naming no loss
+        given = ", ".join(f"{key}: {item!r}" for key, item in value.items())
+        raise ValueError(f"policy_loss needs a name beside its parameters ({given}): write policy_loss: "
+                         f"{{name: NAME, {given}}}, NAME one of {', '.join(POLICY_LOSSES)} "
+                         "(on the command line, also algorithm.policy_loss.name=NAME)")
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r} (one of {', '.join(POLICY_LOSSES)}); write "
                          "policy_loss: NAME or policy_loss: {name: NAME, PARAMETER: VALUE}")
@@ -98,7 +103,9 @@ def policy_loss_named(value: object) -> object:
 def fold_flat_loss_keys(algorithm: dict) -> dict:
     """An algorithm section with the flat per-loss keys of earlier versions (`cispo_max_ratio: 5.0`:
     a loss's name, `_`, one of its parameters) -> the same with them inside `policy_loss`, each said
-    as deprecated. A key of a loss the section does not use is dropped, as it had no effect."""
+    as deprecated. A key of a loss the section does not use is dropped, as it had no effect; one
+    that says otherwise than the nested form (a file's nested value, a command line's flat key) is
+    refused: which of the two was meant cannot be known."""
     flat = {key: (name, key[len(name) + 1:]) for key in algorithm for name, cls in POLICY_LOSSES.items()
             if key.startswith(name + "_") and key[len(name) + 1:] in cls.model_fields.keys() - {"name"}}
     if not flat:
@@ -108,8 +115,12 @@ def fold_flat_loss_keys(algorithm: dict) -> dict:
     folded = {key: value for key, value in algorithm.items() if key not in flat}
     for key, (name, parameter) in flat.items():
         used = section is not None and section.get("name") == name
+        if used and parameter in section and section[parameter] != algorithm[key]:
+            raise ValueError(f"algorithm.{key} is {algorithm[key]!r} but algorithm.policy_loss.{parameter} is "
+                             f"{section[parameter]!r}: set one of them (algorithm.{key} is deprecated: write "
+                             f"algorithm.policy_loss.{parameter})")
         if used:
-            section.setdefault(parameter, algorithm[key])  # the nested form wins where both are written
+            section.setdefault(parameter, algorithm[key])
         logger.warning("algorithm.%s is deprecated: write algorithm.policy_loss: {name: %s, %s: %s}%s", key, name,
                        parameter, algorithm[key], "" if used else
                        f" (ignored: the policy loss is {section.get('name') if section else chosen!r})")
