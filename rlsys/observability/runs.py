@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlsys.errors import UsageError
+from rlsys.errors import UsageError, why_not_a_directory
 from rlsys.observability.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def plot_compare(runs: list[tuple[str, list[dict]]], metrics: tuple[str, ...], o
         out.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(out, dpi=100)
     except OSError as error:  # a parent that is a file, no permission, a full disk
-        raise UsageError(f"--plot {out}: cannot write the plot there ({error.strerror or error})") from None
+        raise UsageError(f"--plot {out}: cannot write the plot there ({why_not_a_directory(out.parent, error)})") from None
     finally:
         plt.close(figure)
     return out

@@ -90,7 +90,7 @@ def test_compare_refuses_a_plot_path_under_a_file_as_a_usage_error(runs_root, tm
     (tmp_path / "afile").write_text("keep me")
     out_png = tmp_path / "afile" / "x.png"
     stderr = refused_by_cli("compare", str(runs_root / "baseline"), str(runs_root / "dapo"), "--plot", str(out_png))
-    assert f"--plot {out_png}: cannot write the plot there (" in stderr
+    assert f"--plot {out_png}: cannot write the plot there ({tmp_path / 'afile'} is a file, not a directory)" in stderr
     assert (tmp_path / "afile").read_text() == "keep me"
 
 
