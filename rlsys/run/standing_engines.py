@@ -37,7 +37,7 @@ from rlsys.rollout.standing import (
 )
 from rlsys.run.absolute_paths import with_absolute_paths
 from rlsys.run.placement_checks import check_placement_nodes, run_uses_gpus
-from rlsys.system.cluster import ACTOR_ENV
+from rlsys.system.cluster import ACTOR_ENV, ray_auth_notice_quiet
 from rlsys.system.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ def connected(address: str):
         yield
         return
     try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        with ray_auth_notice_quiet():
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except ConnectionError as error:
         raise StandingEnginesError(
             f"no Ray cluster at {address!r}"

@@ -34,7 +34,8 @@ def ray_cluster(address: str | None, local_num_cpus: int, local_resources: dict[
         # Under `ray job submit` the job's runtime env (working_dir, env vars) applies as given;
         # per-actor env vars are set where the actors are created.
         try:
-            ray.init(address=address, **kwargs)
+            with ray_auth_notice_quiet():
+                ray.init(address=address, **kwargs)
         except ConnectionError as error:
             raise RunFailed(f"no Ray cluster to join at {address!r}: {str(error).splitlines()[0]} (placement.ray_address, "
                             "RAY_ADDRESS; with rollout.attach and neither set, the cluster `rlsys engines up` started "
@@ -44,7 +45,7 @@ def ray_cluster(address: str | None, local_num_cpus: int, local_resources: dict[
         # auth is on (RAY_AUTH_MODE unset) asks nothing of a user of this one-process cluster.
         logger.debug("starting a local Ray cluster: %d CPUs, resources %s", local_num_cpus, local_resources or {})
         before = _children()
-        with _quiet(_RAY_AUTH_LOGGER), children_in_process_groups_of_their_own():
+        with ray_auth_notice_quiet(), children_in_process_groups_of_their_own():
             # address "local": a cluster of its own even beside one `ray start` (`rlsys engines up`) left
             # on this machine, which ray.init would otherwise join (and refuse num_cpus for).
             ray.init(address="local", num_cpus=local_num_cpus, resources=local_resources or None,
@@ -112,8 +113,11 @@ _RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 @contextmanager
-def _quiet(logger_name: str):
-    logger = logging.getLogger(logger_name)
+def ray_auth_notice_quiet():
+    """ray.init without its WARNING that token authentication is on (RAY_AUTH_MODE unset): a notice
+    about Ray's defaults, printed on every connection, that asks nothing of an rlsys user. Refusals
+    (a wrong or missing token) are errors and still show."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
     previous = logger.level
     logger.setLevel(logging.ERROR)
     try:

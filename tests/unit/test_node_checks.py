@@ -234,3 +234,26 @@ def test_the_doctor_given_an_address_where_no_cluster_listens_says_so_at_once_as
     assert not report["ok"] and report["nodes"] == []
     (blocker,) = report["problems"]
     assert blocker["severity"] == "blocker" and f"no Ray cluster at '{address}': Connection refused" in blocker["what"]
+
+
+def test_rays_token_authentication_notice_is_kept_off_the_terminal_but_its_errors_are_not():
+    """Every `rlsys engines` command and attached run printed Ray's WARNING that token authentication
+    is on; the logger quieted is the one Ray's module writes it with."""
+    import logging
+
+    from ray._private.authentication import authentication_token_setup
+
+    from rlsys.system.cluster import ray_auth_notice_quiet
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    authentication_token_setup.logger.addHandler(handler)  # Ray's loggers do not propagate to the root
+    try:
+        with ray_auth_notice_quiet():
+            authentication_token_setup.logger.warning("Token authentication is enabled for this Ray cluster.")
+            authentication_token_setup.logger.error("the token is wrong")
+        authentication_token_setup.logger.warning("outside")
+    finally:
+        authentication_token_setup.logger.removeHandler(handler)
+    assert seen == ["the token is wrong", "outside"]
