@@ -19,6 +19,7 @@ class ScoredBatch:
     num_generations: int = 0  # every generation scored, kept or not
     reward_errors: int = 0
     first_error: str | None = None
+    first_error_sample: dict[str, str] | None = None  # its prompt and response
     dropped_groups: int = 0  # groups with a failed reward call
     filtered_groups: int = 0  # groups whose scores were all equal, dropped by dynamic sampling
     sampling_rounds: int = 1
@@ -30,7 +31,8 @@ class ScoredBatch:
         self.samples += other.samples
         self.num_generations += other.num_generations
         self.reward_errors += other.reward_errors
-        self.first_error = self.first_error or other.first_error
+        if self.first_error is None:
+            self.first_error, self.first_error_sample = other.first_error, other.first_error_sample
         self.dropped_groups += other.dropped_groups
         self.filtered_groups += other.filtered_groups
         self.task_rewards += other.task_rewards
@@ -91,11 +93,13 @@ def score_groups(
     batch = ScoredBatch(samples=[], num_generations=len(generations))
     for group_index, record in enumerate(records):
         group = range(group_index * group_size, (group_index + 1) * group_size)
-        failed = [outcomes[i].error for i in group if outcomes[i].error is not None]
+        failed = [i for i in group if outcomes[i].error is not None]
         batch.reward_errors += len(failed)
         if failed:
             batch.dropped_groups += 1
-            batch.first_error = batch.first_error or failed[0]
+            if batch.first_error is None:
+                batch.first_error = outcomes[failed[0]].error
+                batch.first_error_sample = {"prompt": record.prompt, "response": texts[failed[0]]}
             continue
         for i in group:
             sample = Sample(record, generations[i], texts[i], reward=outcomes[i].value)

@@ -92,6 +92,7 @@ def collect_step_batch(run: Run, sampling: SamplingParams, step: int, recover: b
         scored = score_groups([p.record for p in prompts], round_generations, group_size, run.assets.tokenizer,
                               run.rewards.score, algorithm.overlong_penalty, config.rollout.max_new_tokens)
         reward_seconds += time.perf_counter() - reward_start
+        run.reward_error_log.note(step, scored)
         check_reward_errors(scored, config.reward.max_error_fraction, step)
         if algorithm.dynamic_sampling:
             scored.samples, scored.filtered_groups = drop_uniform_groups(scored.samples, group_size)

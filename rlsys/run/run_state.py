@@ -28,6 +28,7 @@ from rlsys.run.evaluation import Evaluator
 from rlsys.run.nonfinite import NonfiniteGuard
 from rlsys.run.profiling import StepProfiler
 from rlsys.run.reporting import HealthMonitor, ProgressLines, shows_progress_bar
+from rlsys.run.reward_errors import RewardErrorLog
 
 
 class Rounds(Protocol):
@@ -73,10 +74,13 @@ class Run:
     nonfinite: NonfiniteGuard | None = None  # set from trainer.max_nonfinite_steps
     progress: ProgressLines | None = None  # set from logging
     profiler: StepProfiler | None = None  # set from profile
+    reward_error_log: RewardErrorLog | None = None  # set from run_dir
 
     def __post_init__(self):
         if self.profiler is None:
             self.profiler = StepProfiler(self.config.profile.steps, Path(self.config.run_dir), lambda: self.parts.trainer)
+        if self.reward_error_log is None:
+            self.reward_error_log = RewardErrorLog(Path(self.config.run_dir))
         if self.nonfinite is None:
             self.nonfinite = NonfiniteGuard(self.config.trainer.max_nonfinite_steps)
         if self.progress is None:

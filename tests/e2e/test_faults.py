@@ -41,6 +41,8 @@ def hangs_or_lies(prompt, response, label, metadata):
         time.sleep(60)  # hangs: stopped at reward.timeout_s
     if label == "3":
         return "1.0"  # not a number
+    if label == "1":
+        return 1e300  # a number, too large to take
     return float(response.strip() == label)
 '''
 
@@ -60,10 +62,19 @@ def test_hanging_and_non_number_rewards_are_counted_and_the_run_finishes(tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    # last_digit prompts end in 7 or 3 about one time in five: their groups are dropped, each counted
+    # last_digit prompts end in 7, 3 or 1 about three times in ten: their groups are dropped, each counted
     assert all(r["reward_errors"] > 0 and r["reward_errors"] == 8 * r["dropped_groups"] for r in rows)
     evals = [r for r in rows if "eval_reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 2] and all(r["eval_reward_errors"] > 0 for r in evals)
+    # and shown: the run's first failure once on the terminal, each step's first in the run directory
+    (said,) = [line for line in result.stderr.splitlines() if "reward call(s) failed; the first, on prompt" in line]
+    assert "step 1: " in said and str(run_dir / "logs" / "reward_errors.jsonl") in said
+    kept = [json.loads(line) for line in (run_dir / "logs" / "reward_errors.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in kept] == [0, 1, 2] and [e["reward_errors"] for e in kept] == \
+        [r["reward_errors"] for r in rows]
+    assert all(e["prompt"].endswith(">") and e["first_error"] for e in kept)
+    shown = " ".join(e["first_error"] for e in kept)
+    assert any(why in shown for why in ("1e+300", "'1.0'", "did not return")), shown
 
 
 def test_steps_whose_loss_is_not_finite_are_said_counted_and_stop_the_run(tmp_path, tiny_model_dir, ray_address,

@@ -205,6 +205,30 @@ def test_raising_reward_drops_its_group_and_is_counted(tiny_model_dir):
     assert batch.reward_errors == 2 and batch.dropped_groups == 1
     assert [s.record.prompt for s in batch.samples] == ["good", "good"]
     assert "KeyError" in batch.first_error
+    assert batch.first_error_sample == {"prompt": "bad", "response": "7"}
+
+
+def test_a_failed_reward_is_shown_once_and_each_steps_first_is_kept_in_the_run_directory(tmp_path, caplog):
+    """A reward the run refuses (1e300 here) was a count in reward_errors and nothing more."""
+    import json
+
+    from rlsys.algorithms.samples import ScoredBatch
+    from rlsys.run.reward_errors import RewardErrorLog
+
+    log = RewardErrorLog(tmp_path)
+    failed = ScoredBatch(samples=[], reward_errors=8, first_error="reward function returned 1e+300: larger in "
+                         "magnitude than 1e+30", first_error_sample={"prompt": "4 7 1>", "response": "1"})
+    with caplog.at_level("WARNING"):
+        log.note(0, ScoredBatch(samples=[]))  # nothing failed: nothing written
+        log.note(3, failed)
+        log.note(5, failed)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("step 4: 8 reward call(s) failed; the first, on prompt '4 7 1>' and "
+                                                 "response '1': reward function returned 1e+300")
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "reward_errors.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["reward_errors"], e["prompt"], e["response"]) for e in lines] == \
+        [(3, 8, "4 7 1>", "1"), (5, 8, "4 7 1>", "1")]
+    assert all("1e+300" in e["first_error"] for e in lines)
 
 
 def test_more_prompts_per_step_than_train_prompts_is_said_at_start():
