@@ -514,8 +514,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="one JSON object (ok, nodes, collectives, problems, env)")
     doctor.set_defaults(handler=_doctor)
 
-    tiny = commands.add_parser("make-tiny-model", help="build a local random-init model + tokenizer")
-    tiny.add_argument("out_dir")
+    tiny = commands.add_parser(
+        "make-tiny-model", help="build a local random-init model + tokenizer",
+        description="Write a random-init causal LM (fp32, safetensors, config.json, generation_config.json) and "
+                    "a character-level tokenizer (one token per character; tokenizer.json and tokenizer_config.json, "
+                    "also alone in OUT_DIR/tokenizer/) to OUT_DIR, for runs without a model hub. Configs on it set "
+                    "rollout.engine.skip_tokenizer_init: true, as configs/quickstart.yaml does (the engine takes and "
+                    "returns token ids; rlsys tokenizes). Defaults: 133,696 parameters (qwen2, 2 layers, 64 wide).")
+    tiny.add_argument("out_dir", help="the directory to write (created if missing; its files of these names are "
+                                      "replaced)")
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--num-layers", type=int, default=2)
     tiny.add_argument("--seed", type=int, default=0)
