@@ -99,8 +99,9 @@ def _eval(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    Console().print(eval_table(metrics, [s.name for s in config.eval.datasets],
-                               f"rlsys eval of {args.checkpoint or args.model}"))
+    table = eval_table(metrics, [s.name for s in config.eval.datasets], f"rlsys eval of {args.checkpoint or args.model}")
+    # As wide as the table needs, not the 80 columns of a pipe or a small terminal (rich cuts headers)
+    Console(width=max(Console().width, 24 + 14 * len(table.columns))).print(table)
     return 0
 
 
@@ -113,6 +114,9 @@ def eval_table(metrics: dict, set_names: list[str], title: str):
 
     per_set = metrics_by_set(metrics, set_names)
     columns = list(dict.fromkeys(column for values in per_set.values() for column in values))
+    # pass@k by k (the sets' metrics arrive in the order their sampling finished), where pass@ first stood
+    by_k = iter(sorted((c for c in columns if c.startswith("pass_at_")), key=lambda c: int(c.rsplit("_", 1)[1])))
+    columns = [next(by_k) if column.startswith("pass_at_") else column for column in columns]
     table = Table(title=title, caption="at max_new_tokens: the share of answers that reached the length limit "
                   "without EOS or a stop string (expected when answers are meant to be that long)")
     table.add_column("eval set")

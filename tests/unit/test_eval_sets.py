@@ -160,3 +160,18 @@ def test_an_answer_exactly_max_new_tokens_long_that_ended_by_its_own_rule_is_not
     text = " ".join(console.export_text().split())  # the caption wraps at the table's width
     assert "at max_new_tokens" in text and "truncated" not in text
     assert "reached the length limit without EOS or a stop string" in text
+
+
+def test_rlsys_evals_table_lists_pass_at_k_by_k_and_its_headers_whole():
+    """The columns came out pass@1 | pass@4 | pass@2 (the order the samples finished in)."""
+    from rich.console import Console
+
+    from rlsys.cli import eval_table
+
+    metrics = {"eval_held_out_reward_mean": 0.5, "eval_held_out_pass_at_1": 0.5, "eval_held_out_pass_at_4": 0.9,
+               "eval_held_out_pass_at_2": 0.7, "eval_held_out_response_len_mean": 3.0}
+    table = eval_table(metrics, ["held_out"], "rlsys eval of m")
+    assert [column.header for column in table.columns] == ["eval set", "reward", "pass@1", "pass@2", "pass@4", "length"]
+    console = Console(record=True, width=24 + 14 * len(table.columns))  # the width `rlsys eval` gives it
+    console.print(table)
+    assert "pass@4" in console.export_text() and "…" not in console.export_text()
