@@ -108,7 +108,9 @@ def run_letters(count: int) -> list[str]:
 
 
 def compare_table(runs: list[tuple[str, list[dict]]], metrics: tuple[str, ...]):
-    """One row per chosen step, one column per metric holding every run's value ("A / B / ...")."""
+    """One row per chosen step, one column per metric holding every run's value ("A / B / ...").
+    Steps are numbered as the console counts them (step N: the Nth step done; metrics.jsonl's
+    `step` is N - 1)."""
     from rich.table import Table
 
     letters = run_letters(len(runs))
@@ -118,7 +120,7 @@ def compare_table(runs: list[tuple[str, list[dict]]], metrics: tuple[str, ...]):
     for metric in metrics:
         table.add_column(f"{metric}\n{' / '.join(letters)}", justify="right", no_wrap=True)
     for step in compare_rows([rows for _, rows in runs], metrics):
-        cells = [str(step)]
+        cells = [str(step + 1)]
         for metric in metrics:
             cells.append(" / ".join(_fmt(steps.get(step, {}).get(metric)) for steps in by_step))
         table.add_row(*cells)
@@ -137,7 +139,7 @@ def plot_compare(runs: list[tuple[str, list[dict]]], metrics: tuple[str, ...], o
     figure, axes = plt.subplots(len(metrics), 1, figsize=(8, 2.6 * len(metrics)), squeeze=False)
     for axis, metric in zip(axes[:, 0], metrics, strict=True):
         for name, rows in runs:
-            points = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
+            points = [(r["step"] + 1, r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
             if points:
                 axis.plot(*zip(*points, strict=True), marker="o" if metric.startswith("eval_") else None,
                           markersize=3, label=name)

@@ -62,9 +62,10 @@ def test_compare_shows_both_curves_at_the_eval_steps_and_the_last(runs_root, cap
     out = capsys.readouterr().out
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in out.splitlines() if "│" in line and line.split("│")[1].strip().isdigit()}
-    assert sorted(rows, key=int) == ["0", "10", "11", "20", "29"]  # eval steps of either run, and the last
-    assert rows["10"] == ["0.25 / 0.5", "0.5 / 1"]
-    assert rows["29"] == ["0.725 / -", "1 / -"]  # the shorter run has no row there
+    # eval steps of either run, and the last; numbered as the console counts (metrics.jsonl's step + 1)
+    assert sorted(rows, key=int) == ["1", "11", "12", "21", "30"]
+    assert rows["11"] == ["0.25 / 0.5", "0.5 / 1"]
+    assert rows["30"] == ["0.725 / -", "1 / -"]  # the shorter run has no row there
 
 
 def test_compare_takes_a_sweep_of_runs(runs_root, tmp_path, capsys):
@@ -75,7 +76,7 @@ def test_compare_takes_a_sweep_of_runs(runs_root, tmp_path, capsys):
     assert "baseline (A) vs dapo (B) vs lr-3 (C)" in " ".join(out.split())
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in out.splitlines() if "│" in line and line.split("│")[1].strip().isdigit()}
-    assert rows["0"] == ["0 / 0 / 0"] and rows["29"] == ["0.725 / - / -"]
+    assert rows["1"] == ["0 / 0 / 0"] and rows["30"] == ["0.725 / - / -"]
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert "needs two runs or more" in refused_by_cli("compare", str(runs_root / "baseline"))
 
