@@ -30,7 +30,7 @@ class RunSummary:
     last_reward: float | None
     last_eval: float | None
     wall_s: float | None  # start to finish (or to the last step), every process of a resumed run together
-    started_at: float | None
+    started_at: float | None  # when the run first started (a resumed run: its first process)
 
     @classmethod
     def read(cls, path: Path) -> RunSummary:
@@ -47,7 +47,7 @@ class RunSummary:
             last_reward=_last(rows, "reward_mean"),
             last_eval=_last(rows, "eval_reward_mean"),
             wall_s=(status.get("earlier_s") or 0.0) + (ended - started) if started and ended else None,
-            started_at=started,
+            started_at=status.get("first_started_at") or started,
         )
 
 

@@ -87,13 +87,14 @@ class ProgressLines:
 
 
 def new_status(config: RunConfig, run_dir: Path, assets: RunAssets, resuming: bool = False) -> RunStatus:
-    """A fresh status; a resumed run's carries the seconds its earlier processes ran (read from the
-    status.json they left, before this one overwrites it)."""
+    """A fresh status; a resumed run's carries the seconds its earlier processes ran and when the
+    first of them started (read from the status.json they left, before this one overwrites it)."""
     dataset = {"train_prompts": len(assets.train), "eval_prompts": len(assets.eval),
                "skipped_rows": assets.skipped_rows, "too_long_prompts": assets.too_long_prompts}
     return RunStatus(run_id=f"{run_dir.name}-{uuid.uuid4().hex[:6]}", total_steps=config.trainer.total_steps,
                      run_dir=str(run_dir), dataset=dataset,
-                     earlier_s=RunStatus.seconds_run_so_far(run_dir) if resuming else 0.0)
+                     earlier_s=RunStatus.seconds_run_so_far(run_dir) if resuming else 0.0,
+                     first_started_at=RunStatus.first_start(run_dir) if resuming else None)
 
 
 @contextmanager

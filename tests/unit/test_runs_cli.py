@@ -331,6 +331,33 @@ def test_a_resumed_runs_wall_time_counts_every_process_it_ran_in(tmp_path):
     assert RunStatus.seconds_run_so_far(tmp_path / "nothing-here") == 0.0
 
 
+def test_a_resumed_run_is_listed_as_started_when_its_first_process_started(tmp_path, capsys):
+    """`rlsys runs` showed the resume's time as "started" and so sorted a resumed run last."""
+    from rlsys.cli import main
+    from rlsys.observability.runs import RunSummary, find_runs
+    from rlsys.observability.status.state import RunStatus
+
+    older, newer = tmp_path / "older", tmp_path / "newer"
+    older.mkdir()
+    newer.mkdir()
+    first = RunStatus(run_id="o", total_steps=10, run_dir=str(older), started_at=1_800_000_000.0)
+    first.set_state("stopped")
+    first.save_snapshot()
+    RunStatus(run_id="n", total_steps=10, run_dir=str(newer), started_at=1_800_001_000.0).save_snapshot()
+    assert RunStatus.first_start(older) == 1_800_000_000.0 and RunStatus.first_start(tmp_path / "none") is None
+    resumed = RunStatus(run_id="o", total_steps=10, run_dir=str(older), started_at=1_800_002_000.0,
+                        first_started_at=RunStatus.first_start(older))
+    resumed.save_snapshot()
+    resumed_again = RunStatus(run_id="o", total_steps=10, run_dir=str(older), started_at=1_800_003_000.0,
+                              first_started_at=RunStatus.first_start(older))
+    resumed_again.save_snapshot()
+    assert RunSummary.read(older).started_at == 1_800_000_000.0  # the first process's, through two resumes
+    assert [run.name for run in find_runs(tmp_path)] == ["older", "newer"]
+    assert main(["runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("older") < out.index("newer")
+
+
 def test_an_export_whose_tokenizer_autotokenizer_would_rebuild_differently_is_said_and_the_tiny_models_is_not(
         tmp_path, tiny_model_dir):
     """A word-level tokenizer saved as PreTrainedTokenizerFast beside a qwen2 model: rlsys runs it as

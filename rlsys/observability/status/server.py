@@ -45,6 +45,7 @@ class StatusResponse(BaseModel):
     started_at: float
     finished_at: float | None
     earlier_s: float = 0.0  # a resumed run: what its earlier processes ran, before started_at
+    first_started_at: float | None = None  # a resumed run: its first process's start
     eta_seconds: float | None
     last_metrics: dict | None
     error: str | None

@@ -41,6 +41,7 @@ class RunStatus:
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     earlier_s: float = 0.0  # seconds the run's earlier processes ran (a resumed run), before started_at
+    first_started_at: float | None = None  # a resumed run: when its first process started (started_at: this one)
     error: str | None = None
     metrics: list[dict] = field(default_factory=list)
     actors: list[ActorHealth] = field(default_factory=list)
@@ -140,6 +141,7 @@ class RunStatus:
                 "started_at": self.started_at,
                 "finished_at": self.finished_at,
                 "earlier_s": self.earlier_s,
+                "first_started_at": self.first_started_at or self.started_at,
                 "eta_seconds": self.eta_seconds(),
                 "last_metrics": dict(self.metrics[-1]) if self.metrics else None,
                 "error": self.error,
@@ -189,6 +191,15 @@ class RunStatus:
         except (OSError, ValueError, KeyError, TypeError):
             return 0.0
 
+    @staticmethod
+    def first_start(run_dir: str | Path) -> float | None:
+        """When the first process of the run in `run_dir` started (its status.json's record), or None."""
+        try:
+            snapshot = json.loads((Path(run_dir) / "status.json").read_text())
+            return float(snapshot.get("first_started_at") or snapshot["started_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     @classmethod
     def from_run_dir(cls, run_dir: str | Path) -> RunStatus:
         """A read-only status of a run that is over (or whose coordinator is gone)."""
@@ -206,6 +217,7 @@ class RunStatus:
             run_dir=str(run_dir),
             started_at=snapshot.get("started_at", time.time()),
             earlier_s=snapshot.get("earlier_s", 0.0),
+            first_started_at=snapshot.get("first_started_at"),
             dataset=snapshot.get("dataset", {}),
         )
         for row in rows:
