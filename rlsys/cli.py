@@ -193,7 +193,7 @@ def _export(args: argparse.Namespace) -> int:
     from rlsys.tools.export import export_hf
 
     with _library_output_hidden(args.log_level):
-        out = export_hf(args.run_dir, args.step, args.out_dir, merged=args.merged)
+        out = export_hf(args.run_dir, args.step, args.out_dir, merged=args.merged, overwrite=args.overwrite)
     logger.info("Hugging Face checkpoint written to %s", out)
     return 0
 
@@ -453,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     export.add_argument("--merged", action="store_true",
                         help="a LoRA run: the base model with the adapters merged in (default: the PEFT adapter)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace what OUT_DIR holds (default: a directory with files in it is refused)")
     export.set_defaults(handler=_export)
 
     serve = commands.add_parser("serve", help="serve the dashboard and API over a finished run directory")

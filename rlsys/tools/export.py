@@ -78,12 +78,30 @@ def _with_adapters(model, lora, checkpoint: Path, base_id: str):
     return peft_model
 
 
-def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path, merged: bool = False) -> Path:
+def _clear_output_dir(out_dir: Path, overwrite: bool) -> None:
+    """A directory that holds files is refused (an export's files written over another's leave a mix:
+    an adapter beside a merged model's weights), or with `overwrite` emptied first, said."""
+    if not out_dir.is_dir():
+        return
+    entries = sorted(entry.name for entry in out_dir.iterdir())
+    if not entries:
+        return
+    listed = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+    if not overwrite:
+        raise UsageError(f"cannot export to {out_dir}: it holds files already ({listed}); choose a new or empty "
+                         "directory, or pass --overwrite to replace what it holds")
+    logger.warning("--overwrite: removing what %s held (%s) before writing the export", out_dir, listed)
+    shutil.rmtree(out_dir)
+
+
+def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path, merged: bool = False,
+              overwrite: bool = False) -> Path:
     from transformers import AutoModelForCausalLM
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     checkpoint = checkpoint_to_export(CheckpointStore(run_dir), step)
     config = load_config(run_dir / "config.yaml")
+    _clear_output_dir(out_dir, overwrite)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -233,6 +233,14 @@ def test_export_passes_over_a_truncated_checkpoint_and_refuses_a_file_as_output(
     assert all(torch.equal(exported[name], weights[1][name]) for name in exported)
     assert not all(torch.equal(weights[1][name], weights[2][name]) for name in exported)  # step 1 it is
 
+    # a second export into the same directory is refused, naming what is there; --overwrite replaces it
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    assert f"cannot export to {tmp_path / 'out'}: it holds files already (config.json, " in refused_by_cli(
+        "export", str(run_dir), str(tmp_path / "out"), "--step", "1")
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert main(["export", str(run_dir), str(tmp_path / "out"), "--step", "1", "--overwrite"]) == 0
+    assert not (tmp_path / "out" / "notes.txt").exists() and (tmp_path / "out" / "model.safetensors").is_file()
+
 
 def test_a_mixture_of_experts_run_exports_one_tensor_per_expert_that_transformers_reads_back_equal(tmp_path):
     """The trainer holds each layer's experts stacked ([E, 2I, H]); the export writes the
