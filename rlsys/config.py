@@ -659,6 +659,8 @@ class EvalSetConfig(_Section):
     split: str = Field("test", description="The split of a saved DatasetDict that path names.")
     prompt_key: str | None = Field(None, description="The field holding the prompt (default: data.prompt_key).")
     label_key: str | None = Field(None, description="The field holding the label (default: data.label_key).")
+    metadata_keys: list[str] | None = Field(
+        None, description="Fields passed to the reward as metadata (default: data.metadata_keys).")
     reward_function: str | None = Field(
         None, description="Its reward, as reward.function spells one (default: the run's reward: reward.function, "
         "or reward.url when set).",

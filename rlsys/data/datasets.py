@@ -85,10 +85,12 @@ def record_from_row(row: dict, where: str, columns: Columns, refuse_unknown: boo
     metadata = row.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise DatasetError(f"{where}: 'metadata' must be an object, got {type(metadata).__name__}")
-    missing = [key for key in columns.metadata if key not in row]
+    # A key is a column of the row, or a field of its `metadata` object (where the docs put it).
+    missing = [key for key in columns.metadata if key not in row and key not in metadata]
     if missing:
-        raise DatasetError(f"{where}: missing metadata column(s) {missing} (data.metadata_keys)")
-    metadata = {**metadata, **{key: row[key] for key in columns.metadata}}
+        raise DatasetError(f"{where}: missing metadata field(s) {missing}: neither a column nor in the row's "
+                           "metadata object (data.metadata_keys, eval.datasets[].metadata_keys)")
+    metadata = {**metadata, **{key: row[key] for key in columns.metadata if key in row}}
     return PromptRecord(prompt=prompt, label=str(label), metadata=metadata)
 
 

@@ -330,7 +330,7 @@ def _read_eval_set(config: RunConfig, eval_set: EvalSetConfig) -> tuple[list[Pro
                           ".jsonl, .parquet, .json or .csv file, or a saved dataset directory)")
     data = config.data
     columns = Columns(eval_set.prompt_key or data.prompt_key, eval_set.label_key or data.label_key,
-                      tuple(data.metadata_keys))
+                      tuple(data.metadata_keys if eval_set.metadata_keys is None else eval_set.metadata_keys))
     try:
         records, skipped = read_records(eval_set.path, columns, data.skip_invalid_rows, eval_set.split)
     except DatasetError as error:

@@ -74,8 +74,18 @@ def test_bad_rows_name_their_file_and_row_and_can_be_skipped(tmp_path):
         read_records(path, COLUMNS)
     records, skipped = read_records(path, COLUMNS, skip_invalid=True)
     assert records == EXPECTED[:1] and skipped == 2
-    with pytest.raises(DatasetError, match=r"row 1: missing metadata column\(s\) \['grade'\]"):
+    with pytest.raises(DatasetError, match=r"row 1: missing metadata field\(s\) \['grade'\]: neither a column nor "):
         read_records(path, Columns("question", "answer", ("grade",)))
+
+
+def test_a_metadata_key_may_live_in_the_rows_metadata_object(tmp_path):
+    """data.metadata_keys named fields of a row's nested `metadata` object (as the docs show them)
+    and were refused as missing columns."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"question": "2+2?", "answer": 4, "metadata": {"grade": 3, "source": "x"}}) + "\n"
+                    + json.dumps({"question": "3+3?", "answer": 6, "grade": 5}) + "\n")
+    records, _ = read_records(path, Columns("question", "answer", ("grade",)))
+    assert [r.metadata for r in records] == [{"grade": 3, "source": "x"}, {"grade": 5}]
 
 
 def test_jsonl_keeps_refusing_unknown_fields_but_accepts_mapped_ones(tmp_path):

@@ -89,6 +89,18 @@ def test_eval_sets_are_read_in_any_data_format_with_their_own_columns(tmp_path, 
         ("lines", ["3", "6", "9"]), ("table", ["3", "6"])]
 
 
+def test_an_eval_set_names_its_own_metadata_columns(tmp_path, tiny_model_dir):
+    """eval.datasets[].metadata_keys (default: data.metadata_keys): the set's reward reads them."""
+    from rlsys.run.assets import load_assets
+
+    rows = [{"prompt": "1 2 3>", "label": "3", "difficulty": 1}, {"prompt": "4 5 6>", "label": "6", "difficulty": 2}]
+    (tmp_path / "set.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_config(_config(tmp_path, tiny_model_dir, {"name": "graded", "path": str(tmp_path / "set.jsonl"),
+                                                            "metadata_keys": ["difficulty"]}))
+    (graded,) = load_assets(config).eval_sets
+    assert [p.record.metadata for p in graded.prompts] == [{"difficulty": 1}, {"difficulty": 2}]
+
+
 def test_bad_eval_sets_are_refused_before_anything_starts(tmp_path, tiny_model_dir):
     from rlsys.run.assets import load_assets
 
