@@ -96,6 +96,13 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address, quick
         assert before <= int(re.search(r'data-points="(\d+)"', eval_chart.group(0)).group(1)) <= after
         assert "pass@2" in dom and "eval set held_out" in dom  # its legend and title
         assert len(re.findall(r'class="tl-row" data-step=', dom)) >= before  # a timeline row per step
+        timeline_steps = [int(step) for step in re.findall(r'class="tl-row[^"]*" data-step="(\d+)"', dom)]
+        assert timeline_steps == sorted(timeline_steps, reverse=True)  # newest first: it opens on the latest
+        # the legends rest on the latest step; an eval series shows its latest value there, not "–"
+        start = dom.index('id="chart-reward"')
+        reward_chart = dom[start:dom.index('<div class="chart"', start)]
+        legend_values = re.findall(r'class="u-value"[^>]*>([^<]*)<', reward_chart)
+        assert legend_values and "–" not in legend_values, legend_values
         assert 'data-phase="generate"' in dom and 'data-phase="train"' in dom and 'data-phase="sync"' in dom
         assert len(re.findall(r'<tr data-kind="trainer">', dom)) == 2
         assert len(re.findall(r'<tr data-kind="engine">', dom)) == 1

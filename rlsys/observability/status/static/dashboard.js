@@ -92,6 +92,18 @@ function chartData(chart) {
                                                                                     : r[key] * scale)))];
 }
 
+// A legend value. At the latest step (where the legend rests) a series without a value there, an
+// eval between its intervals, shows its latest value and that value's step instead of "–".
+function legendValue(u, v, seriesIdx, idx) {
+  if (v !== null && v !== undefined) return fmtTick(v);
+  const values = u.data[seriesIdx];
+  if (idx === null || idx !== values.length - 1) return "–";
+  for (let i = values.length - 1; i >= 0; i--) {
+    if (values[i] !== null && values[i] !== undefined) return `${fmtTick(values[i])} (step ${u.data[0][i]})`;
+  }
+  return "–";
+}
+
 function ensurePlots() {
   for (const chart of CHARTS) {
     if (plots[chart.id]) continue;
@@ -105,7 +117,7 @@ function ensurePlots() {
       // not uPlot's default 0..100 for a constant.
       scales: { x: { time: false }, y: { range: (u, min, max) => yRange(min, max) } },
       series: [{ label: "step" }, ...chart.series.map(([, label, color]) => ({ label, stroke: color, spanGaps: true,
-               points: { show: true, size: 3 }, value: (u, v) => (v === null || v === undefined ? "–" : fmtTick(v)) }))],
+               points: { show: true, size: 3 }, value: legendValue }))],
       axes: [{ label: "step" }, { size: 60, values: (u, ticks) => ticks.map(fmtTick) }],
     }, chartData(chart), el);
   }
@@ -229,7 +241,8 @@ function redrawTimeline() {
       `title="next step's batch, generated during this step: ${next.prefetch_s.toFixed(3)} s" style="margin-left:` +
       `${(next.prefetch_start_s / longest) * 600}px;width:${Math.max((next.prefetch_s / longest) * 600, 1)}px;` +
       `background:${PHASE_COLORS.generate};opacity:0.55"></div></div>` : "";
-    box.insertAdjacentHTML("beforeend",
+    // Newest first: the box scrolls, and opens on the step that just finished.
+    box.insertAdjacentHTML("afterbegin",
       `<div class="tl-row${overlap ? " tl-overlapped" : ""}" data-step="${r.step}"><span class="tl-step">${r.step}</span>` +
       `<div class="tl-lanes"><div class="tl-bar">${segments}</div>${overlap}</div>` +
       `<span style="margin-left:6px">${(r.time_step_s || 0).toFixed(2)} s</span>` +
