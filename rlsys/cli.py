@@ -83,25 +83,33 @@ def _eval(args: argparse.Namespace) -> int:
     from rlsys.errors import RunFailed
     from rlsys.run.offline_eval import evaluate_model
 
-    config = load_config(args.config, list(args.overrides))
+    if not 0 <= args.show <= 64:
+        raise UsageError(f"--show takes 0 to 64 answers per eval set, got {args.show}")
+    config = load_config(args.config, [*args.overrides, f"logging.samples_per_step={args.show}"])
+    shown: list[dict] = []
     try:
         # --json: stdout holds the one JSON object; the progress lines go to stderr meanwhile.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), \
                 _library_output_hidden(args.log_level):
             metrics = evaluate_model(config, checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-                                     model=Path(args.model) if args.model else None)
+                                     model=Path(args.model) if args.model else None, shown=shown)
     except RunFailed as error:
         logger.error("eval failed: %s", error)
         return 1
     source = {"checkpoint": args.checkpoint} if args.checkpoint else {"model": args.model}
     if args.json:
-        print(json.dumps({**source, "metrics": metrics}))
+        print(json.dumps({**source, "metrics": metrics, **({"samples": shown} if args.show else {})}))
         return 0
     from rich.console import Console
 
     table = eval_table(metrics, [s.name for s in config.eval.datasets], f"rlsys eval of {args.checkpoint or args.model}")
     # As wide as the table needs, not the 80 columns of a pipe or a small terminal (rich cuts headers)
-    Console(width=max(Console().width, 24 + 14 * len(table.columns))).print(table)
+    console = Console(width=max(Console().width, 24 + 14 * len(table.columns)))
+    console.print(table)
+    for sample in shown:
+        reward = "error" if sample["reward"] is None else f"{sample['reward']:.4g}"
+        console.print(f"[{sample['source']}] {sample['prompt']!r} -> {sample['response']!r} (reward {reward}, "
+                      f"{sample['finish_reason']}, {sample['response_tokens']} tokens)", highlight=False, markup=False)
     return 0
 
 
@@ -498,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--checkpoint", metavar="DIR", help="a run's checkpoint: RUN_DIR/checkpoints/step_N")
     source.add_argument("--model", metavar="HF_DIR", help="a Hugging Face model directory (e.g. from rlsys export)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    evaluate.add_argument("--show", type=int, default=0, metavar="N",
+                          help="also print N answers of each eval set: prompt, response, reward, finish reason")
     evaluate.set_defaults(handler=_eval)
 
     plan = commands.add_parser("plan", help="print the memory each GPU will hold, per phase, and whether it fits; "

@@ -731,6 +731,10 @@ class LoggingConfig(_Section):
         "(rlsys/observability/tracking.py): "
         "TensorBoard event files, wandb (offline unless configured), MLflow (a file store in the run directory).",
     )
+    samples_per_step: int = Field(
+        4, ge=0, le=64, description="Answers kept per step and per eval set, with their prompt, reward and finish "
+        "reason (the first answer of the first N prompts): in RUN_DIR/samples.jsonl, the dashboard's table, the "
+        "trackers' tables. 0: none.")
     project: str = Field("rlsys", description="wandb project / MLflow experiment.")
     run_name: str | None = Field(None, description="Run name in wandb/MLflow; default: the run directory's name.")
 

@@ -7,6 +7,8 @@
   WANDB_API_KEY for online); `wandb sync RUN_DIR/wandb/offline-run-*` uploads later.
 - mlflow: a local file store in RUN_DIR/mlruns unless MLFLOW_TRACKING_URI says otherwise
   (mlflow-skinny is enough).
+A step's answers shown (logging.samples_per_step) go to each as a table: TensorBoard's text panel
+("samples"), a wandb Table ("samples"), an MLflow artifact samples/step_N.jsonl.
 Each is an optional extra (`pip install 'rlsys[tensorboard]'` etc.); a missing one is named
 before anything starts.
 """
@@ -19,6 +21,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from rlsys.errors import RunFailed
+from rlsys.observability.samples import COLUMNS, markdown_table
 
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 _NOT_METRICS = {"step", "timestamp"}
@@ -77,6 +80,10 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, global_step=row["step"])
         self.writer.flush()
 
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        self.writer.add_text("samples", markdown_table(rows), global_step=step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -94,6 +101,12 @@ class WandbTracker:
 
     def log(self, row: dict) -> None:
         self.run.log(numeric_metrics(row), step=row["step"])
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        import wandb
+
+        table = wandb.Table(columns=list(COLUMNS), data=[[row.get(c) for c in COLUMNS] for row in rows])
+        self.run.log({"samples": table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -132,6 +145,13 @@ class MLflowTracker:
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        import json
+
+        # An artifact per step (MLflow's log_table needs pandas, which mlflow-skinny does not bring)
+        self.client.log_text(self.run_id, "".join(json.dumps(row) + "\n" for row in rows),
+                             f"samples/step_{step:08d}.jsonl")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -164,6 +184,12 @@ class Trackers:
     def log(self, row: dict) -> None:
         for tracker in self.trackers:
             tracker.log(row)
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """A step's answers shown (rlsys/observability/samples.py), as a table in each backend."""
+        if rows:
+            for tracker in self.trackers:
+                tracker.log_samples(step, rows)
 
     def close(self) -> None:
         for tracker in self.trackers:

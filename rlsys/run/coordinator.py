@@ -15,6 +15,7 @@ import time
 
 from rlsys.algorithms.samples import ScoredBatch, prepare, truncated_fraction
 from rlsys.config import RunConfig
+from rlsys.observability.samples import shown_samples
 from rlsys.run.batches import step_batches
 from rlsys.run.components import Components, sync_engines
 from rlsys.run.generation import sampling_params, trajectory_metrics
@@ -36,9 +37,11 @@ def train_loop(run: Run) -> None:
             batch = batches.take(row, step, state.weight_version)
             row.update(batch.metrics, data_epoch=batch.start[0], data_index=batch.start[1])
             row.update(batch.scored.reward_metrics())  # task rewards, before any penalty
+            shown = _shown_samples(config, step, batch.scored)
             if run.evaluator.due(step):  # the engines hold this step's weights (batches ahead may generate beside it)
                 with run.phase(row, "evaluating", "eval"):
                     row.update(run.evaluator.evaluate(step))
+                shown += run.evaluator.samples
             last_step = step + 1 == config.trainer.total_steps or _reached_eval_target(config, row, step)
             batches.before_training(step, step_start)  # batches ahead: the next steps' generate while this one trains
 
@@ -66,7 +69,7 @@ def train_loop(run: Run) -> None:
             row["timestamp"] = time.time()  # wall clock when the step ended (unix seconds)
             row.update(_rollout_metrics(batch.generations, row["time_step_s"]), synced_weight_version=state.weight_version,
                        engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
-            _record(run, row, last_step=last_step)
+            _record(run, row, shown, last_step=last_step)
             run.profiler.step_ended(step, last_step)
             run.nonfinite.stop_if_exceeded(step)
             if last_step:
@@ -127,9 +130,21 @@ def _rollout_metrics(generations: list, step_seconds: float) -> dict:
     }
 
 
-def _record(run: Run, row: dict, last_step: bool) -> None:
+def _shown_samples(config: RunConfig, step: int, scored: ScoredBatch) -> list[dict]:
+    """The step's answers to show: the first of each of its first logging.samples_per_step groups."""
+    samples = scored.samples
+    return shown_samples(step, "train", [s.record.prompt for s in samples], [s.response_text for s in samples],
+                         [s.reward for s in samples], [s.generation.finish_reason for s in samples],
+                         [len(s.generation.response_ids) for s in samples], config.rollout.n_samples_per_prompt,
+                         config.logging.samples_per_step)
+
+
+def _record(run: Run, row: dict, shown: list[dict], last_step: bool) -> None:
     run.log.append(row)
+    run.samples.append(shown)
+    run.status.record_samples(shown)
     run.trackers.log(row)
+    run.trackers.log_samples(row["step"], shown)
     run.status.record_step(row)
     run.progress.step(row, last_step)
     if run.health.due(last_step):

@@ -9,6 +9,7 @@ from math import comb
 
 from rlsys.algorithms.samples import Scorer, generation_text, reward_call
 from rlsys.config import RunConfig
+from rlsys.observability.samples import shown_samples
 from rlsys.records import EncodedPrompt, SamplingParams
 from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import RolloutManager
@@ -107,6 +108,8 @@ class Evaluator:
         self.maker = maker
         self._reward_config = config.reward
         self._own_scorers: dict[str, object] = {}
+        self.samples_per_set = config.logging.samples_per_step
+        self.samples: list[dict] = []  # the last `evaluate`'s answers to show (rlsys/observability/samples.py)
 
     def due(self, step: int) -> bool:
         return any(s.due(step, self.last_step) for s in self.sets)
@@ -114,19 +117,26 @@ class Evaluator:
     def evaluate(self, step: int | None = None) -> dict[str, float]:
         """The metrics of every set due at `step` (None: every set)."""
         metrics: dict[str, float] = {}
+        self.samples = []
         for eval_set in self.sets:
             if eval_set.prompts and (step is None or eval_set.due(step, self.last_step)):
-                metrics.update(self.evaluate_set(eval_set))
+                metrics.update(self.evaluate_set(eval_set, step or 0))
         return metrics
 
-    def evaluate_set(self, eval_set: EvalSet) -> dict[str, float]:
-        """n answers per prompt; a prompt whose reward fails scores 0 and is counted in reward_errors."""
+    def evaluate_set(self, eval_set: EvalSet, step: int = 0) -> dict[str, float]:
+        """n answers per prompt; a prompt whose reward fails scores 0 and is counted in reward_errors.
+        The first answers of the first prompts are kept to show (`samples`)."""
         generations = self.maker.samples(self.rollout, eval_set.prompts, eval_set.sampling, n=eval_set.n_samples)
         records = [p.record for p in eval_set.prompts for _ in range(eval_set.n_samples)]
         calls = [reward_call(r, g, generation_text(self.tokenizer, g))
                  for r, g in zip(records, generations, strict=True)]
         outcomes = self._scorer_for(eval_set.reward_function)(calls)
         rewards = [o.value if o.error is None else 0.0 for o in outcomes]
+        self.samples += shown_samples(step, "eval" if eval_set.name is None else f"eval:{eval_set.name}",
+                                      [r.prompt for r in records], [c.response for c in calls],
+                                      [o.value for o in outcomes], [g.finish_reason for g in generations],
+                                      [len(g.response_ids) for g in generations], eval_set.n_samples,
+                                      self.samples_per_set)
         return set_metrics(eval_set, generations, rewards, sum(o.error is not None for o in outcomes))
 
     def _scorer_for(self, function: str | None) -> Scorer:

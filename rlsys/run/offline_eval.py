@@ -55,9 +55,11 @@ def _model_dir(checkpoint: Path | None, model: Path | None, scratch: Path) -> Pa
     return export_hf(run_dir, step, scratch / "model", merged=merged)
 
 
-def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Path | None = None) -> dict[str, float]:
+def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Path | None = None,
+                   shown: list[dict] | None = None) -> dict[str, float]:
     """Every eval set of `config` (the data section's eval prompts and eval.datasets) once, with
-    rollout.num_engines engines serving the checkpoint or the model; the metrics by name."""
+    rollout.num_engines engines serving the checkpoint or the model; the metrics by name. `shown`:
+    a list that receives logging.samples_per_step answers of each set (`rlsys eval --show N`)."""
     if (checkpoint is None) == (model is None):
         raise UsageError("give exactly one of --checkpoint DIR or --model HF_DIR")
     # Standing engines load the exported weights from disk: next to the checkpoint (storage their nodes
@@ -73,7 +75,7 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
                               "data.eval_fraction or a synthetic task's num_eval) and no eval.datasets")
         maker = SampleMaker(config, assets.tokenizer)
         if config.rollout.attach:
-            return _evaluate_on_standing_engines(config, assets, maker, model_dir, checkpoint or model)
+            return _evaluate_on_standing_engines(config, assets, maker, model_dir, checkpoint or model, shown)
         engines = Topology("disaggregated", 0, config.rollout.num_engines, config.rollout.engine.tp_size,
                            has_gpu=False, trainers_sleep=False,
                            engine_resources=dict(config.placement.engine_node_resources))
@@ -97,11 +99,18 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
             logger.info("%d SGLang engine(s) serving %s", engines.num_engines, checkpoint or model)
             evaluator = Evaluator(config, assets, rollout, rewards.score, maker)
             stack.callback(evaluator.close)
-            return evaluator.evaluate()
+            return _evaluated(evaluator, shown)
+
+
+def _evaluated(evaluator: Evaluator, shown: list[dict] | None) -> dict[str, float]:
+    metrics = evaluator.evaluate()
+    if shown is not None:
+        shown += evaluator.samples
+    return metrics
 
 
 def _evaluate_on_standing_engines(config: RunConfig, assets, maker: SampleMaker, model_dir: Path,
-                                  source: Path) -> dict[str, float]:
+                                  source: Path, shown: list[dict] | None = None) -> dict[str, float]:
     """`evaluate_model` on standing engines (rollout.attach): leased for the eval, given the model's
     weights from disk (version 0), left ready for the next run."""
     import ray
@@ -128,4 +137,4 @@ def _evaluate_on_standing_engines(config: RunConfig, assets, maker: SampleMaker,
         logger.info("%d standing engine(s) %r serving %s", len(rollout.engines), record.name, source)
         evaluator = Evaluator(config, assets, rollout, rewards.score, maker)
         stack.callback(evaluator.close)
-        return evaluator.evaluate()
+        return _evaluated(evaluator, shown)

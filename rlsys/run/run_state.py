@@ -15,6 +15,7 @@ from typing import Protocol
 from rlsys.config import RunConfig
 from rlsys.data.datasets import PromptSampler
 from rlsys.observability.metrics import MetricsLog
+from rlsys.observability.samples import SHOWN_IN_STATUS, SamplesLog
 from rlsys.observability.status.state import RunStatus
 from rlsys.observability.tracking import Trackers
 from rlsys.records import EncodedPrompt, Generation, SamplingParams
@@ -75,12 +76,15 @@ class Run:
     progress: ProgressLines | None = None  # set from logging
     profiler: StepProfiler | None = None  # set from profile
     reward_error_log: RewardErrorLog | None = None  # set from run_dir
+    samples: SamplesLog | None = None  # RUN_DIR/samples.jsonl, set from run_dir
 
     def __post_init__(self):
         if self.profiler is None:
             self.profiler = StepProfiler(self.config.profile.steps, Path(self.config.run_dir), lambda: self.parts.trainer)
         if self.reward_error_log is None:
             self.reward_error_log = RewardErrorLog(Path(self.config.run_dir))
+        if self.samples is None:
+            self.samples = SamplesLog(Path(self.config.run_dir) / "samples.jsonl")
         if self.nonfinite is None:
             self.nonfinite = NonfiniteGuard(self.config.trainer.max_nonfinite_steps)
         if self.progress is None:
@@ -103,6 +107,8 @@ class Run:
         """Trainer, engines, data position and metrics as `checkpoint` left them (fresh if None)."""
         self.state = restore(self.config, self.parts, checkpoint)
         self.log.truncate_from(self.state.next_step)  # rows of steps that will run again
+        self.samples.truncate_from(self.state.next_step)
+        self.status.record_samples(self.samples.latest(SHOWN_IN_STATUS))
         self.status.replace_steps(self.log.rows)
         self.sampler.restore(self.state.data_epoch, self.state.data_index)
         self.trainer_version = self.state.weight_version

@@ -53,7 +53,7 @@ def test_every_read_endpoint_matches_its_schema(tmp_path):
     paths = client.get("/openapi.json").json()["paths"]
     for path in ("/api/v1/status", "/api/v1/metrics", "/api/v1/actors", "/healthz", "/metrics",
                  "/api/v1/pause", "/api/v1/resume", "/api/v1/checkpoint", "/api/v1/stop", "/api/v1/stacks",
-                 "/api/v1/hangs/latest"):
+                 "/api/v1/hangs/latest", "/api/v1/samples"):
         assert path in paths
 
 

@@ -4,6 +4,7 @@ GET  /api/v1/status   /api/v1/metrics?since=STEP   /api/v1/actors   /healthz   /
 POST /api/v1/pause    /api/v1/resume   /api/v1/checkpoint   /api/v1/stop   (bearer token)
 POST /api/v1/stacks   every process's Python stacks, now (bearer token; also written to RUN_DIR/hangs/)
 GET  /api/v1/hangs/latest   the latest stack dump's summary (a hang's, or the last on request)
+GET  /api/v1/samples   the latest answers shown: prompt, response, reward, finish reason (logging.samples_per_step)
 GET  /                the live dashboard (JS served from this package: works offline)
 """
 
@@ -76,6 +77,20 @@ class StacksResponse(BaseModel):
 class MetricsResponse(BaseModel):
     since: int
     rows: list[dict]
+
+
+class SampleResponse(BaseModel):
+    step: int
+    source: str  # "train", "eval", or "eval:NAME" (an eval set)
+    prompt: str
+    response: str
+    reward: float | None
+    finish_reason: str
+    response_tokens: int
+
+
+class SamplesResponse(BaseModel):
+    samples: list[SampleResponse]
 
 
 class ActorResponse(BaseModel):
@@ -176,6 +191,12 @@ def build_app(status: RunStatus, token: str | None, read_token: str | None = Non
     async def get_metrics(since: int = Query(0, ge=0, description="First step to return.")) -> Response:
         body = cache.get(f"metrics?since={since}", lambda: MetricsResponse(
             since=since, rows=[_finite(r) for r in status.metrics_since(since)]).model_dump_json().encode())
+        return Response(body, media_type="application/json")
+
+    @app.get("/api/v1/samples", response_model=SamplesResponse, dependencies=reads)
+    async def get_samples() -> Response:
+        body = cache.get("samples", lambda: SamplesResponse(
+            samples=[SampleResponse(**_finite(row)) for row in status.latest_samples()]).model_dump_json().encode())
         return Response(body, media_type="application/json")
 
     @app.get("/api/v1/actors", response_model=ActorsResponse, dependencies=reads)

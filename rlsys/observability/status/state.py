@@ -52,6 +52,7 @@ class RunStatus:
     stop_requested: bool = False
     checkpoint_requested: bool = False
     latest_hang: str | None = None  # the latest directory of stack dumps (RUN_DIR/hangs/...)
+    samples: list[dict] = field(default_factory=list)  # the latest answers shown (rlsys/observability/samples.py)
     status_url: str | None = None  # where the status server answers (`rlsys stacks RUN_DIR` reads it)
     # () -> every process's stacks (rlsys/run/hangs.py), while the run's processes are up
     stacks_provider: Callable[[], dict] | None = field(default=None, repr=False, compare=False)
@@ -76,6 +77,18 @@ class RunStatus:
             self.weight_version = row.get("synced_weight_version", self.weight_version)
             if row.get("time_step_s") is not None:
                 self.step_seconds.append(row["time_step_s"])
+
+    def record_samples(self, rows: list[dict]) -> None:
+        """Answers of a step (and its evals) to show: the latest SHOWN_IN_STATUS are kept."""
+        from rlsys.observability.samples import SHOWN_IN_STATUS
+
+        with self._lock:
+            self.version += 1
+            self.samples = (self.samples + [dict(row) for row in rows])[-SHOWN_IN_STATUS:]
+
+    def latest_samples(self) -> list[dict]:
+        with self._lock:
+            return [dict(row) for row in self.samples]
 
     def replace_steps(self, rows: list[dict]) -> None:
         """The finished steps are exactly `rows` (after a resume drops the steps that run again)."""
@@ -222,6 +235,9 @@ class RunStatus:
         )
         for row in rows:
             status.record_step(row)
+        from rlsys.observability.samples import SHOWN_IN_STATUS, SamplesLog
+
+        status.record_samples(SamplesLog(run_dir / "samples.jsonl").latest(SHOWN_IN_STATUS))
         from rlsys.system.run_lock import owner_is_alive
 
         status.state = snapshot.get("state", "finished")

@@ -299,19 +299,36 @@ function redrawStatus(s) {
   document.getElementById("latest-hang-dir").textContent = s.latest_hang || "";
 }
 
+// The latest answers, newest first (the API gives them oldest first); text only, never markup.
+function redrawSamples(samples) {
+  const body = document.querySelector("#samples tbody");
+  body.replaceChildren(...samples.slice().reverse().map(sample => {
+    const tr = document.createElement("tr");
+    tr.dataset.source = sample.source;
+    tr.append(cell(String(sample.step)), cell(sample.source), cell(sample.prompt, "sample-text"),
+              cell(sample.response, "sample-text"),
+              cell(sample.reward === null ? "error" : (+sample.reward.toPrecision(3)).toString()),
+              cell(sample.finish_reason));
+    return tr;
+  }));
+  document.getElementById("samples").dataset.rows = String(samples.length);
+}
+
 async function poll() {
   try {
     const next = rows.length ? rows[rows.length - 1].step + 1 : 0;
-    const [status, metrics, actors] = await Promise.all([
+    const [status, metrics, actors, samples] = await Promise.all([
       getJSON("/api/v1/status"),
       getJSON(`/api/v1/metrics?since=${next}`),
       getJSON("/api/v1/actors"),
+      getJSON("/api/v1/samples"),
     ]);
     rows.push(...metrics.rows);
     redrawStatus(status);
     redrawPlots();
     redrawTimeline();
     redrawActors(actors.actors, status.state);
+    redrawSamples(samples.samples);
     document.body.dataset.loaded = "true";
   } catch (err) {
     document.getElementById("state").textContent = "disconnected";
