@@ -107,6 +107,10 @@ def test_dashboard_shows_a_live_run(tmp_path, tiny_model_dir, ray_address, quick
         assert len(re.findall(r'<tr data-kind="trainer">', dom)) == 2
         assert len(re.findall(r'<tr data-kind="engine">', dom)) == 1
         assert re.search(r'id="weight-version">\d+<', dom)
+        # the latest answers, as text: the step's (4 a step) and the latest eval's (every 5 steps: within the 40 shown)
+        assert int(re.search(r'<table id="samples"[^>]*data-rows="(\d+)"', dom).group(1)) == 40
+        assert 'data-source="train"' in dom and 'data-source="eval:held_out"' in dom and 'data-source="eval"' in dom
+        assert re.search(r'<td class="sample-text">\d \d \d&gt;</td>', dom), "a quickstart prompt, as text"
 
         ARTIFACTS.mkdir(exist_ok=True)
         _chromium(f"--screenshot={ARTIFACTS / 'dashboard.png'}", f"{url}/")

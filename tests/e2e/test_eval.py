@@ -50,12 +50,20 @@ def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoin
         assert row["eval_held_out_response_len_mean"] == 1.0  # max_new_tokens: 1
         assert row["eval_held_out_truncated_fraction"] > 0.9  # cut at max_new_tokens, not stopped
     trained = rows[3]
+    # the answers shown (logging.samples_per_step: 4): each step's, and each eval's at its steps
+    shown = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["source"]) for r in shown if r["source"] != "train"] == \
+        [(0, "eval")] * 4 + [(0, "eval:held_out")] * 4 + [(2, "eval:held_out")] * 4 + \
+        [(3, "eval")] * 4 + [(3, "eval:held_out")] * 4
+    assert [r["step"] for r in shown if r["source"] == "train"] == [step for step in range(4) for _ in range(4)]
+    assert all(r["prompt"].endswith(">") and r["response_tokens"] == 1 and r["finish_reason"] for r in shown)
+    assert {r["prompt"] for r in shown if r["source"] == "eval:held_out"} <= {p.prompt for p in held_out[:40]}
 
     # the checkpoint after 3 steps holds the weights step 3 was evaluated with
     checkpoint = run_dir / "checkpoints" / "step_00000003"
     evaluated = subprocess.run([sys.executable, "-m", "rlsys.cli", "eval", str(REPO / "configs/quickstart.yaml"),
                                 f"model.path={tiny_model_dir}", eval_set, ray_address, quickstart_engines,
-                                "--checkpoint", str(checkpoint), "--json"],
+                                "--checkpoint", str(checkpoint), "--json", "--show", "2"],
                                cwd=REPO, capture_output=True, text=True, timeout=900)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     answer = json.loads(evaluated.stdout)  # stdout is the one JSON object; progress lines went to stderr
@@ -65,3 +73,5 @@ def test_eval_sets_report_each_metric_and_rlsys_eval_repeats_them_on_a_checkpoin
     # greedy answers of the same weights: the same score (near-ties may break either way in another process)
     assert metrics["eval_reward_mean"] == pytest.approx(trained["eval_reward_mean"], abs=0.05)
     assert metrics["eval_held_out_pass_at_1"] < metrics["eval_held_out_reward_mean"]
+    # --show 2: two answers of each set, in the one JSON object
+    assert [sample["source"] for sample in answer["samples"]] == ["eval", "eval", "eval:held_out", "eval:held_out"]
