@@ -22,7 +22,7 @@ from rlsys.rollout.engine import RolloutEngine
 from rlsys.rollout.partial import GroupInFlight, continuation, settle, stitch
 from rlsys.rollout.sglang.client import EngineAddress, EngineDied
 from rlsys.rollout.sglang.server import ServerSpec
-from rlsys.rollout.standing import StandingRecord, engine_handle, launch_engine
+from rlsys.rollout.standing import StandingRecord, StandingSetGone, engine_handle, launch_engine, set_stands
 from rlsys.rollout.trajectory import (
     GenerateFunction,
     RolloutContext,
@@ -388,6 +388,12 @@ class RolloutManager:
 
     def restart(self, index: int, reason: str) -> None:
         """A fresh engine in the dead one's slot, then `on_restart(index)`."""
+        if self.standing is not None and not set_stands(self.standing.name):
+            # `rlsys engines down --force` under this run: nothing to restart in, and no reason to try
+            raise StandingSetGone(
+                f"the standing engines {self.standing.name!r} this run is attached to were stopped (`rlsys engines "
+                f"down --force`, or their Ray cluster went away): engine-{index} is gone with them; start them again "
+                f"(`rlsys engines up CONFIG --name {self.standing.name}`) and resume the run (--resume)")
         if self.restarts >= self.max_restarts:
             raise EngineRestartLimit(
                 f"engine-{index} died and its {self.max_restarts} restarts (rollout.engine.max_restarts) are used "

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 
 from rlsys.errors import RunFailed
@@ -228,6 +229,20 @@ def service(name: str):
             f"`rlsys engines up CONFIG --name {name}`") from None
 
 
+class StandingSetGone(RunFailed):
+    """The standing set a run is attached to was stopped under it."""
+
+
+def set_stands(name: str) -> bool:
+    """Whether standing set `name` is still up (its record's actor answers to its name); False too
+    when its Ray cluster cannot be asked."""
+    try:
+        ray.get_actor(name, namespace=SERVICE_NAMESPACE)
+    except Exception:  # noqa: BLE001 - ValueError: no such actor; a gone cluster raises Ray's own errors
+        return False
+    return True
+
+
 def standing_names() -> list[str]:
     """The standing sets of the connected Ray cluster."""
     from ray.util import list_named_actors
@@ -288,6 +303,11 @@ class Lease:
                 if not ray.get(self._actor.renew.remote(self.lease_id, LEASE_TTL_S), timeout=LEASE_RENEW_S * 2):
                     logger.error("the lease on standing engines %r lapsed (not renewed for %.0f s); another run "
                                  "may attach to them", self.name, LEASE_TTL_S)
+            except RayActorError:
+                # The set's record is gone (`rlsys engines down --force`): said once; the run fails at its
+                # next engine call, naming it (RolloutManager.restart).
+                logger.warning("standing engines %r were stopped while this run holds them", self.name)
+                return
             except Exception as error:  # noqa: BLE001 - the set may be gone; the run finds out at its next call
                 logger.warning("could not renew the lease on standing engines %r: %s", self.name,
                                str(error).splitlines()[0] if str(error) else type(error).__name__)

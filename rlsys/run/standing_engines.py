@@ -229,6 +229,7 @@ def engines_down(name: str | None, force: bool = False, address: str | None = No
     the placement group and the record; and the Ray cluster `engines up` started on this machine,
     once no set is left in it. A set leased to a run is refused unless `force`. The names stopped."""
     stop_head = False
+    forced: list[dict] = []  # the leases of runs attached to a set stopped under them
     with connected(cluster_address(address=address)):
         names = standing_names() if name is None else [name]
         if name is not None:
@@ -239,15 +240,44 @@ def engines_down(name: str | None, force: bool = False, address: str | None = No
             if lease is not None and not force:
                 raise StandingEnginesError(f"standing engines {each!r} are in use by {lease['description']}; stop "
                                            "that run first, or pass --force")
+            if lease is not None:
+                forced.append(lease)
             record: StandingRecord = ray.get(keeper.record.remote())
             _stop_set(each, record.placement_group)
             stop_head = stop_head or record.ray_started_here
-            logger.info("standing engines %r stopped", each)
+            logger.info("standing engines %r stopped%s", each,
+                        f" under {lease['description']}, which now fails at its next engine call" if lease else "")
         stop_head = stop_head and not standing_names()
-    if stop_head:
+    if stop_head and not _runs_ended(forced):
+        logger.warning("left the Ray cluster `rlsys engines up` started on this machine up: a run attached to the "
+                       "stopped engines is still connected to it (`rlsys engines down` again, or `ray stop`, once it "
+                       "has ended)")
+    elif stop_head:
         stop_local_head()
         logger.info("stopped the Ray cluster `rlsys engines up` started on this machine")
     return names
+
+
+# How long `engines down --force` waits for a run it stopped the engines of to end before it stops
+# the Ray cluster under it (such a run fails at its next engine call: within seconds).
+FORCED_RUN_EXIT_S = 60.0
+
+
+def _runs_ended(leases: list[dict]) -> bool:
+    """Whether the runs holding `leases` have ended (waiting up to FORCED_RUN_EXIT_S for those on
+    this machine); a run on another machine cannot be watched and counts as not ended."""
+    import psutil
+
+    deadline = time.monotonic() + FORCED_RUN_EXIT_S
+    for lease in leases:
+        holder = lease["holder"]
+        if holder["host"] != socket.gethostname():
+            return False
+        while psutil.pid_exists(holder["pid"]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+    return True
 
 
 def _stop_set(name: str, group) -> None:

@@ -138,20 +138,39 @@ def test_a_run_is_refused_while_another_holds_the_lease_and_when_it_does_not_mat
 
 
 @pytest.mark.own_engines
-def test_engines_down_leaves_no_process_and_no_shared_memory_file(tmp_path, tiny_model_dir, ray_cluster):
-    """`rlsys engines up` then `down` on a set of its own: nothing of it is left."""
+def test_engines_down_leaves_no_process_and_no_shared_memory_file(tmp_path, tiny_model_dir, ray_cluster, ray_address):
+    """`rlsys engines up` then `down` on a set of its own: refused while a run holds it, then with
+    --force under that run, which fails at once naming why (status failed); nothing of the set is left."""
+    import time
+
     from rlsys.config import load_config
+    from rlsys.rollout.standing import StandingEnginesError
     from rlsys.run.standing_engines import engines_down, engines_status, engines_up
     from tests.helpers import REPO
 
     shm_before = set(os.listdir("/dev/shm"))
-    engines_up(load_config(REPO / "configs" / "quickstart_disaggregated.yaml",
-                           [f"model.path={tiny_model_dir}", "trainer.num_ranks=1", "rollout.num_engines=1",
-                            "rollout.engine.context_length=96"]), "down-test", tmp_path / "logs")
+    shape = ["trainer.num_ranks=1", "rollout.num_engines=1", "rollout.engine.context_length=96"]
+    engines_up(load_config(REPO / "configs" / "quickstart_disaggregated.yaml", [f"model.path={tiny_model_dir}", *shape]),
+               "down-test", tmp_path / "logs")
     report = next(r for r in engines_status() if r["name"] == "down-test")
     server = _server_listening_on(report["engines"][0]["url"])
     tree = [server, *server.children(recursive=True)]
-    assert engines_down("down-test") == ["down-test"]
+    run_dir = tmp_path / "run"
+    with started_run("quickstart_disaggregated.yaml", tiny_model_dir, run_dir, *shape, "trainer.total_steps=2000",
+                     "eval.interval=1000", "rollout.attach=down-test", ray_address) as run:
+        _wait_for_steps(run, run_dir, 2)
+        with pytest.raises(StandingEnginesError, match="'down-test' are in use by `rlsys train` pid"):
+            engines_down("down-test")
+        forced_at = time.monotonic()
+        assert engines_down("down-test", force=True) == ["down-test"]
+        stdout, stderr = run.communicate(timeout=300)
+        print(f"the attached run ended {time.monotonic() - forced_at:.1f} s after the forced down")
+    assert run.returncode == 1, stderr[-3000:]
+    failure = [line for line in stderr.splitlines() if line.startswith("rlsys: run failed: ")]
+    assert len(failure) == 1 and "the standing engines 'down-test' this run is attached to were stopped" in failure[0]
+    assert "could not renew the lease" not in stderr and "Traceback" not in stderr
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "were stopped" in status["error"]
     gone, alive = psutil.wait_procs(tree, timeout=10)
     assert alive == []
     assert "down-test" not in [r["name"] for r in engines_status()]
