@@ -33,7 +33,9 @@ class RewardErrorLog:
             log.write(json.dumps(entry) + "\n")
         if not self.said:
             self.said = True
+            # One line: a traceback's last line says what went wrong; the whole of it is in the file.
+            lines = [line for line in str(scored.first_error).splitlines() if line.strip()]
             logger.warning("step %d: %d reward call(s) failed; the first, on prompt %r and response %r: %s (each "
-                           "step's first is in %s; every one is counted in reward_errors; said once)", step + 1,
-                           scored.reward_errors, entry.get("prompt", "")[:200], entry.get("response", "")[:200],
-                           scored.first_error, self.path)
+                           "step's first, in full, is in %s; every one is counted in reward_errors; said once)",
+                           step + 1, scored.reward_errors, entry.get("prompt", "")[:200],
+                           entry.get("response", "")[:200], lines[-1] if lines else "?", self.path)

@@ -216,19 +216,21 @@ def test_a_failed_reward_is_shown_once_and_each_steps_first_is_kept_in_the_run_d
     from rlsys.run.reward_errors import RewardErrorLog
 
     log = RewardErrorLog(tmp_path)
-    failed = ScoredBatch(samples=[], reward_errors=8, first_error="reward function returned 1e+300: larger in "
-                         "magnitude than 1e+30", first_error_sample={"prompt": "4 7 1>", "response": "1"})
+    failed = ScoredBatch(samples=[], reward_errors=8, first_error="Traceback (most recent call last):\n  File "
+                         '"x.py", line 1\nValueError: reward function returned 1e+300: larger in magnitude than 1e+30',
+                         first_error_sample={"prompt": "4 7 1>", "response": "1"})
     with caplog.at_level("WARNING"):
         log.note(0, ScoredBatch(samples=[]))  # nothing failed: nothing written
         log.note(3, failed)
         log.note(5, failed)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and said[0].startswith("step 4: 8 reward call(s) failed; the first, on prompt '4 7 1>' and "
-                                                 "response '1': reward function returned 1e+300")
+                                                 "response '1': ValueError: reward function returned 1e+300")
+    assert "\n" not in said[0] and str(tmp_path / "logs" / "reward_errors.jsonl") in said[0]
     lines = [json.loads(line) for line in (tmp_path / "logs" / "reward_errors.jsonl").read_text().splitlines()]
     assert [(e["step"], e["reward_errors"], e["prompt"], e["response"]) for e in lines] == \
         [(3, 8, "4 7 1>", "1"), (5, 8, "4 7 1>", "1")]
-    assert all("1e+300" in e["first_error"] for e in lines)
+    assert all(e["first_error"].startswith("Traceback") and "1e+300" in e["first_error"] for e in lines)  # in full
 
 
 def test_more_prompts_per_step_than_train_prompts_is_said_at_start():
