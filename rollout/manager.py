@@ -58,6 +58,10 @@ class GenerateFunctionError(RunFailed):
     sample to skip."""
 
 
+# How often a standing set's replacement engine, while it starts, checks that its set still stands.
+STANDING_CHECK_S = 5.0
+
+
 class EngineRestartLimit(RuntimeError):
     """An engine died after rollout.engine.max_restarts restarts were used up."""
 
@@ -389,11 +393,7 @@ class RolloutManager:
     def restart(self, index: int, reason: str) -> None:
         """A fresh engine in the dead one's slot, then `on_restart(index)`."""
         if self.standing is not None and not set_stands(self.standing.name):
-            # `rlsys engines down --force` under this run: nothing to restart in, and no reason to try
-            raise StandingSetGone(
-                f"the standing engines {self.standing.name!r} this run is attached to were stopped (`rlsys engines "
-                f"down --force`, or their Ray cluster went away): engine-{index} is gone with them; start them again "
-                f"(`rlsys engines up CONFIG --name {self.standing.name}`) and resume the run (--resume)")
+            raise self._set_gone(index)  # `rlsys engines down --force` under this run: nothing to restart in
         if self.restarts >= self.max_restarts:
             raise EngineRestartLimit(
                 f"engine-{index} died and its {self.max_restarts} restarts (rollout.engine.max_restarts) are used "
@@ -431,13 +431,33 @@ class RolloutManager:
             self.engines[index] = self._launch(index)
             spec = self.standing.spec if self.standing is not None else self.spec
             try:
-                return ray.get(self.engines[index].start.remote(spec.engine.startup_timeout_s))
+                return self._started(index, self.engines[index].start.remote(spec.engine.startup_timeout_s))
             except RayActorError as error:
                 if attempt == RELAUNCHES_PER_RESTART:
                     raise
                 logger.info("engine-%d's replacement was lost before it was up (%s); launching it again", index,
                             str(error).splitlines()[0])
         raise AssertionError("unreachable")
+
+    def _started(self, index: int, start) -> EngineAddress:
+        """The address `start` (an engine's start call) returns. A standing set's engine is waited for
+        while its set stands: a set stopped under the run removes the placement the replacement
+        waits for, and it would wait for ever."""
+        if self.standing is None:
+            return ray.get(start)
+        while True:
+            ready, _ = ray.wait([start], timeout=STANDING_CHECK_S)
+            if ready:
+                return ray.get(start)
+            if not set_stands(self.standing.name):
+                ray.kill(self.engines[index])
+                raise self._set_gone(index)
+
+    def _set_gone(self, index: int) -> StandingSetGone:
+        return StandingSetGone(
+            f"the standing engines {self.standing.name!r} this run is attached to were stopped (`rlsys engines "
+            f"down --force`, or their Ray cluster went away): engine-{index} is gone with them; start them again "
+            f"(`rlsys engines up CONFIG --name {self.standing.name}`) and resume the run (--resume)")
 
     def dead_engines(self) -> list[int]:
         """Engines whose actor or server is gone (one quick round of health checks)."""

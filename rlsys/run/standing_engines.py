@@ -281,15 +281,18 @@ def _runs_ended(leases: list[dict]) -> bool:
 
 
 def _stop_set(name: str, group) -> None:
-    """Engines (their servers stopped by themselves: processes and /dev/shm files), then the
-    placement group, then the record."""
+    """The record first (a run attached to the set then sees it gone, once its engine dies, and
+    does not restart it), then the engines (their servers stopped by themselves: processes and
+    /dev/shm files), then the placement group."""
     from ray.util.placement_group import remove_placement_group
 
     from rlsys.rollout.manager import RolloutManager
 
     try:
-        record: StandingRecord = ray.get(service(name).record.remote())
+        keeper = service(name)
+        record: StandingRecord = ray.get(keeper.record.remote())
         count = record.topology.num_engines
+        ray.kill(keeper)
     except StandingEnginesError:
         record, count = None, 0
     for index in range(count):
@@ -299,10 +302,6 @@ def _stop_set(name: str, group) -> None:
             continue  # dead, or never launched
         RolloutManager.stop_engine(engine)
     remove_placement_group(group)
-    try:
-        ray.kill(service(name))
-    except StandingEnginesError:
-        pass
 
 
 # ---- a run attaches -------------------------------------------------------------------------
