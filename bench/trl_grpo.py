@@ -3,7 +3,9 @@
 It imports nothing from rlsys (TRL 1.16 shares rlsys's virtualenv as a test dependency). It prints
 one JSON object: per step, its seconds, the seconds spent generating inside it, and the wall-clock
 time it ended. With `eval_interval` set, every that many steps it also scores greedy answers to the
-workload's eval prompts (`eval_reward_mean` of that step) and stops once they reach `target`.
+workload's eval prompts (`eval_reward_mean` of that step) and stops once they reach `target`. With
+`save_rollouts` (a directory), each step's batch is written there as rlsys writes its own
+(rlsys/observability/rollouts.py: step_NNNNNN.jsonl), for bench/replay.py.
 
     python bench/trl_grpo.py WORKLOAD.json
 """
@@ -15,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def load_reward(spec: str):
@@ -37,19 +40,42 @@ def main(workload_path: str) -> None:
     score = load_reward(work["reward"])
     rows = [json.loads(line) for line in open(work["prompts"]) if line.strip()]
 
+    batch_rows: list[dict] = []  # the step's samples, filled in by _generate, the reward and the advantages
+
     def reward(prompts, completions, label, **_):
         # TRL decodes without special tokens; an rlsys reward gets the text cut at the first EOS.
-        return [float(score(p, c, answer, {})) for p, c, answer in zip(prompts, completions, label, strict=True)]
+        values = [float(score(p, c, answer, {})) for p, c, answer in zip(prompts, completions, label, strict=True)]
+        for row, value, answer in zip(batch_rows, values, label, strict=True):
+            row.update(reward=value, score=value, label=answer)
+        return values
 
     class TimedGRPOTrainer(GRPOTrainer):
         generate_seconds = 0.0
 
-        def _generate(self, *args, **kwargs):
+        def _generate(self, prompts):
             start = time.perf_counter()
             try:
-                return super()._generate(*args, **kwargs)
+                out = super()._generate(prompts)
             finally:
                 self.generate_seconds += time.perf_counter() - start
+            prompt_ids, completion_ids, completions = out[0], out[1], out[3]
+            batch_rows[:] = [
+                {"prompt": prompt, "response": text, "prompt_ids": list(p), "response_ids": list(c),
+                 "engine_logprobs": [], "loss_mask": None,
+                 "finish_reason": "stop" if c and c[-1] in self.eos_token_ids else "length",
+                 "weight_version": self.state.global_step}
+                for prompt, p, c, text in zip(prompts, prompt_ids, completion_ids, completions, strict=True)]
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            if work.get("save_rollouts"):
+                for row, advantage in zip(batch_rows, out["advantages"].tolist(), strict=True):
+                    row["advantage"] = advantage
+                path = Path(work["save_rollouts"]) / f"step_{self.state.global_step:06d}.jsonl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("".join(json.dumps(row) + "\n" for row in batch_rows))
+            return out
 
     steps: list[dict] = []
     eval_rows = ([json.loads(line) for line in open(work["eval_prompts"]) if line.strip()]
@@ -79,6 +105,10 @@ def main(workload_path: str) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             steps.append({"step_s": time.perf_counter() - self.start, "generate_s": trainer.generate_seconds,
                           "end_time": time.time(), "updates": state.global_step})
+            if batch_rows:  # the step's samples: answer tokens (EOS included) and task reward, as rlsys logs them
+                steps[-1]["response_len_mean"] = sum(len(r["response_ids"]) for r in batch_rows) / len(batch_rows)
+                steps[-1]["reward_mean"] = sum(r.get("reward", 0.0) for r in batch_rows) / len(batch_rows)
+                steps[-1]["sampled_after"] = state.global_step - 1  # updates before these samples were drawn
             if eval_rows and state.global_step % work["eval_interval"] == 0:
                 steps[-1]["eval_reward_mean"] = greedy_eval()
                 control.should_training_stop = steps[-1]["eval_reward_mean"] >= work["target"]

@@ -22,12 +22,21 @@ split (`*_generate_s`, `*_train_s`: the rest of the step). `startup.*_first_step
 the command to the end of its first step (median over rounds). `--rounds` (default 2) pairs run
 in ABBA order, so a machine whose speed drifts weighs on both sides alike.
 
-`--learning` (shape `overhead_bound`) measures learning rather than speed: each side trains from
-`--seeds` seeds (default 3) for up to `--max-steps` steps, evaluating every 10 steps greedily on the
-same 100 held-out prompts with the same reward (rlsys: its own eval; TRL: a callback that decodes
-greedily with `model.generate` and stops the run once the target is reached). Keys under
-`learning`: each side's steps to `--target` eval reward per seed (null: not reached), their median,
-min and max, and `rlsys_over_trl_steps` (ratio of the medians).
+`--learning` measures learning rather than speed: each side trains from `--seeds` seeds (default 3)
+for up to `--max-steps` steps, evaluating every 10 steps greedily on the same 100 held-out prompts
+with the same reward (rlsys: its own eval; TRL: a callback that decodes greedily with
+`model.generate` and stops the run once the target is reached). `--task`:
+- `copy_eos` (default): the answer is the prompt's last two digits reversed ("4 7 2 9>" -> "92"),
+  two tokens that count whole only when the answer then ends: reward = half the share of the
+  label's characters in place + half if the response is exactly the label (one that goes on past
+  it gets at most 0.5), on a 0.3 M-parameter model (hidden 96, 3 layers), lr 2e-4, at most 8 new
+  tokens: the class of task where answers must learn to stop.
+- `last_digit`: the quickstart's one-token answers on its 134 k-parameter model, lr 5e-4.
+Both: 8 prompts x 8 samples, temperature 1, constant lr, grad clip 1, no KL. Keys under `learning`:
+each side's steps to `--target` eval reward per seed (null: not reached), their median, min and max,
+`rlsys_over_trl_steps` (ratio of the medians), the eval curves and response lengths per seed.
+`--save-rollouts DIR` keeps every run's batches (DIR/<side>-seed<N>/step_NNNNNN.jsonl) for
+bench/replay.py; `--plot FILE` draws the eval curves.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +63,14 @@ REWARD_FILE = '''
 def reward(prompt, response, label, metadata):
     """1 when the response starts with the label (the answer digit), else 0."""
     return 1.0 if response.strip().startswith(label) else 0.0
+'''
+
+EXACT_REWARD_FILE = '''
+def reward(prompt, response, label, metadata):
+    """Half for the label's characters in place (a share of them), half for the response being
+    exactly the label: the whole reward only for an answer that ends right after it."""
+    in_place = sum(a == b for a, b in zip(response, label)) / len(label)
+    return 0.5 * in_place + 0.5 * (response == label)
 '''
 
 
@@ -78,7 +96,22 @@ SHAPES = {
                            steps=7, warmup_steps=2),
     "overhead_bound": Shape("overhead_bound", 64, 2, 4, 2, 256, max_new_tokens=4, force_length=False,
                             steps=25, warmup_steps=5),
+    # --learning --task copy_eos: 0.3 M parameters, answers that must end
+    "copy_eos": Shape("copy_eos", 64, 2, 4, 2, 256, max_new_tokens=4, force_length=False, steps=400,
+                      warmup_steps=0, lr=5e-4),
 }
+
+
+def copy_eos_task(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Three-digit prompts answered by their last digit; train and eval disjoint."""
+    import random
+
+    codes = random.Random(seed).sample(range(1000), num_train + num_eval)
+    rows = []
+    for code in codes:
+        digits = str(code).zfill(3)
+        rows.append({"prompt": " ".join(digits) + ">", "label": digits[-1]})
+    return rows[num_eval:], rows[:num_eval]
 
 
 def build_workload(shape: Shape, work_dir: Path) -> dict:
@@ -90,13 +123,17 @@ def build_workload(shape: Shape, work_dir: Path) -> dict:
     make_tiny_model(model_dir, TinyModelSpec(hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                              num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                                              intermediate_size=shape.intermediate_size))
-    train, held_out = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800,
-                                                        num_eval=EVAL_PROMPTS))
+    if shape.name == "copy_eos":
+        train, held_out = copy_eos_task(800, EVAL_PROMPTS)
+    else:
+        examples = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800,
+                                                     num_eval=EVAL_PROMPTS))
+        train, held_out = ([{"prompt": e.prompt, "label": e.label} for e in part] for part in examples)
     prompts, eval_prompts = work_dir / "prompts.jsonl", work_dir / "eval.jsonl"
-    for path, examples in ((prompts, train), (eval_prompts, held_out)):
-        path.write_text("".join(json.dumps({"prompt": e.prompt, "label": e.label}) + "\n" for e in examples))
+    for path, rows in ((prompts, train), (eval_prompts, held_out)):
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     reward = work_dir / "bench_reward.py"
-    reward.write_text(REWARD_FILE)
+    reward.write_text(EXACT_REWARD_FILE if shape.name == "copy_eos" else REWARD_FILE)
     return {"model": str(model_dir), "prompts": str(prompts), "eval_prompts": str(eval_prompts),
             "reward": f"{reward}:reward", "seed": 0, "eval_interval": None, "target": None,
             "prompts_per_step": shape.prompts_per_step, "group_size": shape.group_size,
@@ -127,7 +164,7 @@ def rlsys_config(work: dict, run_dir: Path) -> dict:
         },
         "trainer": {"num_ranks": 1, "total_steps": work["steps"], "lr": work["lr"]},
         "status": {"port": 0},
-        "logging": {"progress_bar": False},
+        "logging": {"progress_bar": False, "save_rollouts": bool(work.get("save_rollouts"))},
     }
 
 
@@ -143,7 +180,12 @@ def run_rlsys(work: dict, work_dir: Path, round_index: int = 0) -> tuple[list[di
     steps = [{"step_s": r["time_step_s"], "generate_s": r.get("time_generate_s", 0.0),
               "sync_s": r.get("time_sync_s", 0.0), "offload_s": r.get("time_offload_s", 0.0),
               "end_time": r["timestamp"], "eval_reward_mean": r.get("eval_reward_mean"),
-              "updates": r["step"]} for r in rows]  # step k evaluates before its own update: after k of them
+              "response_len_mean": r.get("response_len_mean"), "reward_mean": r.get("reward_mean"),
+              # step k evaluates (and samples) before its own update: after k of them
+              "updates": r["step"], "sampled_after": r["step"]} for r in rows]
+    if work.get("save_rollouts"):
+        shutil.rmtree(work["save_rollouts"], ignore_errors=True)
+        shutil.move(str(run_dir / "rollouts"), work["save_rollouts"])
     return steps, started
 
 
@@ -212,32 +254,67 @@ def steps_to_target(steps: list[dict], target: float) -> int | None:
     return None
 
 
-def bench_learning(root: Path, seeds: int, max_steps: int, target: float) -> dict:
-    """Steps to the target eval reward, per seed and side, on the overhead-bound shape."""
-    shape = SHAPES["overhead_bound"]
+def bench_learning(root: Path, task: str, seeds: int, max_steps: int, target: float,
+                   save_rollouts: Path | None) -> dict:
+    """Steps to the target eval reward, per seed and side, on the task's shape."""
+    shape = SHAPES["copy_eos" if task == "copy_eos" else "overhead_bound"]
     work_dir = root / "learning"
     work_dir.mkdir(parents=True)
     base = build_workload(shape, work_dir) | {"steps": max_steps, "eval_interval": 10, "target": target}
     reached: dict[str, list[int | None]] = {"trl": [], "rlsys": []}
     curves: dict[str, list[list]] = {"trl": [], "rlsys": []}
+    lengths: dict[str, list[list]] = {"trl": [], "rlsys": []}
     for seed in range(seeds):
-        work = base | {"seed": seed}
         for side in (["trl", "rlsys"] if seed % 2 == 0 else ["rlsys", "trl"]):
+            work = base | {"seed": seed}
+            if save_rollouts is not None:
+                work["save_rollouts"] = str(save_rollouts / f"{side}-seed{seed}")
             steps, _ = run_trl(work, work_dir) if side == "trl" else run_rlsys(work, work_dir, 100 + seed)
             reached[side].append(steps_to_target(steps, target))
             curves[side].append([[s["updates"], round(s["eval_reward_mean"], 3)] for s in steps
                                  if s.get("eval_reward_mean") is not None])
-    result: dict = {"target_eval_reward": target, "max_steps": max_steps, "eval_interval": 10,
-                    "eval_prompts": EVAL_PROMPTS, "seeds": seeds}
+            # the sampled answers' mean length (tokens, EOS included), every 10th step
+            lengths[side].append([[s["sampled_after"], round(s["response_len_mean"], 3)] for s in steps
+                                  if s.get("response_len_mean") is not None and s["sampled_after"] % 10 == 0])
+            print(f"{side} seed {seed}: steps to {target}: {reached[side][-1]}", file=sys.stderr, flush=True)
+    result: dict = {"task": task, "target_eval_reward": target, "max_steps": max_steps, "eval_interval": 10,
+                    "eval_prompts": EVAL_PROMPTS, "seeds": seeds, "lr": shape.lr,
+                    "max_new_tokens": shape.max_new_tokens, "model": {"hidden_size": shape.hidden_size,
+                                                                      "num_layers": shape.num_layers}}
     for side, values in reached.items():
         # a seed that never reached the target counts as max_steps + 1 in the median (a lower bound)
         counted = sorted(v if v is not None else max_steps + 1 for v in values)
         result[f"{side}_steps_to_target"] = values
         result[f"{side}_median_steps"] = statistics.median(counted)
         result[f"{side}_min_steps"], result[f"{side}_max_steps"] = counted[0], counted[-1]
+        result[f"{side}_never_reached"] = sum(v is None for v in values)
     result["rlsys_over_trl_steps"] = round(result["rlsys_median_steps"] / result["trl_median_steps"], 3)
     result["eval_curves"] = curves  # per side, per seed: [updates, greedy eval reward]
+    result["response_len_curves"] = lengths  # per side, per seed: [updates, mean sampled answer tokens]
     return result
+
+
+def plot_learning(learning: dict, path: Path) -> None:
+    """Greedy eval reward against optimizer steps, every seed of both sides."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, lengths) = plt.subplots(1, 2, figsize=(11, 4))
+    for side, colour in (("trl", "tab:blue"), ("rlsys", "tab:orange")):
+        for index, curve in enumerate(learning["eval_curves"][side]):
+            curves.plot(*zip(*curve, strict=True), color=colour, alpha=0.6, label=side if index == 0 else None)
+        for index, curve in enumerate(learning["response_len_curves"][side]):
+            if curve:
+                lengths.plot(*zip(*curve, strict=True), color=colour, alpha=0.6, label=side if index == 0 else None)
+    curves.axhline(learning["target_eval_reward"], color="grey", linestyle=":")
+    curves.set(xlabel="optimizer steps", ylabel="greedy eval reward", title=f"{learning['task']}: eval")
+    lengths.set(xlabel="optimizer steps", ylabel="tokens", title="sampled answer length (mean)")
+    curves.legend()
+    lengths.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -249,12 +326,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=500)
     parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--task", choices=["copy_eos", "last_digit"], default="copy_eos")
+    parser.add_argument("--save-rollouts", type=Path, help="keep every learning run's batches here")
+    parser.add_argument("--plot", type=Path, help="draw the learning curves here (PNG)")
     args = parser.parse_args()
     result: dict = {"machine": {"cpus": os.cpu_count()}, "rounds": args.rounds, "startup": {}}
     with tempfile.TemporaryDirectory(prefix="rlsys-vs-trl-") as root:
         if args.learning:
-            result = {"machine": result["machine"],
-                      "learning": bench_learning(Path(root), args.seeds, args.max_steps, args.target)}
+            learning = bench_learning(Path(root), args.task, args.seeds, args.max_steps, args.target,
+                                      args.save_rollouts.resolve() if args.save_rollouts else None)
+            result = {"machine": result["machine"], "learning": learning}
+            if args.plot:
+                plot_learning(learning, args.plot)
         for name in ([] if args.learning else args.shapes.split(",")):
             result[name], startup = bench_shape(SHAPES[name], Path(root), args.rounds)
             if name == "overhead_bound" or not result["startup"]:

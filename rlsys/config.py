@@ -735,6 +735,10 @@ class LoggingConfig(_Section):
         4, ge=0, le=64, description="Answers kept per step and per eval set, with their prompt, reward and finish "
         "reason (the first answer of the first N prompts): in RUN_DIR/samples.jsonl, the dashboard's table, the "
         "trackers' tables. 0: none.")
+    save_rollouts: bool = Field(
+        False, description="Every trained sample of every step, as the trainer got it (token ids, engine log-probs, "
+        "reward, advantage, loss mask, texts), to RUN_DIR/rollouts/step_NNNNNN.jsonl: for reading a run's batches "
+        "back or replaying them through another trainer (bench/replay.py). Grows by a step's samples every step.")
     project: str = Field("rlsys", description="wandb project / MLflow experiment.")
     run_name: str | None = Field(None, description="Run name in wandb/MLflow; default: the run directory's name.")
 

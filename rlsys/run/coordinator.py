@@ -17,7 +17,7 @@ from rlsys.algorithms.samples import ScoredBatch, prepare, truncated_fraction
 from rlsys.config import RunConfig
 from rlsys.observability.samples import shown_samples
 from rlsys.run.batches import step_batches
-from rlsys.run.components import Components, sync_engines
+from rlsys.run.components import sync_engines
 from rlsys.run.generation import sampling_params, trajectory_metrics
 from rlsys.run.run_state import Run
 
@@ -50,7 +50,7 @@ def train_loop(run: Run) -> None:
                     parts.handoff.to_trainer(row)  # engines release their memory, the trainer wakes
             with run.phase(row, "training", "train"):
                 run.trainer_version = state.weight_version + 1  # what the sync below pushes, trained or skipped
-                row.update(_train(config, parts, batch.scored))
+                row.update(_train(run, step, batch.scored))
                 run.nonfinite.check(step, row)
             with run.phase(row, "syncing", "sync"), parts.rollout.weights_updating():
                 row.update(sync_engines(config, parts, state.weight_version + 1))
@@ -107,15 +107,17 @@ def _reached_eval_target(config: RunConfig, row: dict, step: int) -> bool:
     return True
 
 
-def _train(config: RunConfig, parts: Components, scored: ScoredBatch) -> dict:
+def _train(run: Run, step: int, scored: ScoredBatch) -> dict:
     """The step's training sequences (rlsys/algorithms/samples.py `prepare`: KL in reward,
-    advantages), then the trainer's step; its metrics. A step left with no token to train on makes
-    no optimizer step."""
+    advantages), saved when logging.save_rollouts, then the trainer's step; its metrics. A step
+    left with no token to train on makes no optimizer step."""
+    config, parts = run.config, run.parts
     kl = parts.trainer.compute_sequence_kl if config.algorithm.kl_in_reward else None
     sequences, metrics = prepare(scored.samples, config.algorithm, config.rollout.n_samples_per_prompt, kl)
     if not sequences:
         logger.warning("no token to train on this step; its optimizer step is skipped")
         return {"train_tokens": 0.0, "skipped_train_steps": 1}
+    run.rollouts.save(step, scored.samples, sequences)
     return {**metrics, **parts.trainer.train_step(sequences)}
 
 

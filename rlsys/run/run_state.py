@@ -15,6 +15,7 @@ from typing import Protocol
 from rlsys.config import RunConfig
 from rlsys.data.datasets import PromptSampler
 from rlsys.observability.metrics import MetricsLog
+from rlsys.observability.rollouts import RolloutDump
 from rlsys.observability.samples import SHOWN_IN_STATUS, SamplesLog
 from rlsys.observability.status.state import RunStatus
 from rlsys.observability.tracking import Trackers
@@ -77,6 +78,7 @@ class Run:
     profiler: StepProfiler | None = None  # set from profile
     reward_error_log: RewardErrorLog | None = None  # set from run_dir
     samples: SamplesLog | None = None  # RUN_DIR/samples.jsonl, set from run_dir
+    rollouts: RolloutDump | None = None  # RUN_DIR/rollouts/ with logging.save_rollouts
 
     def __post_init__(self):
         if self.profiler is None:
@@ -85,6 +87,8 @@ class Run:
             self.reward_error_log = RewardErrorLog(Path(self.config.run_dir))
         if self.samples is None:
             self.samples = SamplesLog(Path(self.config.run_dir) / "samples.jsonl")
+        if self.rollouts is None:
+            self.rollouts = RolloutDump(Path(self.config.run_dir), self.config.logging.save_rollouts)
         if self.nonfinite is None:
             self.nonfinite = NonfiniteGuard(self.config.trainer.max_nonfinite_steps)
         if self.progress is None:

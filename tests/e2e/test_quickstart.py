@@ -26,7 +26,7 @@ def test_quickstart_learns_and_cleans_up(leftovers, tmp_path, tiny_model_dir):
     # eval 0.9 by ~step 80; eval.stop_at_reward ends the run there, with a checkpoint (checkpoint.interval set)
     result = subprocess.run(
         train_command("quickstart.yaml", tiny_model_dir, run_dir, "trainer.offload_between_steps=true",
-                      "eval.stop_at_reward=0.9", "checkpoint.interval=1000"),
+                      "eval.stop_at_reward=0.9", "checkpoint.interval=1000", "logging.save_rollouts=true"),
         capture_output=True, text=True, timeout=1200, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -60,9 +60,26 @@ def test_quickstart_learns_and_cleans_up(leftovers, tmp_path, tiny_model_dir):
     model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     assert all(model_bytes <= r["sync_bytes"] < model_bytes + 16 * len(weights) and r["sync_gbps"] > 0 for r in rows)
     _check_device_handoff(run_dir, rows)
+    _check_saved_rollouts(run_dir, rows)
 
     assert leftovers.processes() == []
     assert leftovers.shm_files() == []
+
+
+def _check_saved_rollouts(run_dir, rows):
+    """logging.save_rollouts: every step's 32 x 8 trained samples, as the metrics counted them."""
+    from rlsys.observability.rollouts import read_rollouts
+
+    steps = read_rollouts(run_dir / "rollouts")
+    assert len(steps) == len(rows)
+    for samples, row in zip(steps, rows, strict=True):
+        assert len(samples) == 32 * 8
+        assert sum(s["reward"] for s in samples) / len(samples) == pytest.approx(row["reward_mean"], abs=1e-6)
+        assert all(len(s["response_ids"]) == len(s["engine_logprobs"]) == 1 for s in samples)  # max_new_tokens 1
+        assert all(s["weight_version"] == row["weight_version"] for s in samples)
+        for group in range(32):  # group-normalised advantages sum to 0 within each group
+            assert sum(s["advantage"] for s in samples[group * 8:(group + 1) * 8]) == pytest.approx(0.0, abs=1e-5)
+            assert len({s["prompt"] for s in samples[group * 8:(group + 1) * 8]}) == 1
 
 
 HANDOFF_STEP = ["engines_release", "trainer_wake", "trainer_release_cache", "engines_resume_weights", "trainer_sleep",
