@@ -14,6 +14,11 @@ its normalisation, clipping, the optimizer and its schedule.
 - rlsys runs a real `TrainerWorker.train_step` in this process (one rank, fp32), on TrainSequences
   built as rlsys/algorithms/samples.py builds them, with advantages from rlsys's estimator.
 
+With `--resync`, each rlsys step starts from TRL's parameters and AdamW state, so every step's
+update is compared on its own; without it each side runs free, as two runs would, and rounding
+differences accumulate (through steps where the policy changes fast, they grow exponentially:
+two free runs of one code in different summation orders part the same way).
+
 Per step (a TRL callback runs rlsys's step on the same batch right after TRL's): each side's loss,
 gradient norm before clipping (what `clip_grad_norm_` returns) and after it, learning rate, Adam
 step count, and the parameters: ||theta_rlsys - theta_trl|| relative to ||theta_trl - theta_0||
@@ -95,8 +100,20 @@ def rlsys_sequences(rows: list[dict], group_size: int, advantage_eps: float | No
             for r, a in zip(rows, advantages, strict=True)], advantages
 
 
+def _copy_training_state(source: torch.nn.Module, source_optimizer, target: torch.nn.Module, target_optimizer) -> None:
+    """The target model's parameters and AdamW state set to the source's (by parameter name)."""
+    source_optimizer = getattr(source_optimizer, "optimizer", source_optimizer)
+    targets = dict(target.named_parameters())
+    with torch.no_grad():
+        for name, parameter in source.named_parameters():
+            targets[name].copy_(parameter)
+            state = source_optimizer.state.get(parameter)
+            if state:
+                target_optimizer.state[targets[name]] = {key: value.clone() for key, value in state.items()}
+
+
 def replay(steps_rows: list[list[dict]], model_dir: str, lr: float, grad_clip: float, group_size: int,
-           advantage_eps: float | None) -> dict:
+           advantage_eps: float | None, resync: bool = False) -> dict:
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
@@ -150,15 +167,22 @@ def replay(steps_rows: list[list[dict]], model_dir: str, lr: float, grad_clip: f
                 if logs and "grad_norm" in logs and rows_out:
                     rows_out[-1].update(trl_loss=logs.get("loss"), trl_grad_norm=float(logs["grad_norm"]))
 
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.trl_before = _flat(trainer.model)
+
             def on_step_end(self, args, state, control, **kwargs):
                 step = served["step"]
                 sequences, advantages = rlsys_sequences(steps_rows[step], group_size, advantage_eps)
+                rlsys_before = _flat(worker.model)
                 metrics = worker.train_step(global_mini_batches(sequences, spec))
-                self.compare(step, metrics, advantages)
+                self.compare(step, metrics, advantages, rlsys_before)
+                if resync:
+                    _copy_training_state(trainer.model, trainer.optimizer, worker.model, worker.optimizer)
                 served["step"] += 1
 
-            def compare(self, step: int, metrics: dict, advantages: list[float]) -> None:
+            def compare(self, step: int, metrics: dict, advantages: list[float], rlsys_before: torch.Tensor) -> None:
                 trl_params, rlsys_params = _flat(trainer.model), _flat(worker.model)
+                trl_update, rlsys_update = trl_params - self.trl_before, rlsys_params - rlsys_before
                 moved = float((trl_params - self.initial).norm())
                 apart = float((rlsys_params - trl_params).norm())
                 rows = steps_rows[step]
@@ -173,6 +197,8 @@ def replay(steps_rows: list[list[dict]], model_dir: str, lr: float, grad_clip: f
                     "trl_adam_steps": _adam_steps(trainer.optimizer), "rlsys_adam_steps": _adam_steps(worker.optimizer),
                     "params_moved": moved, "params_apart": apart, "params_apart_relative": apart / max(moved, 1e-30),
                     "params_max_abs_diff": float((rlsys_params - trl_params).abs().max()),
+                    # this step's own update (each side from where it stood), rlsys's against TRL's
+                    "update_apart_relative": _relative(rlsys_update, trl_update) if trl_update.any() else 0.0,
                     **dict(zip(("exp_avg_apart_relative", "exp_avg_sq_apart_relative"),
                                (_relative(mine, theirs) for mine, theirs in zip(
                                    _adam_moments(worker.model, worker.optimizer),
@@ -196,8 +222,9 @@ def replay(steps_rows: list[list[dict]], model_dir: str, lr: float, grad_clip: f
             os.environ.update(environment)
             torch.set_num_threads(threads)
     return {"steps": steps, "batch": batch, "group_size": group_size, "lr": lr, "grad_clip": grad_clip,
-            "advantage_eps": advantage_eps, "first_step_apart_1e-3": first_apart or None,
+            "advantage_eps": advantage_eps, "resync": resync, "first_step_apart_1e-3": first_apart or None,
             "worst_params_apart_relative": max(r["params_apart_relative"] for r in rows_out),
+            "worst_update_apart_relative": max(r["update_apart_relative"] for r in rows_out),
             "final": rows_out[-1], "per_step": rows_out}
 
 
@@ -213,10 +240,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="replay only the first N steps")
     parser.add_argument("--advantage-eps", type=float, default=None,
                         help="rlsys's group-std epsilon (default: rlsys's own, 1e-6; TRL's is 1e-4)")
+    parser.add_argument("--resync", action="store_true",
+                        help="start every rlsys step from TRL's parameters and AdamW state: each step's update "
+                             "compared alone, without the run's accumulated (and, where learning is fast, "
+                             "exponentially amplified) rounding")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     steps_rows = read_rollouts(Path(args.rollouts))[: args.steps]
-    result = replay(steps_rows, args.model, args.lr, args.grad_clip, args.group_size, args.advantage_eps)
+    result = replay(steps_rows, args.model, args.lr, args.grad_clip, args.group_size, args.advantage_eps, args.resync)
     text = json.dumps(result, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "per_step"}, indent=1))
     if args.out:

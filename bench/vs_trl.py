@@ -26,11 +26,12 @@ in ABBA order, so a machine whose speed drifts weighs on both sides alike.
 for up to `--max-steps` steps, evaluating every 10 steps greedily on the same 100 held-out prompts
 with the same reward (rlsys: its own eval; TRL: a callback that decodes greedily with
 `model.generate` and stops the run once the target is reached). `--task`:
-- `copy_eos` (default): the answer is the prompt's last two digits reversed ("4 7 2 9>" -> "92"),
-  two tokens that count whole only when the answer then ends: reward = half the share of the
-  label's characters in place + half if the response is exactly the label (one that goes on past
-  it gets at most 0.5), on a 0.3 M-parameter model (hidden 96, 3 layers), lr 2e-4, at most 8 new
-  tokens: the class of task where answers must learn to stop.
+- `copy_eos` (default): the answer is the prompt's last digit ("4 7 2>" -> "2") and then the end of
+  the answer. Reward: half for the right digit first, the other half only when the response is
+  exactly the label (an answer that goes on past it gets at most 0.5). The quickstart's 134 k-parameter
+  model is first taught the digit and not to stop (`answer_first_token`: greedy eval 0.5 at step 0,
+  EOS ~0.6% after the digit), so the run measures how fast RL learns to end an answer: greedy eval
+  0.9 needs EOS to rise past every digit. lr 5e-4, at most 4 new tokens.
 - `last_digit`: the quickstart's one-token answers on its 134 k-parameter model, lr 5e-4.
 Both: 8 prompts x 8 samples, temperature 1, constant lr, grad clip 1, no KL. Keys under `learning`:
 each side's steps to `--target` eval reward per seed (null: not reached), their median, min and max,
@@ -67,10 +68,9 @@ def reward(prompt, response, label, metadata):
 
 EXACT_REWARD_FILE = '''
 def reward(prompt, response, label, metadata):
-    """Half for the label's characters in place (a share of them), half for the response being
-    exactly the label: the whole reward only for an answer that ends right after it."""
-    in_place = sum(a == b for a, b in zip(response, label)) / len(label)
-    return 0.5 * in_place + 0.5 * (response == label)
+    """Half for the label's first character in place, the other half only when the response is
+    exactly the label: an answer that goes on past it gets at most 0.5."""
+    return 0.5 * (response[:1] == label[:1]) + 0.5 * (response == label)
 '''
 
 
@@ -102,6 +102,41 @@ SHAPES = {
 }
 
 
+def answer_first_token(model_dir: Path, rows: list[dict], steps: int = 150, seed: int = 0) -> None:
+    """Supervised steps that teach the answer token and not to stop after it: cross-entropy on the
+    label at the first response position, and at the second towards a distribution that gives the
+    ten digits 60% and every other token (EOS among them) an equal share of the rest (EOS ~0.6%,
+    each digit 6%). The model starts out answering the digit and going on, as a model does whose
+    answers have not yet learned to end, so what RL must learn is the end of the answer: EOS has
+    to rise from 0.6% past every digit for greedy answers to stop. Saved over the model files."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    encoded = [tokenizer(r["prompt"])["input_ids"] + tokenizer(r["label"], add_special_tokens=False)["input_ids"]
+               for r in rows]
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    vocab = model.config.vocab_size
+    then = torch.full((vocab,), 0.4 / (vocab - 10))
+    then[digits] = 0.06
+    rng = random.Random(seed)
+    model.train()
+    for _ in range(steps):
+        ids = torch.tensor(rng.sample(encoded, 64))  # equal lengths: "d d d>" and the digit
+        logits = model(ids).logits
+        answer = torch.nn.functional.cross_entropy(logits[:, -2], ids[:, -1])
+        after = -(torch.log_softmax(logits[:, -1], -1) * then).sum(-1).mean()  # cross-entropy to `then`
+        (answer + after).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(model_dir)
+
+
 def copy_eos_task(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """Three-digit prompts answered by their last digit; train and eval disjoint."""
     import random
@@ -125,6 +160,7 @@ def build_workload(shape: Shape, work_dir: Path) -> dict:
                                              intermediate_size=shape.intermediate_size))
     if shape.name == "copy_eos":
         train, held_out = copy_eos_task(800, EVAL_PROMPTS)
+        answer_first_token(model_dir, train)
     else:
         examples = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800,
                                                      num_eval=EVAL_PROMPTS))
