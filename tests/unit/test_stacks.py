@@ -141,3 +141,10 @@ def test_where_py_spy_cannot_read_a_rank_the_rank_is_asked_for_its_stacks(tmp_pa
     assert asked.where is None and asked.collective is None  # <string> is not rlsys's code nor torch's
     assert unasked.stacks.startswith("py-spy failed") and "Thread" not in unasked.stacks  # SGLang's are never signalled
     assert stopped.state == "stopped" and "it is stopped and cannot answer" in stopped.stacks
+
+
+def _wait_until_stopped(pid: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout_s} s of SIGSTOP"
+        time.sleep(0.01)
