@@ -189,7 +189,10 @@ def rlsys_config(work: dict, run_dir: Path) -> dict:
         "model": {"path": work["model"]},
         "data": {"train_path": work["prompts"], "prompts_per_step": work["prompts_per_step"],
                  **({"eval_path": work["eval_prompts"]} if evaluated else {})},
-        **({"eval": {"interval": work["eval_interval"], "temperature": 0.0}} if evaluated else {}),
+        # a run that reaches the target ends there, as the TRL side's callback stops its run
+        **({"eval": {"interval": work["eval_interval"], "temperature": 0.0,
+                     **({"stop_at_reward": work["target"]} if work.get("target") is not None else {})}}
+           if evaluated else {}),
         "reward": {"function": work["reward"]},
         "rollout": {
             "n_samples_per_prompt": work["group_size"], "temperature": work["temperature"],
@@ -291,7 +294,7 @@ def steps_to_target(steps: list[dict], target: float) -> int | None:
 
 
 def bench_learning(root: Path, task: str, seeds: int, max_steps: int, target: float,
-                   save_rollouts: Path | None) -> dict:
+                   save_rollouts: Path | None, first_seed: int = 0) -> dict:
     """Steps to the target eval reward, per seed and side, on the task's shape."""
     shape = SHAPES["copy_eos" if task == "copy_eos" else "overhead_bound"]
     work_dir = root / "learning"
@@ -300,7 +303,7 @@ def bench_learning(root: Path, task: str, seeds: int, max_steps: int, target: fl
     reached: dict[str, list[int | None]] = {"trl": [], "rlsys": []}
     curves: dict[str, list[list]] = {"trl": [], "rlsys": []}
     lengths: dict[str, list[list]] = {"trl": [], "rlsys": []}
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         for side in (["trl", "rlsys"] if seed % 2 == 0 else ["rlsys", "trl"]):
             work = base | {"seed": seed}
             if save_rollouts is not None:
@@ -314,7 +317,7 @@ def bench_learning(root: Path, task: str, seeds: int, max_steps: int, target: fl
                                   if s.get("response_len_mean") is not None and s["sampled_after"] % 10 == 0])
             print(f"{side} seed {seed}: steps to {target}: {reached[side][-1]}", file=sys.stderr, flush=True)
     result: dict = {"task": task, "target_eval_reward": target, "max_steps": max_steps, "eval_interval": 10,
-                    "eval_prompts": EVAL_PROMPTS, "seeds": seeds, "lr": shape.lr,
+                    "eval_prompts": EVAL_PROMPTS, "seeds": list(range(first_seed, first_seed + seeds)), "lr": shape.lr,
                     "max_new_tokens": shape.max_new_tokens, "model": {"hidden_size": shape.hidden_size,
                                                                       "num_layers": shape.num_layers}}
     for side, values in reached.items():
@@ -360,6 +363,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--learning", action="store_true", help="steps to a target eval reward instead of speed")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--max-steps", type=int, default=500)
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--task", choices=["copy_eos", "last_digit"], default="copy_eos")
@@ -370,7 +374,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlsys-vs-trl-") as root:
         if args.learning:
             learning = bench_learning(Path(root), args.task, args.seeds, args.max_steps, args.target,
-                                      args.save_rollouts.resolve() if args.save_rollouts else None)
+                                      args.save_rollouts.resolve() if args.save_rollouts else None, args.first_seed)
             result = {"machine": result["machine"], "learning": learning}
             if args.plot:
                 plot_learning(learning, args.plot)
