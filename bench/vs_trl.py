@@ -201,7 +201,7 @@ def rlsys_config(work: dict, run_dir: Path) -> dict:
             # The bench's character-level tokenizer is not one SGLang's AutoTokenizer rebuilds.
             "engine": {"skip_tokenizer_init": True},
         },
-        "trainer": {"num_ranks": 1, "total_steps": work["steps"], "lr": work["lr"]},
+        "trainer": {"num_ranks": work.get("rlsys_ranks", 1), "total_steps": work["steps"], "lr": work["lr"]},
         "status": {"port": 0},
         "logging": {"progress_bar": False, "save_rollouts": bool(work.get("save_rollouts"))},
     }
@@ -294,17 +294,19 @@ def steps_to_target(steps: list[dict], target: float) -> int | None:
 
 
 def bench_learning(root: Path, task: str, seeds: int, max_steps: int, target: float,
-                   save_rollouts: Path | None, first_seed: int = 0) -> dict:
+                   save_rollouts: Path | None, first_seed: int = 0, sides: tuple[str, ...] = ("trl", "rlsys"),
+                   rlsys_ranks: int = 1) -> dict:
     """Steps to the target eval reward, per seed and side, on the task's shape."""
     shape = SHAPES["copy_eos" if task == "copy_eos" else "overhead_bound"]
     work_dir = root / "learning"
     work_dir.mkdir(parents=True)
-    base = build_workload(shape, work_dir) | {"steps": max_steps, "eval_interval": 10, "target": target}
+    base = build_workload(shape, work_dir) | {"steps": max_steps, "eval_interval": 10, "target": target,
+                                              "rlsys_ranks": rlsys_ranks}
     reached: dict[str, list[int | None]] = {"trl": [], "rlsys": []}
     curves: dict[str, list[list]] = {"trl": [], "rlsys": []}
     lengths: dict[str, list[list]] = {"trl": [], "rlsys": []}
     for seed in range(first_seed, first_seed + seeds):
-        for side in (["trl", "rlsys"] if seed % 2 == 0 else ["rlsys", "trl"]):
+        for side in [side for side in (["trl", "rlsys"] if seed % 2 == 0 else ["rlsys", "trl"]) if side in sides]:
             work = base | {"seed": seed}
             if save_rollouts is not None:
                 work["save_rollouts"] = str(save_rollouts / f"{side}-seed{seed}")
@@ -316,18 +318,20 @@ def bench_learning(root: Path, task: str, seeds: int, max_steps: int, target: fl
             lengths[side].append([[s["sampled_after"], round(s["response_len_mean"], 3)] for s in steps
                                   if s.get("response_len_mean") is not None and s["sampled_after"] % 10 == 0])
             print(f"{side} seed {seed}: steps to {target}: {reached[side][-1]}", file=sys.stderr, flush=True)
-    result: dict = {"task": task, "target_eval_reward": target, "max_steps": max_steps, "eval_interval": 10,
+    result: dict = {"task": task, "rlsys_ranks": rlsys_ranks,
+                    "target_eval_reward": target, "max_steps": max_steps, "eval_interval": 10,
                     "eval_prompts": EVAL_PROMPTS, "seeds": list(range(first_seed, first_seed + seeds)), "lr": shape.lr,
                     "max_new_tokens": shape.max_new_tokens, "model": {"hidden_size": shape.hidden_size,
                                                                       "num_layers": shape.num_layers}}
-    for side, values in reached.items():
+    for side, values in [(side, values) for side, values in reached.items() if side in sides]:
         # a seed that never reached the target counts as max_steps + 1 in the median (a lower bound)
         counted = sorted(v if v is not None else max_steps + 1 for v in values)
         result[f"{side}_steps_to_target"] = values
         result[f"{side}_median_steps"] = statistics.median(counted)
         result[f"{side}_min_steps"], result[f"{side}_max_steps"] = counted[0], counted[-1]
         result[f"{side}_never_reached"] = sum(v is None for v in values)
-    result["rlsys_over_trl_steps"] = round(result["rlsys_median_steps"] / result["trl_median_steps"], 3)
+    if len(sides) == 2:
+        result["rlsys_over_trl_steps"] = round(result["rlsys_median_steps"] / result["trl_median_steps"], 3)
     result["eval_curves"] = curves  # per side, per seed: [updates, greedy eval reward]
     result["response_len_curves"] = lengths  # per side, per seed: [updates, mean sampled answer tokens]
     return result
@@ -364,6 +368,8 @@ def main() -> None:
     parser.add_argument("--learning", action="store_true", help="steps to a target eval reward instead of speed")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
+    parser.add_argument("--sides", default="trl,rlsys", help="--learning: which sides run (e.g. rlsys alone)")
+    parser.add_argument("--rlsys-ranks", type=int, default=1, help="--learning: rlsys's trainer.num_ranks")
     parser.add_argument("--max-steps", type=int, default=500)
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--task", choices=["copy_eos", "last_digit"], default="copy_eos")
@@ -374,7 +380,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlsys-vs-trl-") as root:
         if args.learning:
             learning = bench_learning(Path(root), args.task, args.seeds, args.max_steps, args.target,
-                                      args.save_rollouts.resolve() if args.save_rollouts else None, args.first_seed)
+                                      args.save_rollouts.resolve() if args.save_rollouts else None, args.first_seed,
+                                      tuple(args.sides.split(",")), args.rlsys_ranks)
             result = {"machine": result["machine"], "learning": learning}
             if args.plot:
                 plot_learning(learning, args.plot)
