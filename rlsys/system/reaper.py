@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from rlsys.system.interrupts import take_sigterm_again
+from rlsys.system.process_start import start_key
 from rlsys.system.shm_sweep import sweep_shared_memory
 
 POLL_S = 1.0
@@ -34,13 +35,13 @@ GRACE_S = 5.0
 
 
 def _descendants(driver: psutil.Process) -> dict[int, float]:
-    """pid -> create time of everything the driver started (but this reaper)."""
+    """pid -> start key (rlsys/system/process_start.py) of everything the driver started (but this reaper)."""
     found = {}
     try:
         for child in driver.children(recursive=True):
             if child.pid != os.getpid():
                 try:
-                    found[child.pid] = child.create_time()
+                    found[child.pid] = start_key(child)
                 except psutil.Error:
                     continue
     except psutil.Error:
@@ -53,7 +54,7 @@ def _still_running(noted: dict[int, float]) -> list[psutil.Process]:
     for pid, created in noted.items():
         try:
             process = psutil.Process(pid)
-            if abs(process.create_time() - created) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
+            if abs(start_key(process) - created) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
                 alive.append(process)  # the same process, not a recycled pid
         except psutil.Error:
             continue

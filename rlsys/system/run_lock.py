@@ -17,6 +17,7 @@ import psutil
 
 from rlsys.config import ConfigError
 from rlsys.errors import why_not_a_directory
+from rlsys.system.process_start import start_ticks
 
 LOCK_FILE = "rlsys.lock"
 
@@ -29,7 +30,10 @@ def _owner_alive(owner: dict) -> bool:
     if owner.get("host") != socket.gethostname():
         return True  # cannot tell from here: assume it lives
     try:
-        process = psutil.Process(int(owner["pid"]))
+        pid = int(owner["pid"])
+        process = psutil.Process(pid)
+        if owner.get("start_ticks") is not None and (ticks := start_ticks(pid)) is not None:
+            return ticks == int(owner["start_ticks"])  # the same process, not one given its pid since
         # a recycled pid belongs to a process that started after the lock was written
         return process.create_time() <= float(owner.get("started_at", 0)) + 1.0
     except (psutil.Error, KeyError, ValueError, TypeError):
@@ -61,7 +65,7 @@ class RunDirLock:
             raise ConfigError(f"run_dir {self.path.parent} cannot be used: "
                               f"{why_not_a_directory(self.path.parent, error)}; choose another run_dir") from None
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": psutil.Process().create_time(),
-              "locked_at": time.time()}
+              "start_ticks": start_ticks(os.getpid()), "locked_at": time.time()}
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

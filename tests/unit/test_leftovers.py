@@ -58,6 +58,28 @@ def test_a_lock_whose_owner_died_is_taken_over(tmp_path):
     lock.release()
 
 
+def test_the_owner_is_the_process_that_started_when_the_lock_says_whatever_the_clock_did_since(tmp_path, monkeypatch):
+    """Liveness is the pid's start in ticks since boot, which no clock adjustment moves: a live owner
+    whose start time in epoch seconds has drifted (psutil adds the boot time the kernel reports now)
+    still owns the directory, and a process that was given the pid later does not."""
+    import psutil
+
+    from rlsys.system.process_start import start_ticks
+
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    owner = json.loads((tmp_path / "rlsys.lock").read_text())
+    assert owner["start_ticks"] == start_ticks(os.getpid()) is not None
+    real_create_time = psutil.Process.create_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: real_create_time(self) + 5.0)  # clock stepped
+    assert owner_is_alive(tmp_path)
+    with pytest.raises(RunDirInUse):
+        RunDirLock(tmp_path).acquire()
+    (tmp_path / "rlsys.lock").write_text(json.dumps({**owner, "start_ticks": owner["start_ticks"] - 1}))
+    assert not owner_is_alive(tmp_path)  # the pid now belongs to a process that started at another tick
+    lock.release()
+
+
 def test_a_lock_held_from_another_host_is_respected(tmp_path):
     (tmp_path / "rlsys.lock").write_text(json.dumps({"pid": 1, "host": "another-node", "started_at": 0,
                                                      "locked_at": 0}))
@@ -82,3 +104,23 @@ def test_the_local_clusters_processes_are_waited_for_after_its_shutdown_and_stra
     assert slow.returncode == 0  # exited on its own, waited for
     assert stuck.returncode == -9  # outlived the grace period: killed
     assert time.monotonic() - started < 10
+
+
+def test_the_reaper_still_knows_the_processes_it_noted_after_the_clock_moved(monkeypatch):
+    """A child noted while the owner lived is stopped after the owner is gone even if the system clock
+    was adjusted meanwhile (its create_time() then reads seconds off); a pid reused since is not."""
+    import psutil
+
+    from rlsys.system import reaper
+
+    child = psutil.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        noted = reaper._descendants(psutil.Process())
+        assert child.pid in noted
+        real_create_time = psutil.Process.create_time
+        monkeypatch.setattr(psutil.Process, "create_time", lambda self: real_create_time(self) + 5.0)
+        assert [p.pid for p in reaper._still_running({child.pid: noted[child.pid]})] == [child.pid]
+        assert reaper._still_running({child.pid: noted[child.pid] - 1}) == []  # another process with that pid
+    finally:
+        child.kill()
+        child.wait()

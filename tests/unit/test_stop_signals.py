@@ -144,6 +144,7 @@ def test_the_reaper_kills_shielded_processes_at_once_so_the_resource_tracker_can
     """After a driver's kill -9: multiprocessing's resource tracker ignores SIGTERM and unlinks the
     reward workers' semaphores once the last of them, which hold its pipe open, is gone. A worker
     that blocks SIGTERM, left to the end of the grace period, would be killed with the tracker."""
+    from rlsys.system.process_start import start_key
     from rlsys.system.reaper import stop_processes
 
     read_end, write_end = os.pipe()
@@ -158,7 +159,7 @@ def test_the_reaper_kills_shielded_processes_at_once_so_the_resource_tracker_can
     import psutil
 
     # the tracker first: were both stopped alike, it would get its SIGKILL while the worker lived
-    noted = {process.pid: psutil.Process(process.pid).create_time() for process in (tracker, worker)}
+    noted = {process.pid: start_key(psutil.Process(process.pid)) for process in (tracker, worker)}
     assert stop_processes(noted) == 2
     assert not psutil.pid_exists(worker.pid) and not psutil.pid_exists(tracker.pid)  # reaped by stop_processes
     assert cleaned.read_text() == "cleaned up"
