@@ -251,7 +251,8 @@ def main() -> None:
     except FileNotFoundError as error:
         raise SystemExit(f"replay: {error}") from None
     if not (Path(args.model) / "config.json").is_file():
-        raise SystemExit(f"replay: {args.model} is not a model directory (no config.json); pass the model the run started from")
+        raise SystemExit(f"replay: {args.model} is not a model directory (no config.json): "
+                         "pass the model the run started from")
     result = replay(steps_rows, args.model, args.lr, args.grad_clip, args.group_size, args.advantage_eps, args.resync)
     text = json.dumps(result, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "per_step"}, indent=1))
