@@ -67,25 +67,45 @@ def _require(module: str, backend: str):
 class TensorBoardTracker:
     def __init__(self, run_dir: Path, config: dict, run_name: str):
         _require("tensorboard", "tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         import yaml
 
+        self.log_dir = run_dir / "tensorboard"
         # Markdown code block: TensorBoard's text panel keeps the YAML's layout.
-        self.writer.add_text("config", "```\n" + yaml.safe_dump(config, sort_keys=False) + "```", global_step=0)
+        self.config_text = "```\n" + yaml.safe_dump(config, sort_keys=False) + "```"
+        self.writer = None  # opened by the first rewind (the run's start) or log
+
+    def rewind(self, step: int) -> None:
+        """Steps >= `step` will be logged again (a resume, or a recovery in this process): a new event
+        file whose first event tells TensorBoard's readers to drop every earlier event at step >= `step`
+        (SummaryWriter's purge_step; EventAccumulator purges on its SessionLog.START)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.writer is not None:
+            self.writer.close()
+        # A fresh run's first writer purges nothing: there is nothing to drop.
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step or None)
+        if step == 0:
+            self.writer.add_text("config", self.config_text, global_step=0)
+        self.writer.flush()
+
+    def _writer(self):
+        if self.writer is None:
+            self.rewind(0)
+        return self.writer
 
     def log(self, row: dict) -> None:
+        writer = self._writer()
         for key, value in numeric_metrics(row).items():
-            self.writer.add_scalar(key, value, global_step=row["step"])
-        self.writer.flush()
+            writer.add_scalar(key, value, global_step=row["step"])
+        writer.flush()
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
-        self.writer.add_text("samples", markdown_table(rows), global_step=step)
-        self.writer.flush()
+        self._writer().add_text("samples", markdown_table(rows), global_step=step)
+        self._writer().flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class WandbTracker:
@@ -101,6 +121,10 @@ class WandbTracker:
 
     def log(self, row: dict) -> None:
         self.run.log(numeric_metrics(row), step=row["step"])
+
+    def rewind(self, step: int) -> None:
+        """Nothing to do: wandb ignores a step below the last one it got (with a warning), so a step run
+        again keeps its first values there. Online, `wandb.init(resume_from=...)` could fork the run."""
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         import wandb
@@ -145,6 +169,10 @@ class MLflowTracker:
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
+    def rewind(self, step: int) -> None:
+        """Nothing to do: MLflow cannot delete a logged point, so a step run again has two values in the
+        metric's history; its latest (the run's) is the later timestamp."""
+
     def log_samples(self, step: int, rows: list[dict]) -> None:
         import json
 
@@ -184,6 +212,12 @@ class Trackers:
     def log(self, row: dict) -> None:
         for tracker in self.trackers:
             tracker.log(row)
+
+    def rewind(self, step: int) -> None:
+        """Steps >= `step` run again (the run continues from a checkpoint): each backend drops what it
+        can of what it got for them."""
+        for tracker in self.trackers:
+            tracker.rewind(step)
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         """A step's answers shown (rlsys/observability/samples.py), as a table in each backend."""

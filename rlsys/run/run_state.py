@@ -112,6 +112,7 @@ class Run:
         self.state = restore(self.config, self.parts, checkpoint)
         self.log.truncate_from(self.state.next_step)  # rows of steps that will run again
         self.samples.truncate_from(self.state.next_step)
+        self.trackers.rewind(self.state.next_step)
         self.status.record_samples(self.samples.latest(SHOWN_IN_STATUS))
         self.status.replace_steps(self.log.rows)
         self.sampler.restore(self.state.data_epoch, self.state.data_index)

@@ -95,3 +95,53 @@ def test_a_missing_backend_package_names_its_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(TrackingError, match=r"'wandb' but its package is not installed: pip install 'rlsys\[wandb\]'"):
         check_backends_installed(["tensorboard", "wandb"])
+
+
+def _tensorboard_points(log_dir, tag="reward_mean"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)], events.Tags()["tensors"]
+
+
+def test_steps_run_again_replace_their_first_values_in_tensorboard(tmp_path):
+    """A recovery in the same process (a trainer node lost: back to the step-2 checkpoint), then a
+    `--resume` in a new process from the step-1 checkpoint: TensorBoard shows each step once, with the
+    values of the run that went on, as metrics.jsonl does."""
+    first = Trackers(["tensorboard"], tmp_path, CONFIG, "rlsys-tests", "run-a")
+    first.rewind(0)  # the run's start
+    for step in range(4):
+        first.log({"step": step, "reward_mean": float(step)})
+    first.rewind(2)  # steps 2 and 3 run again
+    for step in range(2, 5):
+        first.log({"step": step, "reward_mean": 10.0 + step})
+    first.close()
+    points, tensors = _tensorboard_points(tmp_path / "tensorboard")
+    assert points == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0), (4, 14.0)]
+    assert "config" in " ".join(tensors)
+
+    resumed = Trackers(["tensorboard"], tmp_path, CONFIG, "rlsys-tests", "run-a")
+    resumed.rewind(1)
+    resumed.log({"step": 1, "reward_mean": 21.0})
+    resumed.close()
+    points, tensors = _tensorboard_points(tmp_path / "tensorboard")
+    assert points == [(0, 0.0), (1, 21.0)]
+    assert "config" in " ".join(tensors)  # logged at step 0, before any step that ran again
+
+
+def test_mlflow_keeps_both_values_of_a_step_run_again_the_later_one_last(tmp_path):
+    """MLflow cannot delete a logged point: the step's history has both values, the run's own last."""
+    from mlflow.tracking import MlflowClient
+
+    trackers = Trackers(["mlflow"], tmp_path, CONFIG, "rlsys-tests", "run-a")
+    trackers.rewind(0)
+    trackers.log({"step": 0, "reward_mean": 0.0})
+    trackers.log({"step": 1, "reward_mean": 1.0})
+    trackers.rewind(1)
+    trackers.log({"step": 1, "reward_mean": 11.0})
+    trackers.close()
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("rlsys-tests").experiment_id])
+    history = sorted(client.get_metric_history(run.info.run_id, "reward_mean"), key=lambda m: (m.step, m.timestamp))
+    assert [(m.step, m.value) for m in history] == [(0, 0.0), (1, 1.0), (1, 11.0)]
