@@ -86,7 +86,7 @@ class TrainerSpec:
     cpu_sharers: int | None = None
 
     def __post_init__(self):
-        if self.algorithm.loss_norm_tokens is None or self.algorithm.tis.enabled is None:
+        if self.algorithm.loss_norm_tokens is None or self.algorithm.corrections is None:
             rollout = RolloutConfig()
             object.__setattr__(self, "algorithm", self.algorithm.resolved(rollout.max_new_tokens, off_policy=False))
 
@@ -111,9 +111,9 @@ class TrainerSpec:
         return self.algorithm.loss_norm_tokens
 
     @property
-    def uses_tis(self) -> bool:
-        """algorithm.tis.enabled, resolved: when unset, whether the run is off-policy."""
-        return self.algorithm.tis.enabled
+    def corrects(self) -> bool:
+        """Whether the run has rollout corrections (algorithm.corrections, resolved)."""
+        return bool(self.algorithm.corrections)
 
 
 @dataclass
@@ -125,8 +125,15 @@ class LossSums:
     clipped: float = 0.0
     entropy: float = 0.0
     logprob_mismatch: float = 0.0  # |old - engine| over tokens with an engine log-prob
-    tis_weight: float = 0.0  # truncated importance weights, over tokens with an engine log-prob
-    tis_clipped: float = 0.0
+    # rho = exp(old - engine) over those tokens: k1 and k3 estimates of KL(engine || trainer), and rho
+    rollout_k1: float = 0.0
+    rollout_k3: float = 0.0
+    rollout_ratio: float = 0.0
+    tis_weight: float = 0.0  # the corrections' importance weights, over tokens with an engine log-prob
+    tis_clipped: float = 0.0  # tokens whose weight was truncated
+    masked_tokens: float = 0.0  # loss tokens a correction rejected
+    masked_sequences: float = 0.0  # sequences with a rejected loss token ...
+    corrected_sequences: float = 0.0  # ... of these, the sequences with a loss token
     policy_weight: float = 0.0  # the policy loss's own weight per token, if it has one, over loss tokens
     sequences: float = 0.0  # sequences with a loss token (counted for sequence-ratio losses only)
     clipped_sequences: float = 0.0
@@ -134,19 +141,33 @@ class LossSums:
     engine_tokens: float = 0.0
     mini_batches: float = 0.0
 
+    # The smallest and largest rho (inf, -inf: no engine-scored token yet); reduced by MIN and MAX.
+    rollout_ratio_min: float = math.inf
+    rollout_ratio_max: float = -math.inf
+
     def __iadd__(self, other: LossSums) -> LossSums:
         for name, value in asdict(other).items():
-            setattr(self, name, getattr(self, name) + value)
+            if name not in _EXTREMES:
+                setattr(self, name, getattr(self, name) + value)
+        self.rollout_ratio_min = min(self.rollout_ratio_min, other.rollout_ratio_min)
+        self.rollout_ratio_max = max(self.rollout_ratio_max, other.rollout_ratio_max)
         return self
 
     def all_reduced(self, device) -> LossSums:
-        values = torch.tensor(list(asdict(self).values()), dtype=torch.float64, device=device)
+        sums = {name: value for name, value in asdict(self).items() if name not in _EXTREMES}
+        values = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        return LossSums(*values.cpu().tolist())
+        # max(-min, max) in one collective
+        extremes = torch.tensor([-self.rollout_ratio_min, self.rollout_ratio_max], dtype=torch.float64, device=device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        low, high = extremes.cpu().tolist()
+        return LossSums(**dict(zip(sums, values.cpu().tolist(), strict=True)), rollout_ratio_min=-low,
+                        rollout_ratio_max=high)
 
-    def metrics(self, with_tis: bool, policy_loss: PolicyLoss) -> dict[str, float]:
-        """The loss per mini-batch; the rest per loss token (per engine-scored token for TIS's, per
-        sequence for seq_clip_fraction), and the policy loss's own (`weight_metrics`)."""
+    def metrics(self, with_corrections: bool, policy_loss: PolicyLoss) -> dict[str, float]:
+        """The loss per mini-batch; the rest per loss token (per engine-scored token for the
+        engine/trainer mismatch and the importance weights, per sequence for seq_clip_fraction and
+        masked_sequence_fraction), and the policy loss's own (`weight_metrics`)."""
         tokens, engine_tokens = max(self.tokens, 1.0), max(self.engine_tokens, 1.0)
         metrics = {
             "loss": self.objective / max(self.mini_batches, 1.0),
@@ -156,12 +177,34 @@ class LossSums:
             "logprob_mismatch": self.logprob_mismatch / engine_tokens,
             "train_tokens": self.tokens,
         }
-        if with_tis:
+        if self.engine_tokens:
+            metrics.update(rollout_k1=self.rollout_k1 / engine_tokens, rollout_k3=self.rollout_k3 / engine_tokens,
+                           rollout_ratio_mean=self.rollout_ratio / engine_tokens,
+                           rollout_ratio_min=self.rollout_ratio_min, rollout_ratio_max=self.rollout_ratio_max)
+        if with_corrections:
             metrics.update(tis_weight_mean=self.tis_weight / engine_tokens,
-                           tis_clipped_fraction=self.tis_clipped / engine_tokens)
+                           tis_clipped_fraction=self.tis_clipped / engine_tokens,
+                           masked_token_fraction=self.masked_tokens / tokens,
+                           masked_sequence_fraction=self.masked_sequences / max(self.corrected_sequences, 1.0))
         if policy_loss.one_ratio_per_sequence:
             metrics["seq_clip_fraction"] = self.clipped_sequences / max(self.sequences, 1.0)
         return {**metrics, **policy_loss.weight_metrics(self.policy_weight / tokens)}
+
+
+_EXTREMES = ("rollout_ratio_min", "rollout_ratio_max")
+
+
+def _mismatch_sums(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, engine_mask: torch.Tensor) -> dict:
+    """The engine/trainer mismatch of a micro-batch's engine-scored tokens, as LossSums' fields:
+    rho = pi_old / pi_engine; k1 = log pi_engine - log pi_old and k3 = rho - log rho - 1, whose means
+    estimate KL(engine || trainer) (verl's rollout_corr metrics); rho's sum, min and max."""
+    if not engine_mask.any():
+        return {}
+    log_rho = (old_logprobs - engine_logprobs)[engine_mask > 0]
+    rho = torch.exp(log_rho)
+    return {"rollout_k1": (-log_rho).sum().item(), "rollout_k3": (rho - log_rho - 1.0).sum().item(),
+            "rollout_ratio": rho.sum().item(), "rollout_ratio_min": rho.min().item(),
+            "rollout_ratio_max": rho.max().item()}
 
 
 class TrainerWorker:
@@ -404,14 +447,20 @@ class TrainerWorker:
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             logprobs, entropy = self._forward(self.model, batch, with_entropy=True)
-            loss = micro_batch_loss(logprobs, entropy, batch, algorithm, tis=self.spec.uses_tis)
+            loss = micro_batch_loss(logprobs, entropy, batch, algorithm)
             # The weights hold the global mini-batch's normaliser; FSDP averages over ranks, hence world_size.
             (loss.objective * self.world_size).backward()
             with torch.no_grad():
                 mask, tis = batch.response_mask, loss.tis
                 sequences, clipped_sequences = (flagged_sequences(loss.clipped, mask, batch.spans)
                                                 if algorithm.policy_loss.one_ratio_per_sequence else (0, 0))
+                corrected_sequences, masked_sequences = (flagged_sequences(loss.corrected.rejected, mask, batch.spans)
+                                                         if algorithm.corrections else (0, 0))
                 sums += LossSums(
+                    **_mismatch_sums(loss.old_logprobs, batch.engine_logprobs, batch.engine_mask),
+                    masked_tokens=masked_sum(loss.corrected.rejected, mask).item(),
+                    masked_sequences=masked_sequences,
+                    corrected_sequences=corrected_sequences,
                     objective=loss.objective.item(),
                     kl=masked_sum(loss.kl, mask).item(),
                     clipped=masked_sum(loss.clipped, mask).item(),
@@ -456,7 +505,7 @@ class TrainerWorker:
                 grad_norms.append(self._optimizer_step())
         self.optimizer.zero_grad(set_to_none=True)  # no gradients held between steps
         return {
-            **sums.all_reduced(self.device).metrics(with_tis=self.spec.uses_tis,
+            **sums.all_reduced(self.device).metrics(with_corrections=self.spec.corrects,
                                                     policy_loss=self.spec.algorithm.policy_loss),
             "grad_norm": max(grad_norms),
             "nonfinite_grad_steps": float(sum(not math.isfinite(g) for g in grad_norms)),

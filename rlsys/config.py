@@ -6,16 +6,20 @@ raises `ConfigError` naming every bad field and why, before any actor starts.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SerializeAsAny, ValidationError, field_validator, model_validator
 
+from rlsys.algorithms.corrections import Correction, correction_named
 from rlsys.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss, fold_flat_loss_keys, policy_loss_named
 from rlsys.errors import UserError
 from rlsys.section import Section as _Section
+
+logger = logging.getLogger(__name__)
 
 
 class LoraConfig(_Section):
@@ -422,18 +426,40 @@ class OverlongPenaltyConfig(_Section):
     factor: float = Field(1.0, ge=0.0, description="The penalty at max_new_tokens.")
 
 
-class TISConfig(_Section):
-    """Truncated importance sampling against the engine/trainer mismatch: the policy loss of each
-    token is weighted by min(exp(trainer_old_logprob - engine_logprob), cap)."""
+_OFF_POLICY_DEFAULT = "__off_policy_default__"
 
-    enabled: bool | None = Field(
-        None, description="Apply these weights. Default: on exactly when the run is off-policy "
-        "(rollout.max_staleness above 0, or rollout.partial_rollouts); resolved at load, as RUN_DIR/config.yaml shows.",
-    )
-    cap: float = Field(2.0, gt=0.0, description="Upper bound of a weight.")
-    level: Literal["token", "sequence"] = Field(
-        "token", description="token: one ratio per token; sequence: the product of a response's token ratios.",
-    )
+
+def _corrections_from_tis(values: dict) -> dict:
+    """An algorithm section with the tis section of earlier versions -> the same with `corrections`,
+    said as deprecated: tis {enabled: true, cap: C, level: L} is [{name: importance_sampling, level: L,
+    max: C}], enabled: false is [], and without `enabled` it sets what an off-policy run gets."""
+    values = dict(values)
+    tis = values.pop("tis")
+    if not isinstance(tis, dict):
+        raise ValueError(f"tis must be a section {{enabled, cap, level}} (got {tis!r}); it is deprecated: write "
+                         "corrections: [{name: importance_sampling, level: token, max: 2.0}]")
+    unknown = set(tis) - {"enabled", "cap", "level"}
+    if unknown:
+        raise ValueError(f"tis has no field(s) {', '.join(sorted(unknown))} (enabled, cap, level); it is deprecated: "
+                         "write corrections: [{name: importance_sampling, level: token, max: 2.0}]")
+    if "corrections" in values:
+        raise ValueError("tis and corrections are both set: set only corrections (tis is deprecated: "
+                         "tis {enabled: true, cap: C, level: L} is corrections: [{name: importance_sampling, "
+                         "level: L, max: C}])")
+    section = {"name": "importance_sampling", **({"max": tis["cap"]} if "cap" in tis else {}),
+               **({"level": tis["level"]} if "level" in tis else {})}
+    enabled = tis.get("enabled")
+    if enabled is True:
+        values["corrections"] = [section]
+    elif enabled is False:
+        values["corrections"] = []
+    else:
+        values[_OFF_POLICY_DEFAULT] = section
+    written = ", ".join(f"{key}: {value}" for key, value in section.items() if key != "name")
+    logger.warning("algorithm.tis is deprecated: write algorithm.corrections: %s",
+                   "[]" if enabled is False else f"[{{name: importance_sampling{', ' + written if written else ''}}}]"
+                   + ("" if enabled else " (unset corrections: that, when the run is off-policy)"))
+    return values
 
 
 class AlgorithmConfig(_Section):
@@ -490,12 +516,29 @@ class AlgorithmConfig(_Section):
     overlong_penalty: OverlongPenaltyConfig | None = Field(
         None, description="DAPO's soft overlong punishment (off when unset).",
     )
-    tis: TISConfig = Field(default_factory=TISConfig, description="Truncated importance sampling.")
+    corrections: list[SerializeAsAny[Correction]] | None = Field(
+        None, description="Rollout corrections against the engine/trainer mismatch, applied together (their factors "
+        "multiply each token's policy loss): a list of names or sections ({name: importance_sampling, level: "
+        "sequence, mode: mask, min: 0.5, max: 2.0}), each a module of rlsys/algorithms/corrections/; the table below. "
+        "Unset: [importance_sampling] (token-level, truncated at 2: TIS) when the run is off-policy "
+        "(rollout.max_staleness above 0, or rollout.partial_rollouts), else none; resolved at load, as "
+        "RUN_DIR/config.yaml shows. Replaces tis: {enabled, cap, level} (still read).",
+    )
+    # What `corrections` resolves to on an off-policy run when unset: a deprecated tis section without
+    # `enabled` (tis: {cap: 3}) changes it.
+    _off_policy_default: dict = PrivateAttr(default_factory=lambda: {"name": "importance_sampling"})
 
     @field_validator("policy_loss", mode="before")
     @classmethod
     def _named_loss(cls, value):
         return policy_loss_named(value)
+
+    @field_validator("corrections", mode="before")
+    @classmethod
+    def _named_corrections(cls, value):
+        if isinstance(value, (str, dict)):
+            value = [value]
+        return [correction_named(item) for item in value] if isinstance(value, list) else value
 
     @model_validator(mode="before")
     @classmethod
@@ -513,6 +556,18 @@ class AlgorithmConfig(_Section):
             values["advantage_estimator"] = values.pop("adv_norm")
         return values
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _off_policy_default_from_tis(cls, values, handler):
+        default = None
+        if isinstance(values, dict) and "tis" in values:  # (the before-validators run inside handler)
+            values = _corrections_from_tis(values)
+            default = values.pop(_OFF_POLICY_DEFAULT, None)
+        section = handler(values)
+        if default is not None:
+            section._off_policy_default = default
+        return section
+
     @model_validator(mode="after")
     def _kl(self):
         if self.use_kl_loss and self.kl_in_reward:
@@ -528,11 +583,14 @@ class AlgorithmConfig(_Section):
 
     def resolved(self, max_new_tokens: int, off_policy: bool) -> AlgorithmConfig:
         """This section with its defaults that depend on the rollout filled in (what set is kept):
-        loss_agg_mode the policy loss's own, loss_norm_tokens `max_new_tokens`, tis.enabled exactly
+        loss_agg_mode the policy loss's own, loss_norm_tokens `max_new_tokens`, corrections TIS exactly
         when the run is `off_policy` (samples from earlier weights, which TIS reweighs). Idempotent."""
-        tis = self.tis if self.tis.enabled is not None else self.tis.model_copy(update={"enabled": off_policy})
+        corrections = self.corrections
+        if corrections is None:
+            corrections = [correction_named(dict(self._off_policy_default))] if off_policy else []
         return self.model_copy(update={"loss_agg_mode": self.aggregation,
-                                       "loss_norm_tokens": self.loss_norm_tokens or max_new_tokens, "tis": tis})
+                                       "loss_norm_tokens": self.loss_norm_tokens or max_new_tokens,
+                                       "corrections": corrections})
 
     @model_validator(mode="after")
     def _policy_loss_fits(self):
@@ -761,7 +819,7 @@ class ProfileConfig(_Section):
 def check_context_parallel(trainer: TrainerConfig, algorithm: AlgorithmConfig) -> None:
     """What context parallelism cannot do yet, refused before anything starts: each CP rank holds
     two chunks of a sequence, so a per-sequence sum (a loss's `whole_sequence`, as gspo's sequence
-    ratio, or sequence-level TIS) would need one more collective inside the loss."""
+    ratio, or a sequence-level correction) would need one more collective inside the loss."""
     if trainer.context_parallel_size == 1:
         return
     if not trainer.packing:
@@ -772,9 +830,11 @@ def check_context_parallel(trainer: TrainerConfig, algorithm: AlgorithmConfig) -
         raise ValueError(f"algorithm.policy_loss={algorithm.policy_loss.name} takes a sum over each whole sequence, "
                          "which trainer.context_parallel_size > 1 splits over ranks: not supported yet; use a "
                          f"token-level loss ({', '.join(token_level)}) or context_parallel_size=1")
-    if algorithm.tis.level == "sequence":
-        raise ValueError("algorithm.tis.level=sequence takes a product over each whole sequence, which "
-                         "trainer.context_parallel_size > 1 splits over ranks: not supported yet; use tis.level=token")
+    whole = [c.name for c in algorithm.corrections or [] if c.whole_sequence()]
+    if whole:
+        raise ValueError(f"algorithm.corrections {', '.join(whole)} take a sum over each whole sequence, which "
+                         "trainer.context_parallel_size > 1 splits over ranks: not supported yet; use token-level "
+                         "corrections (importance_sampling with level: token, icepop)")
 
 
 class RunConfig(_Section):

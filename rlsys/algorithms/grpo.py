@@ -22,29 +22,10 @@ def overlong_penalty(response_len: int, max_new_tokens: int, buffer_tokens: int,
 
 @dataclass
 class ImportanceWeights:
-    weights: torch.Tensor  # min(rho, cap) per token; 1 where there is no engine log-prob
-    clipped: torch.Tensor  # 1.0 where rho > cap
+    """The product of a micro-batch's rollout corrections of kind "weight" (rlsys/algorithms/corrections/)."""
 
-
-# Truncated importance sampling (TIS) for the engine/trainer mismatch: the samples come from the
-# engine's distribution, the loss assumes the trainer's. rho = exp(old_trainer - engine) per token,
-# or its product over the sequence (exp of the sum) at sequence level; min(rho, cap) multiplies
-# the policy loss.
-def truncated_importance_weights(
-    old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, engine_mask: torch.Tensor, cap: float,
-    level: str, spans: list[tuple[int, int, int]] | None = None,
-) -> ImportanceWeights:
-    """Per-token weights [B, T]; `spans` (row, first, end) mark each sequence for level=sequence."""
-    log_rho = (old_logprobs - engine_logprobs) * engine_mask
-    if level == "sequence":
-        per_sequence = torch.zeros_like(log_rho)
-        for row, first, end in spans or []:
-            per_sequence[row, first:end] = log_rho[row, first:end].sum()
-        log_rho = per_sequence * engine_mask
-    elif level != "token":
-        raise ValueError(f"unknown TIS level {level!r} (token or sequence)")
-    rho = torch.exp(log_rho)
-    return ImportanceWeights(weights=torch.clamp(rho, max=cap), clipped=(rho > cap).float() * engine_mask)
+    weights: torch.Tensor  # per token; 1 where there is no engine log-prob
+    clipped: torch.Tensor  # 1.0 where a weight was truncated to its bound
 
 
 # k1 = log p - log q;  k2 = (log p - log q)^2 / 2;  k3 = exp(log q - log p) - (log q - log p) - 1

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlsys.algorithms.corrections import Correction, CorrectionInputs
 from rlsys.algorithms.grpo import (
     ImportanceWeights,
     kl_estimate,
     masked_sum,
     sequence_reduce,
-    truncated_importance_weights,
 )
 from rlsys.config import AlgorithmConfig
 
@@ -91,33 +91,73 @@ def sequence_loss_weights(loss_tokens: list[int], mode: str, norm_tokens: int | 
 
 
 @dataclass
+class Corrected:
+    """The corrections of a micro-batch, combined: `weights` goes to the policy loss (the product of
+    the "weight" kind, None without any), `mask` multiplies its token loss (the product of the "mask"
+    kind, None without any); `rejected` and `truncated` flag the tokens any of them dropped or cut."""
+
+    weights: ImportanceWeights | None
+    mask: torch.Tensor | None
+    rejected: torch.Tensor
+    truncated: torch.Tensor
+
+
+def apply_corrections(corrections: list[Correction], logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      batch: MicroBatch) -> Corrected:
+    """Each of `corrections` (rlsys/algorithms/corrections/) on the micro-batch, combined."""
+    inputs = CorrectionInputs(
+        log_rho=(old_logprobs - batch.engine_logprobs) * batch.engine_mask, engine_mask=batch.engine_mask,
+        response_mask=batch.response_mask, advantages=batch.advantages, logprobs=logprobs.detach(),
+        sampling_logprobs=torch.where(batch.engine_mask > 0, batch.engine_logprobs, old_logprobs),
+        spans=batch.spans)
+    weight = mask = None
+    rejected, truncated = torch.zeros_like(logprobs), torch.zeros_like(logprobs)
+    for correction in corrections:
+        terms = correction.terms(inputs)
+        if correction.kind == "weight":
+            weight = terms.factor if weight is None else weight * terms.factor
+        else:
+            mask = terms.factor if mask is None else mask * terms.factor
+        rejected = torch.maximum(rejected, terms.masked)
+        truncated = torch.maximum(truncated, terms.truncated)
+    weights = None if weight is None else ImportanceWeights(weights=weight, clipped=truncated)
+    return Corrected(weights, mask, rejected, truncated)
+
+
+@dataclass
 class MicroBatchLoss:
     objective: torch.Tensor  # scalar: sum over loss tokens of weight * token loss
     old_logprobs: torch.Tensor  # [B, T]
     kl: torch.Tensor  # [B, T] per-token KL estimate (0 without a reference)
     clipped: torch.Tensor  # [B, T] 1.0 where the policy loss took its clipped branch
-    tis: ImportanceWeights | None
+    corrected: Corrected  # the rollout corrections' factors and flags
     weight: torch.Tensor | None = None  # [B, T] the policy loss's own per-token weight, if it has one
 
+    @property
+    def tis(self) -> ImportanceWeights | None:
+        """The importance weights the policy loss received (None: no correction of kind "weight")."""
+        return self.corrected.weights
 
-# L = sum_t w_t * (policy_loss_t * tis_t + kl_coef * KL_t - entropy_coef * H_t)
+
+# L = sum_t w_t * (policy_loss_t * is_t * mask_t + kl_coef * KL_t - entropy_coef * H_t)
 def micro_batch_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch: MicroBatch,
-                     algorithm: AlgorithmConfig, tis: bool) -> MicroBatchLoss:
+                     algorithm: AlgorithmConfig) -> MicroBatchLoss:
     """The objective of one micro-batch from the policy's log-probs and entropies [B, T]: the
-    policy loss (times the TIS weights when `tis`), plus the KL loss and minus the entropy bonus
-    when configured, each token weighed by `batch.loss_weights`, which are 0 outside the loss mask
-    (prompt, injected tool output, masked responses): those tokens get exactly zero gradient.
-    Without `batch.old_logprobs` (one mini-batch per step: the weights have not moved since the
-    rollout) the old log-probs are the current ones, detached."""
+    policy loss (times its rollout corrections' factors, algorithm.corrections), plus the KL loss and
+    minus the entropy bonus when configured, each token weighed by `batch.loss_weights`, which are 0
+    outside the loss mask (prompt, injected tool output, masked responses): those tokens get exactly
+    zero gradient. Without `batch.old_logprobs` (one mini-batch per step: the weights have not moved
+    since the rollout) the old log-probs are the current ones, detached."""
     old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-    weights = None
-    if tis:  # the samples came from the engine's distribution, not the trainer's
-        weights = truncated_importance_weights(old_logprobs, batch.engine_logprobs, batch.engine_mask,
-                                               algorithm.tis.cap, algorithm.tis.level, batch.spans)
+    # the samples came from the engine's distribution, not the trainer's
+    corrected = apply_corrections(algorithm.corrections or [], logprobs, old_logprobs, batch)
+    weights = corrected.weights
     terms = algorithm.policy_loss.terms(logprobs, old_logprobs, batch, algorithm, weights)
     token_loss = terms.loss
     if weights is not None and not terms.tis_applied:
         token_loss = token_loss * weights.weights
+    if corrected.mask is not None:
+        token_loss = token_loss * corrected.mask
     kl = torch.zeros_like(logprobs)
     if batch.ref_logprobs is not None:
         kl = kl_estimate(logprobs, batch.ref_logprobs, algorithm.kl_estimator)
@@ -127,5 +167,5 @@ def micro_batch_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch: Micro
         token_loss = token_loss - algorithm.entropy_coef * entropy
     # masked_sum multiplies: a token outside the mask adds 0 * (its loss), whose gradient is 0 as
     # long as the loss is finite there (it is: log-probs of real tokens, clipped ratios).
-    return MicroBatchLoss(masked_sum(token_loss, batch.loss_weights), old_logprobs, kl, terms.clipped, weights,
-                         terms.weight)
+    return MicroBatchLoss(masked_sum(token_loss, batch.loss_weights), old_logprobs, kl, terms.clipped, corrected,
+                          terms.weight)

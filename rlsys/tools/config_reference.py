@@ -16,6 +16,7 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from rlsys.algorithms.corrections import CORRECTIONS, Correction
 from rlsys.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss
 from rlsys.config import RunConfig
 
@@ -46,6 +47,13 @@ def _section_model(annotation) -> type[BaseModel] | None:
     candidates = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
     models = [c for c in candidates if inspect.isclass(c) and issubclass(c, BaseModel)]
     return models[0] if models else None
+
+
+def _mentions(annotation, cls: type) -> bool:
+    """Whether `annotation` is `cls` or holds it (inside a list, a union or Annotated)."""
+    if inspect.isclass(annotation) and issubclass(annotation, cls):
+        return True
+    return any(_mentions(arg, cls) for arg in typing.get_args(annotation))
 
 
 def _is_list(annotation) -> bool:
@@ -127,6 +135,11 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
             raise ValueError(f"{model.__name__}.{name} ({dotted}) has no description: add "
                              "Field(description=...) in rlsys/config.py")
         kind = type_name(info.annotation)
+        if _mentions(info.annotation, Correction):  # a list of corrections' names or sections
+            kind = "list[" + " | ".join(CORRECTIONS) + " | section] | null"
+            description = f"{info.description} See [`{dotted}`](#{dotted.replace('.', '')})."
+            lines.append(f"| `{name}` | {_code(kind)} | {_code(default_text(info))} | {_cell(description)} |")
+            continue
         nested = _section_model(info.annotation)
         if nested is not None and issubclass(nested, PolicyLoss):  # a loss's name, or its section
             kind = " | ".join(POLICY_LOSSES) + " | section"
@@ -162,6 +175,21 @@ def _policy_losses(prefix: str) -> list[str]:
     return out
 
 
+def _corrections(prefix: str) -> list[str]:
+    """Each registered rollout correction (rlsys/algorithms/corrections/): what it computes, and the
+    table of its parameters."""
+    out = [f"## `{prefix}`", "",
+           f"`{prefix}: [NAME, ...]` takes each one's defaults; `{prefix}: [{{name: NAME, PARAMETER: VALUE}}]` sets "
+           "its parameters. Their factors multiply: a \"weight\" is the importance weight the policy loss receives "
+           "(VESPO folds it into its ratio); a \"mask\" (0 or 1) multiplies the token loss after it. "
+           "rho = exp(log p_old - log p_engine) per token.", ""]
+    for name, correction in sorted(CORRECTIONS.items()):
+        out.extend([f"### `{name}` ({correction.kind})", "", _cell(correction.summary) + ".", ""])
+        if len(correction.model_fields) > 1:
+            out.extend(_table(correction, prefix) + [""])
+    return out
+
+
 def render() -> str:
     out = [INTRO]
     for dotted, model, description in _sections(RunConfig, "", ""):
@@ -176,6 +204,8 @@ def render() -> str:
         for name, info in model.model_fields.items():
             if (nested := _section_model(info.annotation)) is not None and issubclass(nested, PolicyLoss):
                 out.extend(_policy_losses(f"{dotted}.{name}"))
+            if _mentions(info.annotation, Correction):
+                out.extend(_corrections(f"{dotted}.{name}"))
     return "\n".join(out)
 
 

@@ -21,7 +21,8 @@ def _batch(seed: int, count: int = 10) -> list[TrainSequence]:
 @pytest.fixture(scope="module")
 def groups(ray_cluster, tiny_model_dir):
     plain = InspectableTrainerGroup(trainer_spec(tiny_model_dir, lr=1e-3), 1)
-    tis = InspectableTrainerGroup(trainer_spec(tiny_model_dir, lr=1e-3, tis={"enabled": True, "cap": CAP}), 1)
+    tis = InspectableTrainerGroup(
+        trainer_spec(tiny_model_dir, lr=1e-3, corrections=[{"name": "importance_sampling", "max": CAP}]), 1)
     yield plain, tis
     plain.shutdown()
     tis.shutdown()
@@ -83,7 +84,7 @@ def test_truncation_options_and_tis_run_end_to_end_against_a_bf16_engine(tmp_pat
     result = subprocess.run(train_command(
         "quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=4", "rollout.max_new_tokens=3",
         "algorithm.mask_truncated=true", "algorithm.overlong_penalty={buffer_tokens: 1, factor: 0.5}",
-        "algorithm.tis.enabled=true", "rollout.engine.extra_args=[--dtype, bfloat16]", ray_address,
+        "algorithm.corrections=[importance_sampling]", "rollout.engine.extra_args=[--dtype, bfloat16]", ray_address,
         bf16_engines),
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]

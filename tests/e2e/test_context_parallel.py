@@ -34,7 +34,7 @@ def _batch(vocab: int):
 @pytest.fixture(scope="module")
 def groups(ray_cluster, tiny_model_dir):
     common = dict(max_tokens_per_microbatch=24, mini_batches_per_step=2, gradient_checkpointing=True,
-                  use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, tis={"enabled": True})
+                  use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, corrections=["importance_sampling"])
     specs = [trainer_spec(tiny_model_dir, **common)]
     specs += [trainer_spec(tiny_model_dir, num_ranks=ranks, context_parallel_size=cp, context_parallel_style=style,
                            **common) for style, ranks, cp in LAYOUTS]

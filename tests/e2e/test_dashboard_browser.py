@@ -177,7 +177,7 @@ OFF_IN_THIS_RUN = ["chart-sampling", "chart-tis", "chart-tools", "chart-stalenes
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
                     reason="Debian's chromium is not installed (make test installs it)")
 def test_a_finished_runs_dashboard_hides_what_is_off_and_shows_the_latest_values(tmp_path):
-    """A finished quickstart-like run (no dynamic sampling, TIS, tools, staleness or partial rollouts;
+    """A finished quickstart-like run (no dynamic sampling, corrections, tools, staleness or partial rollouts;
     KL 0 throughout): the charts of the features that are off are hidden, not empty boxes, and a
     note names them; the flat KL sits on a narrow axis around 0, not 0..100; each legend shows the
     last step's value without hovering; the header has the latest reward and eval; actors stopped
@@ -206,7 +206,7 @@ def test_a_finished_runs_dashboard_hides_what_is_off_and_shows_the_latest_values
         assert " hidden" not in charts[chart], charts[chart]
     note = re.search(r'<p id="charts-off">([^<]*)</p>', dom).group(1)
     assert note.startswith("Not shown, no data in this run (the feature is off): ")
-    for title in ("dynamic sampling", "truncated importance sampling", "multi-turn", "asynchronous training",
+    for title in ("dynamic sampling", "rollout corrections", "multi-turn", "asynchronous training",
                   "partial rollouts"):
         assert title in note, note
     assert "reward (train, eval)" not in note and "KL to reference" not in note

@@ -59,10 +59,30 @@ PROMPTS, GROUP, PROMPT_LEN, MAX_NEW = 4, 4, 5, 8
 LR = 5e-5
 GRADIENT_RTOL = 1e-5  # of the gradient's norm; see the module docstring
 KL = {"beta": 0.04}, {"use_kl_loss": True, "kl_coef": 0.04, "kl_estimator": "k3"}
+# TRL's four vllm_importance_sampling_modes and its off-policy mask -> rlsys's algorithm.corrections.
+# The engine's log-probs are the model's own +-0.3 (_engine_logprobs): token ratios in [0.74, 1.35],
+# so the bounds below cut or mask tokens (and, at sequence level, whole responses) on both sides.
 TIS_TOKEN = ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 1.2},
-             {"tis": {"enabled": True, "cap": 1.2, "level": "token"}})
+             {"corrections": [{"name": "importance_sampling", "max": 1.2}]})
 TIS_SEQUENCE = ({"vllm_importance_sampling_mode": "sequence_truncate", "vllm_importance_sampling_clip_max": 2.0},
-                {"tis": {"enabled": True, "cap": 2.0, "level": "sequence"}})
+                {"corrections": [{"name": "importance_sampling", "level": "sequence", "max": 2.0}]})
+TOKEN_TRUNCATE_BOTH = (
+    {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_min": 0.9,
+     "vllm_importance_sampling_clip_max": 1.1},
+    {"corrections": [{"name": "importance_sampling", "min": 0.9, "max": 1.1}]})
+TOKEN_MASK = ({"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.85,
+               "vllm_importance_sampling_clip_max": 1.2},
+              {"corrections": [{"name": "importance_sampling", "mode": "mask", "min": 0.85, "max": 1.2}]})
+SEQUENCE_MASK = ({"vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_min": 0.5,
+                  "vllm_importance_sampling_clip_max": 1.5},
+                 {"corrections": [{"name": "importance_sampling", "level": "sequence", "mode": "mask", "min": 0.5,
+                                   "max": 1.5}]})
+# DeepSeek-V3.2's mask beside TIS (TRL reads the engine's log-probs for it only when it has them):
+# responses with A < 0 whose mean log(p_engine / p_theta) is above 0.02 are dropped.
+OFF_POLICY_MASK = ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 1.2,
+                    "off_policy_mask_threshold": 0.02},
+                   {"corrections": [{"name": "importance_sampling", "max": 1.2},
+                                    {"name": "off_policy_mask", "threshold": 0.02}]})
 
 
 def _case(trl: dict, rlsys: dict, *extras: tuple[dict, dict]) -> tuple[dict, dict]:
@@ -99,6 +119,18 @@ CASES = {
     "sapo": _case({"loss_type": "sapo", "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
                   {"policy_loss": "sapo", "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, TIS_TOKEN),
     "vespo": _case({"loss_type": "vespo"}, {"policy_loss": "vespo"}, TIS_TOKEN),
+    "token-truncate-both-bounds": _case({"loss_type": "bnpo", "epsilon": EPS},
+                                        {"policy_loss": "grpo", "loss_agg_mode": "token-mean", "clip_eps_low": EPS,
+                                         "clip_eps_high": EPS}, TOKEN_TRUNCATE_BOTH),
+    "token-mask": _case({"loss_type": "grpo", "epsilon": EPS},
+                        {"policy_loss": "grpo", "loss_agg_mode": "seq-mean-token-mean", "clip_eps_low": EPS,
+                         "clip_eps_high": EPS}, TOKEN_MASK),
+    "sequence-mask": _case({"loss_type": "bnpo", "epsilon": EPS},
+                           {"policy_loss": "grpo", "loss_agg_mode": "token-mean", "clip_eps_low": EPS,
+                            "clip_eps_high": EPS}, SEQUENCE_MASK),
+    "off-policy-mask": _case({"loss_type": "bnpo", "epsilon": EPS},
+                             {"policy_loss": "grpo", "loss_agg_mode": "token-mean", "clip_eps_low": EPS,
+                              "clip_eps_high": EPS}, OFF_POLICY_MASK),
     "batch-scaled-advantages": _case({"loss_type": "dapo", "scale_rewards": "batch", "epsilon": EPS},
                                      {"policy_loss": "grpo", "loss_agg_mode": "token-mean", "clip_eps_low": EPS,
                                       "clip_eps_high": EPS, "advantage_estimator": "batch"}),
@@ -155,6 +187,7 @@ def _trl_steps(model_dir, trl_fields: dict, prompts, completions, rewards, engin
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     fields = dict(trl_fields)
     correction = {k: fields.pop(k) for k in list(fields) if k.startswith("vllm_importance_sampling")}
+    correction.update({k: fields.pop(k) for k in list(fields) if k == "off_policy_mask_threshold"})
     with tempfile.TemporaryDirectory() as output_dir:
         config = GRPOConfig(
             output_dir=output_dir, per_device_train_batch_size=PROMPTS * GROUP // 2, steps_per_generation=2,
@@ -250,8 +283,11 @@ def test_two_optimizer_steps_equal_trls_grpo_trainer(case, tiny_model_dir):
     # and the case really exercised what it compares (a clip nobody crosses would match trivially)
     if algorithm_fields["policy_loss"] in ("grpo", "gspo", "luspo", "cispo"):
         assert metrics["clip_fraction"] > 0
-    if "tis" in algorithm_fields:
-        assert metrics["tis_clipped_fraction"] > 0
+    for correction in algorithm_fields.get("corrections", []):
+        if correction.get("mode") == "mask" or correction["name"] == "off_policy_mask":
+            assert metrics["masked_token_fraction"] > 0, correction
+        else:
+            assert metrics["tis_clipped_fraction"] > 0, correction
     if algorithm_fields["policy_loss"] == "vespo":
         assert metrics["vespo_phi_mean"] != pytest.approx(1.0, abs=1e-3)
     worst = max((params[k] - trl_params[k]).abs().max().item() for k in params)

@@ -266,23 +266,25 @@ def test_derived_settings_are_resolved_once_after_loading_and_dumped_with_the_co
     off_policy = ["placement.mode=disaggregated", "rollout.max_staleness=1", "rollout.max_new_tokens=12"]
     tree = yaml.safe_load(path.read_text())
     unresolved = RunConfig.model_validate({**tree, "rollout": {**tree.get("rollout", {}), "max_new_tokens": 12}})
-    assert unresolved.algorithm.loss_norm_tokens is None and unresolved.algorithm.tis.enabled is None
+    assert unresolved.algorithm.loss_norm_tokens is None and unresolved.algorithm.corrections is None
     config = load_config(path, off_policy)
-    assert config.algorithm.loss_norm_tokens == 12 and config.algorithm.tis.enabled is True
+    tis = {"name": "importance_sampling", "level": "token", "mode": "truncate", "min": None, "max": 2.0}
+    assert config.algorithm.loss_norm_tokens == 12 and [c.model_dump() for c in config.algorithm.corrections] == [tis]
     assert config.algorithm.loss_agg_mode == "token-mean"  # grpo's own
     assert resolve_derived_settings(config) == config  # once resolved, it stays
     dump_config(config, tmp_path / "dumped.yaml")
     dumped = yaml.safe_load((tmp_path / "dumped.yaml").read_text())["algorithm"]
-    assert (dumped["loss_norm_tokens"], dumped["tis"]["enabled"], dumped["loss_agg_mode"]) == (12, True, "token-mean")
+    assert (dumped["loss_norm_tokens"], dumped["corrections"], dumped["loss_agg_mode"]) == (12, [tis], "token-mean")
+    assert load_config(tmp_path / "dumped.yaml") == config  # RUN_DIR/config.yaml reads back as what ran
     spec = TrainerSpec.from_config(config, has_gpu=False)
-    assert spec.loss_norm_tokens == 12 and spec.uses_tis
+    assert spec.loss_norm_tokens == 12 and spec.corrects
     assert not {"max_new_tokens", "max_staleness", "partial_rollouts"} & {f.name for f in dataclasses.fields(spec)}
     spec = TrainerSpec.from_config(load_config(path, [*off_policy, "algorithm.loss_norm_tokens=5",
-                                                      "algorithm.tis.enabled=false"]), has_gpu=False)
-    assert spec.loss_norm_tokens == 5 and not spec.uses_tis
-    assert not TrainerSpec.from_config(load_config(path), has_gpu=False).uses_tis
-    assert TrainerSpec.from_config(load_config(path, ["algorithm.tis.enabled=true"]), has_gpu=False).uses_tis
-    assert load_config(path, ["rollout.partial_rollouts=true", "placement.mode=disaggregated"]).algorithm.tis.enabled
+                                                      "algorithm.corrections=[]"]), has_gpu=False)
+    assert spec.loss_norm_tokens == 5 and not spec.corrects
+    assert not TrainerSpec.from_config(load_config(path), has_gpu=False).corrects
+    assert TrainerSpec.from_config(load_config(path, ["algorithm.corrections=[icepop]"]), has_gpu=False).corrects
+    assert load_config(path, ["rollout.partial_rollouts=true", "placement.mode=disaggregated"]).algorithm.corrections
     assert load_config(path, ["algorithm.policy_loss=gspo"]).algorithm.loss_agg_mode == "seq-mean-token-mean"
 
 
@@ -310,10 +312,14 @@ def test_a_sequence_level_ratio_with_a_token_weighted_aggregation_is_refused(tmp
     assert f"(got {mode}: it would weigh each sequence by its length" in message
 
 
-def test_vespo_with_sequence_level_tis_is_refused(tmp_path, tiny_model_dir):
+def test_vespo_with_sequence_level_importance_weights_is_refused(tmp_path, tiny_model_dir):
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
-    with pytest.raises(ConfigError, match="policy_loss vespo folds the TIS weights .* set tis.level: token"):
-        load_config(path, ["algorithm.policy_loss=vespo", "algorithm.tis.level=sequence"])
+    with pytest.raises(ConfigError, match="policy_loss vespo folds the importance weights .* importance_sampling "
+                                          "weigh whole sequences: use level: token"):
+        load_config(path, ["algorithm.policy_loss=vespo",
+                           "algorithm.corrections=[{name: importance_sampling, level: sequence}]"])
+    # a sequence mask multiplies after the loss: allowed
+    load_config(path, ["algorithm.policy_loss=vespo", "algorithm.corrections=[{name: geometric_mask, high: 1.01}]"])
 
 
 def test_lora_targets_that_match_nothing_or_reach_past_linear_layers_are_refused_naming_the_linear_ones(
@@ -404,8 +410,10 @@ def test_stop_at_reward_must_be_a_finite_number(tmp_path, tiny_model_dir):
     (["trainer.num_ranks=3", "trainer.context_parallel_size=2"], "context_parallel_size (2) must divide num_ranks (3)"),
     (["trainer.context_parallel_size=2", "algorithm.policy_loss=gspo"],
      "policy_loss=gspo takes a sum over each whole sequence"),
-    (["trainer.context_parallel_size=2", "algorithm.tis.level=sequence", "algorithm.tis.enabled=true"],
-     "tis.level=sequence takes a product over each whole sequence"),
+    (["trainer.context_parallel_size=2", "algorithm.corrections=[{name: importance_sampling, level: sequence}]"],
+     "algorithm.corrections importance_sampling take a sum over each whole sequence"),
+    (["trainer.context_parallel_size=2", "algorithm.corrections=[icepop, {name: off_policy_mask, threshold: 0.1}]"],
+     "algorithm.corrections off_policy_mask take a sum over each whole sequence"),
     (["trainer.context_parallel_size=2", "trainer.packing=false"], "needs trainer.packing=true"),
     (["trainer.num_ranks=4", "trainer.context_parallel_size=4", "trainer.context_parallel_style=ulysses"],
      "the model's 4 attention heads and 2 key/value heads must both divide by context_parallel_size=4"),

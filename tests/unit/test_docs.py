@@ -53,7 +53,7 @@ def test_configuration_reference_is_what_the_generator_prints():
 def test_reference_lists_every_field_of_every_section():
     reference = config_reference.render()
     sections = dict((dotted, model) for dotted, model, _ in config_reference._sections(config.RunConfig, "", ""))
-    assert {"", "model", "data", "data.synthetic", "rollout.sampling", "rollout.engine", "algorithm.tis",
+    assert {"", "model", "data", "data.synthetic", "rollout.sampling", "rollout.engine",
             "algorithm.overlong_penalty", "logging"} <= sections.keys()
     for dotted, model in sections.items():
         heading = f"## `{dotted}`" if dotted else "## Top level"

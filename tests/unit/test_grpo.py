@@ -12,7 +12,6 @@ from rlsys.algorithms.grpo import (
     kl_estimate,
     masked_sum,
     overlong_penalty,
-    truncated_importance_weights,
 )
 from rlsys.algorithms.losses import LOSS_AGGREGATIONS, sequence_loss_weights
 from rlsys.algorithms.policy_losses import POLICY_LOSSES
@@ -176,25 +175,6 @@ def test_overlong_penalty_is_dapo_soft_punishment():
     assert overlong_penalty(7, 10, 4, 1.0) == pytest.approx(-0.25)
     assert overlong_penalty(10, 10, 4, 0.5) == pytest.approx(-0.5)
     assert overlong_penalty(3, 10, 4, 1.0) == 0.0
-
-
-def test_token_level_tis_weights_are_capped_ratios():
-    old = torch.log(torch.tensor([[0.5, 0.4, 0.9, 0.3]]))
-    engine = torch.log(torch.tensor([[0.25, 0.4, 0.3, 0.6]]))  # ratios 2, 1, 3, 0.5
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token has no engine log-prob
-    tis = truncated_importance_weights(old, engine, mask, cap=2.5, level="token")
-    assert torch.allclose(tis.weights, torch.tensor([[2.0, 1.0, 2.5, 1.0]]))
-    assert tis.clipped.tolist() == [[0.0, 0.0, 1.0, 0.0]]
-
-
-def test_sequence_level_tis_weight_is_the_capped_product_over_the_response():
-    old = torch.log(torch.tensor([[0.5, 0.4, 0.9, 0.6, 0.6]]))
-    engine = torch.log(torch.tensor([[0.25, 0.8, 0.3, 0.2, 0.6]]))  # ratios 2, 0.5 | 3, 3 | -
-    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    spans = [(0, 0, 2), (0, 2, 4)]  # two packed sequences
-    tis = truncated_importance_weights(old, engine, mask, cap=5.0, level="sequence", spans=spans)
-    assert torch.allclose(tis.weights, torch.tensor([[1.0, 1.0, 5.0, 5.0, 1.0]]))  # 2*0.5 = 1; 3*3 = 9 -> 5
-    assert tis.clipped.tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
 
 
 def test_every_config_name_has_a_registered_estimator_loss_and_aggregation():

@@ -62,8 +62,8 @@ def test_injected_tokens_get_exactly_zero_gradient_from_every_loss_term(packed):
     batch.old_logprobs = logprobs.detach() + 0.3 * torch.randn(shape, generator=generator)  # ratios != 1, some clip
     batch.ref_logprobs = logprobs.detach() - torch.rand(shape, generator=generator)
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01,
-                                tis={"enabled": True, "cap": 1.5, "level": "token"})
-    loss = micro_batch_loss(logprobs, entropy, batch, algorithm, tis=True)
+                                corrections=[{"name": "importance_sampling", "max": 1.5}])
+    loss = micro_batch_loss(logprobs, entropy, batch, algorithm)
     loss.objective.backward()
 
     row, first, _ = batch.spans[0]  # position first + t predicts response token t
@@ -73,7 +73,7 @@ def test_injected_tokens_get_exactly_zero_gradient_from_every_loss_term(packed):
         assert logprobs.grad[position].item() == 0.0 and entropy.grad[position].item() == 0.0
     for position in policy:
         assert logprobs.grad[position].item() != 0.0 and entropy.grad[position].item() != 0.0
-    assert batch.engine_mask[row, first + 2:first + 5].sum() == 0  # TIS and logprob_mismatch skip them too
+    assert batch.engine_mask[row, first + 2:first + 5].sum() == 0  # the corrections and logprob_mismatch skip them too
 
 
 class FakeEngine:

@@ -37,10 +37,10 @@ def micro_batch(algorithm: AlgorithmConfig, packed: bool, log_ratios=LOG_RATIOS,
     return batch, logprobs.requires_grad_()
 
 
-def run(algorithm: AlgorithmConfig, packed: bool = True, tis: bool = False, **layout):
+def run(algorithm: AlgorithmConfig, packed: bool = True, **layout):
     """-> (objective, token gradients and clip flags sequence after sequence, the loss record, the batch)."""
     batch, logprobs = micro_batch(algorithm, packed, **layout)
-    loss = micro_batch_loss(logprobs, torch.zeros_like(logprobs), batch, algorithm, tis=tis)
+    loss = micro_batch_loss(logprobs, torch.zeros_like(logprobs), batch, algorithm)
     loss.objective.backward()
     grads = [g for row, first, end in batch.spans for g in logprobs.grad[row, first:end].tolist()]
     clipped = [c for row, first, end in batch.spans for c in loss.clipped[row, first:end].tolist()]
@@ -135,9 +135,9 @@ def test_vespo_weighs_each_sequence_by_a_detached_gamma_of_its_ratio():
 def test_vespo_folds_token_tis_weights_into_its_sequence_ratio_instead_of_multiplying():
     # Old log-prob -1, engine log-probs -1 - log 2, -1, -1 for sequence 1: TIS weights 2, 1, 1
     # (cap 3), so log w_1 = 0.9 + log 2; sequence 2 has engine = old: weight 1.
-    algorithm = AlgorithmConfig(policy_loss="vespo", tis={"enabled": True, "cap": 3.0, "level": "token"})
+    algorithm = AlgorithmConfig(policy_loss="vespo", corrections=[{"name": "importance_sampling", "max": 3.0}])
     engine = [[OLD - math.log(2), OLD, OLD], [OLD, OLD, OLD]]
-    objective, grads, _, loss, _ = run(algorithm, tis=True, engine_logprobs=engine)
+    objective, grads, _, loss, _ = run(algorithm, engine_logprobs=engine)
     phi = [vespo_phi(0.9 + math.log(2), 2.0, 3.0), vespo_phi(-0.3, 3.0, 2.0)]
     assert grads == pytest.approx(flat([[-phi[0] / 6] * 3, [phi[1] / 6] * 3]))
     assert loss.tis.weights.max().item() == pytest.approx(2.0)
@@ -175,9 +175,10 @@ def test_gspo_logs_its_clip_fraction_per_sequence(packed):
     _, _, _, loss, batch = run(AlgorithmConfig(policy_loss="gspo"), packed=packed)
     assert flagged_sequences(loss.clipped, batch.response_mask, batch.spans) == (2, 1)
     sums = LossSums(clipped=3.0, tokens=6.0, sequences=2.0, clipped_sequences=1.0)
-    assert sums.metrics(with_tis=False, policy_loss=AlgorithmConfig(policy_loss="gspo").policy_loss)[
+    assert sums.metrics(with_corrections=False, policy_loss=AlgorithmConfig(policy_loss="gspo").policy_loss)[
         "seq_clip_fraction"] == 0.5
-    assert "seq_clip_fraction" not in sums.metrics(with_tis=False, policy_loss=AlgorithmConfig().policy_loss)  # per token
+    # per token
+    assert "seq_clip_fraction" not in sums.metrics(with_corrections=False, policy_loss=AlgorithmConfig().policy_loss)
     no_loss = batch.response_mask.clone()
     row, first, end = batch.spans[0]
     no_loss[row, first:end] = 0.0  # e.g. a truncated response with mask_truncated
@@ -186,7 +187,7 @@ def test_gspo_logs_its_clip_fraction_per_sequence(packed):
 
 def test_vespo_logs_the_mean_phi_over_loss_tokens():
     sums = LossSums(policy_weight=3.0, tokens=6.0)
-    assert sums.metrics(with_tis=False, policy_loss=AlgorithmConfig(policy_loss="vespo").policy_loss)[
+    assert sums.metrics(with_corrections=False, policy_loss=AlgorithmConfig(policy_loss="vespo").policy_loss)[
         "vespo_phi_mean"] == 0.5
 
 
@@ -203,7 +204,7 @@ def test_the_entropy_bonus_is_aggregated_like_the_policy_loss():
     for (row, first, end), h in zip(batch.spans, values, strict=True):
         entropy[row, first:end] = torch.tensor(h)
     entropy.requires_grad_()
-    loss = micro_batch_loss(logprobs, entropy, batch, algorithm, tis=False)
+    loss = micro_batch_loss(logprobs, entropy, batch, algorithm)
     # w_i = 1 / (2 n_i): -0.1 * (mean(1, 3) + mean(2, 2, 2, 6)) / 2 = -0.1 * (2 + 3) / 2
     assert loss.objective.item() == pytest.approx(-0.25)
     loss.objective.backward()

@@ -32,7 +32,7 @@ class AlgorithmSettings(Protocol):
     clip_eps_low: float
     clip_eps_high: float
     loss_agg_mode: str | None
-    tis: Any  # its truncated importance sampling: .enabled, .cap, .level
+    corrections: Any  # its rollout corrections (rlsys/algorithms/corrections/), None before resolution
 
     @property
     def aggregation(self) -> str: ...  # loss_agg_mode, or the loss's own
@@ -56,8 +56,9 @@ class PolicyLoss(Section):
     def terms(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: MicroBatch,
               algorithm: AlgorithmSettings, tis: ImportanceWeights | None) -> PolicyLossTerms:
         """log p, log p_old [B, T], the micro-batch (advantages, response_mask, spans), the algorithm
-        section and the TIS weights (None: off) -> per-token loss and clip flags [B, T]. A loss that
-        uses the TIS weights itself sets `tis_applied`; otherwise they multiply its loss."""
+        section and the importance weights of its corrections of kind "weight" (None: none) -> per-token
+        loss and clip flags [B, T]. A loss that uses the weights itself sets `tis_applied`; otherwise they
+        multiply its loss."""
 
     def weight_metrics(self, mean_weight: float) -> dict[str, float]:
         """Metrics from the mean over loss tokens of the per-token `weight` its terms return, if any."""

@@ -10,8 +10,9 @@ from pydantic import Field
 from rlsys.algorithms.policy_losses.base import PolicyLoss, register_policy_loss
 
 
-# L = -sg(phi(w_i)) * A * log p,  log w_i = sum_t clamp(log r_t, -20, 20) [+ sum_t clamp(log tis_t, log 1e-8, 20)]
-# (TRL 1.16: loss_type="vespo", get_gamma_weights; the TIS weights go into w_i instead of multiplying L)
+# L = -sg(phi(w_i)) * A * log p,  log w_i = sum_t clamp(log r_t, -20, 20) [+ sum_t clamp(log is_t, log 1e-8, 20)]
+# (TRL 1.16: loss_type="vespo", get_gamma_weights; the importance weights (algorithm.corrections of kind
+# "weight") go into w_i instead of multiplying L)
 @register_policy_loss
 class Vespo(PolicyLoss):
     name: Literal["vespo"] = Field("vespo", description="The loss.")
@@ -19,14 +20,15 @@ class Vespo(PolicyLoss):
     lambda_pos: float = Field(3.0, gt=0.0, description="phi's decay lambda where A >= 0 (down-weights w > 1).")
     k_neg: float = Field(3.0, ge=0.0, description="phi's power k where A < 0.")
     lambda_neg: float = Field(2.0, gt=0.0, description="phi's decay lambda where A < 0.")
-    summary = ("-sg(phi(w)) A log p, w the response's ratio (product of its token ratios, times its token TIS "
-               "weights), phi(w) = exp(lambda + k log w - lambda w); own aggregation token-mean")
+    summary = ("-sg(phi(w)) A log p, w the response's ratio (product of its token ratios, times its token "
+               "importance weights), phi(w) = exp(lambda + k log w - lambda w); own aggregation token-mean")
     whole_sequence = True
 
     def check(self, algorithm) -> None:
-        if algorithm.tis.level == "sequence":
-            raise ValueError("policy_loss vespo folds the TIS weights into its sequence weight token by token; "
-                             "set tis.level: token")
+        whole = [c.name for c in algorithm.corrections or [] if c.kind == "weight" and c.whole_sequence()]
+        if whole:
+            raise ValueError("policy_loss vespo folds the importance weights into its sequence weight token by token; "
+                             f"correction(s) {', '.join(whole)} weigh whole sequences: use level: token")
 
     def terms(self, logprobs, old_logprobs, batch, algorithm, tis):
         import torch

@@ -10,7 +10,9 @@ const CHARTS = [
   { id: "chart-entropy", series: [["entropy", "entropy", "#fb8c00"]] },
   { id: "chart-response-len", series: [["response_len_mean", "mean length", "#00897b"]] },
   { id: "chart-tokens-per-s", series: [["tokens_per_s", "tokens/s", "#3949ab"]] },
-  { id: "chart-mismatch", series: [["logprob_mismatch", "mismatch", "#6d4c41"]] },
+  // The engine/trainer mismatch on the sampled tokens: mean |log p_old - log p_engine|, and the k3
+  // estimate of KL(engine || trainer) (rho - log rho - 1, rho = p_old / p_engine).
+  { id: "chart-mismatch", series: [["logprob_mismatch", "mismatch", "#6d4c41"], ["rollout_k3", "KL k3", "#8e24aa"]] },
   // Weight sync: bytes handed to the engines (MiB), their rate, the step's sync seconds.
   { id: "chart-sync", series: [["sync_gbps", "GB/s", "#fb8c00"], ["time_sync_s", "seconds", "#6d4c41"]] },
   { id: "chart-sync-bytes", scale: 2 ** -20, series: [["sync_bytes", "MiB", "#fb8c00"]] },
@@ -22,8 +24,11 @@ const CHARTS = [
   { id: "chart-policy", series: [["clip_fraction", "tokens clipped", "#e53935"],
                                  ["seq_clip_fraction", "responses clipped (gspo, luspo)", "#fb8c00"],
                                  ["vespo_phi_mean", "VESPO phi mean", "#3949ab"]] },
-  { id: "chart-tis", series: [["tis_weight_mean", "TIS weight mean", "#00897b"],
-                              ["tis_clipped_fraction", "TIS clipped fraction", "#e53935"]] },
+  // algorithm.corrections: the importance weights' mean, tokens truncated, tokens and responses masked.
+  { id: "chart-tis", series: [["tis_weight_mean", "IS weight mean", "#00897b"],
+                              ["tis_clipped_fraction", "tokens truncated", "#e53935"],
+                              ["masked_token_fraction", "tokens masked", "#8e24aa"],
+                              ["masked_sequence_fraction", "responses masked", "#fb8c00"]] },
   // rollout.generate_function (multi-turn, tools), rollout.max_staleness and rollout.partial_rollouts.
   { id: "chart-tools", series: [["turns_mean", "turns", "#1e88e5"], ["tool_calls_mean", "tool calls", "#43a047"],
                                 ["tool_errors", "tool errors", "#e53935"],
