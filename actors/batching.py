@@ -49,6 +49,9 @@ class MicroBatch:
     # nonzero() and a .max() each: host syncs on a GPU, again in every recomputed layer).
     cu_seq_lens: torch.Tensor | None = None
     max_length: int | None = None
+    # rollout.routing_replay: the engine's experts per input token, [B, T, MoE layers, top_k], -1
+    # where a token has none (actors/routing_replay.py); None: the model routes by itself.
+    routes: torch.Tensor | None = None
     # Context parallelism (actors/context_parallel.py): this rank's zigzag share of a packed row. Its
     # per-token tensors are then [1, T] and aligned with the inputs (each token's own target), where
     # an unsplit batch's are [B, T-1] (position t predicts token t + 1; the last predicts nothing).
@@ -91,6 +94,9 @@ def _check(seq: TrainSequence) -> None:
         raise ValueError(f"{len(seq.engine_logprobs)} engine log-probs for {seq.response_len} response tokens")
     if seq.loss_mask is not None and len(seq.loss_mask) != seq.response_len:
         raise ValueError(f"a loss mask of {len(seq.loss_mask)} values for {seq.response_len} response tokens")
+    if seq.routes is not None and not (seq.routes.ndim == 3 and len(seq.routes) < len(seq.token_ids)):
+        raise ValueError(f"routes of shape {seq.routes.shape} for {len(seq.token_ids)} tokens (want [tokens - 1 or "
+                         "fewer, MoE layers, top_k])")
 
 
 def build_micro_batch(
@@ -113,6 +119,7 @@ def build_micro_batch(
         rows = [[seq] for seq in sequences]
         width = max(len(s.token_ids) for s in sequences)
     input_ids, position_ids, attention_mask, per_token, spans = _laid_out(rows, width, pad_id)
+    routes = _laid_out_routes(rows, width)
     if is_dummy:
         for name in ("mask", "weight", "engine_mask"):
             per_token[name][:] = 0.0
@@ -138,7 +145,27 @@ def build_micro_batch(
         spans=spans,
         cu_seq_lens=None if cu_seq_lens is None else cu_seq_lens.to(device),
         max_length=max(lengths) if packed else None,
+        routes=None if routes is None else tensor(routes),
     )
+
+
+def _laid_out_routes(rows: list[list[TrainSequence]], width: int) -> np.ndarray | None:
+    """The sequences' engine routes where their tokens lie, [rows, width, layers, top_k]; -1 where a
+    token has none (padding, a response's last token, a sequence without routes). None: no routes."""
+    shapes = {seq.routes.shape[1:] for row in rows for seq in row if seq.routes is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"sequences of one batch carry routes of different shapes {sorted(shapes)}")
+    (layers, top_k), = shapes
+    out = np.full((len(rows), width, layers, top_k), -1, dtype=np.int64)
+    for row, row_sequences in enumerate(rows):
+        offset = 0
+        for seq in row_sequences:
+            if seq.routes is not None:
+                out[row, offset:offset + len(seq.routes)] = seq.routes
+            offset += len(seq.token_ids)
+    return out
 
 
 def _laid_out(rows: list[list[TrainSequence]], width: int, pad_id: int):

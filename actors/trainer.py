@@ -12,7 +12,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ from rlsys.actors.lora import (
 from rlsys.actors.offload import StateOffloader, trainer_state_tensors
 from rlsys.actors.parallelize import parallelize, pin_host_shards, reshard, uses_fsdp
 from rlsys.actors.profiling import RankProfiler, profiled_phase
+from rlsys.actors.routing_replay import RouteReplay
 from rlsys.actors.schedule import build_lr_scheduler
 from rlsys.algorithms.grpo import kl_estimate, masked_sum
 from rlsys.algorithms.losses import flagged_sequences, micro_batch_loss
@@ -84,6 +85,8 @@ class TrainerSpec:
     # Processes of the run computing on a rank's node while it trains (Topology.cpu_sharers); the
     # rank's threads are its node's cores over this. None (standalone groups): one thread.
     cpu_sharers: int | None = None
+    # rollout.routing_replay == "rollout": every forward routes by the engine's experts (actors/routing_replay.py)
+    routing_replay: bool = False
 
     def __post_init__(self):
         if self.algorithm.loss_norm_tokens is None or self.algorithm.corrections is None:
@@ -94,7 +97,7 @@ class TrainerSpec:
     def from_config(cls, config: RunConfig, has_gpu: bool, cpu_sharers: int | None = None) -> TrainerSpec:
         resolved = resolve_derived_settings(config)  # (a no-op for a loaded config: load_config resolved it)
         return cls(config.model, config.trainer, resolved.algorithm, config.rollout.temperature, seed=config.seed,
-                   has_gpu=has_gpu, cpu_sharers=cpu_sharers)
+                   has_gpu=has_gpu, cpu_sharers=cpu_sharers, routing_replay=config.rollout.routing_replay == "rollout")
 
     def threads(self, node_cores: int) -> int:
         if self.trainer.threads_per_rank is not None:
@@ -134,6 +137,8 @@ class LossSums:
     masked_tokens: float = 0.0  # loss tokens a correction rejected
     masked_sequences: float = 0.0  # sequences with a rejected loss token ...
     corrected_sequences: float = 0.0  # ... of these, the sequences with a loss token
+    routed: float = 0.0  # routing replay: (token, MoE layer) pairs with an engine route ...
+    routed_differing: float = 0.0  # ... of them, those where the trainer's own top-k differs from the engine's
     policy_weight: float = 0.0  # the policy loss's own weight per token, if it has one, over loss tokens
     sequences: float = 0.0  # sequences with a loss token (counted for sequence-ratio losses only)
     clipped_sequences: float = 0.0
@@ -181,6 +186,8 @@ class LossSums:
             metrics.update(rollout_k1=self.rollout_k1 / engine_tokens, rollout_k3=self.rollout_k3 / engine_tokens,
                            rollout_ratio_mean=self.rollout_ratio / engine_tokens,
                            rollout_ratio_min=self.rollout_ratio_min, rollout_ratio_max=self.rollout_ratio_max)
+        if self.routed:
+            metrics["routing_mismatch_fraction"] = self.routed_differing / self.routed
         if with_corrections:
             metrics.update(tis_weight_mean=self.tis_weight / engine_tokens,
                            tis_clipped_fraction=self.tis_clipped / engine_tokens,
@@ -235,6 +242,7 @@ class TrainerWorker:
         self.context_parallel = None  # this rank's CP group (setup), None without context parallelism
         self.profiler = RankProfiler(self.backend, rank)  # records only between start_profile and stop_profile
         self.reserved_port: ReservedPort | None = None  # rank 0's, from rendezvous_address until setup
+        self.route_replays: dict[int, RouteReplay] = {}  # id(model) -> its routers' replay (routing_replay)
 
     # ---- set-up -------------------------------------------------------------------------
     def node_address(self) -> str:
@@ -283,6 +291,9 @@ class TrainerWorker:
         )
         if self.spec.needs_reference and self.spec.model.lora is None:  # LoRA's reference: adapters off
             self.ref_model = self._build_model(trainable=False)
+        if self.spec.routing_replay:
+            self.route_replays = {id(model): RouteReplay(model) for model in (self.model, self.ref_model)
+                                  if model is not None}
 
     def _build_model(self, trainable: bool, lora: bool = False) -> torch.nn.Module:
         """Built on the meta device, sharded, then each rank reads only its shards from the
@@ -365,6 +376,8 @@ class TrainerWorker:
         """fp32 log-probs of the next tokens (and their distributions' entropy), [B, T-1] each, at
         `temperature` (None: the rollout's), computed by the output layer in chunks (actors/logprob_head.py)."""
         head = model.get_output_embeddings()
+        if (replay := self.route_replays.get(id(model))) is not None:  # kept through a recomputing backward
+            replay.set_routes(None if batch.routes is None else batch.routes.flatten(0, 1))
         temperature = self.spec.temperature if temperature is None else temperature
         with head.computing(batch.head_targets(), temperature, with_entropy, self.spec.trainer.logprob_chunk_tokens):
             per_position = batch.scored(model(**batch.model_inputs()).logits)
@@ -447,6 +460,8 @@ class TrainerWorker:
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             logprobs, entropy = self._forward(self.model, batch, with_entropy=True)
+            # copied before the backward, whose recomputation (gradient checkpointing) routes again
+            routing = replace(self.route_replays[id(self.model)].counts) if self.route_replays else None
             loss = micro_batch_loss(logprobs, entropy, batch, algorithm)
             # The weights hold the global mini-batch's normaliser; FSDP averages over ranks, hence world_size.
             (loss.objective * self.world_size).backward()
@@ -461,6 +476,8 @@ class TrainerWorker:
                     masked_tokens=masked_sum(loss.corrected.rejected, mask).item(),
                     masked_sequences=masked_sequences,
                     corrected_sequences=corrected_sequences,
+                    routed=routing.routed if routing else 0.0,
+                    routed_differing=routing.differing if routing else 0.0,
                     objective=loss.objective.item(),
                     kl=masked_sum(loss.kl, mask).item(),
                     clipped=masked_sum(loss.clipped, mask).item(),

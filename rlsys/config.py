@@ -296,6 +296,14 @@ class RolloutConfig(_Section):
         None, ge=1, description="Partial rollouts: a sample holding a token more than this many weight versions "
         "old starts again from its prompt (the tokens thrown away are counted). Default: no bound.",
     )
+    routing_replay: Literal["off", "rollout"] = Field(
+        "off", description="Mixture-of-experts models. rollout: the engines return the experts they routed each token "
+        "to (SGLang's --enable-return-routed-experts) and every trainer forward of the sample (old log-probs, "
+        "reference, policy) routes each token of each MoE layer by them, its gating weights the trainer's own router "
+        "probabilities over those experts (R3, as verl, slime and NeMo-RL replay); a continued partial rollout keeps "
+        "the routes its tokens were sampled with. routing_mismatch_fraction: the share of (token, layer) pairs whose "
+        "trainer top-k differs from the engine's. off: each side routes by itself.",
+    )
 
     def groups_in_flight(self, prompts_per_step: int) -> int:
         """Partial rollouts: prompts_per_step plus rollout.oversample (or its default)."""
@@ -319,6 +327,10 @@ class RolloutConfig(_Section):
         if self.partial_rollouts and self.generate_function:
             raise ValueError("rollout.partial_rollouts continues single engine calls; a rollout.generate_function's "
                              "trajectories (tools, several turns) cannot be aborted and continued: turn one off")
+        if self.routing_replay != "off" and self.generate_function:
+            raise ValueError("rollout.routing_replay replays the routes of single engine calls; a "
+                             "rollout.generate_function's trajectories (several turns, injected tool output) are not "
+                             "supported yet: turn one off")
         return self
 
     @model_validator(mode="after")
@@ -868,6 +880,14 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _context_parallel_fits_algorithm(self):
         check_context_parallel(self.trainer, self.algorithm)
+        return self
+
+    @model_validator(mode="after")
+    def _routing_replay_fits_trainer(self):
+        if self.rollout.routing_replay != "off" and self.trainer.context_parallel_size > 1:
+            raise ValueError("rollout.routing_replay with trainer.context_parallel_size > 1 is not supported yet (each "
+                             "rank holds chunks of a sequence, the routes are laid out per whole sequence); use "
+                             "context_parallel_size=1")
         return self
 
     @model_validator(mode="after")

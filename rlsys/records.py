@@ -17,6 +17,7 @@ reward workers and the trainer ranks can all hold them without importing one ano
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,9 @@ class Generation:
     # Partial rollouts (rollout.partial_rollouts): the weight version that sampled each response
     # token, when a response was continued across weight updates; None: all of them `weight_version`.
     token_versions: list[int] | None = None
+    # rollout.routing_replay: the experts the engine routed each token it forwarded to (prompt and
+    # response but the last token), a numpy int16 array [tokens, MoE layers, top_k]; None: not asked.
+    routes: Any = None
 
     @property
     def aborted(self) -> bool:
@@ -153,6 +157,9 @@ class TrainSequence:
     # w of each loss token in its mini-batch's loss, sum_i w_i sum_t l_it (algorithms/losses.py
     # LOSS_AGGREGATIONS); set by TrainerGroup for each global mini-batch.
     loss_weight: float | None = None
+    # rollout.routing_replay: the engine's experts for tokens 0..n-1 (Generation.routes), which every
+    # trainer forward of the sequence routes by (actors/routing_replay.py); None: its own routing.
+    routes: Any = None
 
     @property
     def response_len(self) -> int:

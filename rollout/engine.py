@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 from rlsys.records import Generation, SamplingParams
 from rlsys.rollout.sglang.client import EngineAddress, EngineDied, EngineError
@@ -34,6 +38,32 @@ def releasable_bytes(server_info: dict) -> int | None:
         return None
 
 
+def route_shape(model_path: str) -> tuple[int, int]:
+    """(decoder layers, experts per token) of the model's config.json: the shape of each token's
+    routes as SGLang's routed-experts capturer records them (state_capturer/routed_experts.py: one row
+    of num_experts_per_tok expert ids per layer, num_hidden_layers rows)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    if not config.get("num_experts_per_tok"):
+        raise ValueError(f"rollout.routing_replay: {model_path} is not a mixture-of-experts model "
+                         "(its config.json has no num_experts_per_tok)")
+    return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
+
+
+def decode_routes(meta: dict, shape: tuple[int, int], tokens: int) -> np.ndarray:
+    """An answer's routed experts (base64 int32, `[tokens, layers, top_k]`, covering every token the
+    engine forwarded: the prompt and the response but its last token) as int16."""
+    if not meta.get("routed_experts"):
+        raise EngineError("(engine)", "/generate", "the answer carries no routed experts although they were asked for "
+                          "(rollout.routing_replay): was the server started with --enable-return-routed-experts?")
+    routes = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+    layers, top_k = shape
+    if routes.size != tokens * layers * top_k:
+        raise EngineError("(engine)", "/generate", f"the answer's routed experts hold {routes.size} ids, not "
+                          f"{tokens} tokens x {layers} layers x {top_k} experts")
+    return routes.reshape(tokens, layers, top_k).astype(np.int16)
+
+
 class RolloutEngine:
     """Plain class, wrapped with `ray.remote` at the call site."""
 
@@ -50,6 +80,8 @@ class RolloutEngine:
         self.name = name
         self.hangs_dir = hangs_dir  # where the watchdog leaves a silent server's stacks (None: nowhere)
         self.silenced: str | None = None  # why the watchdog stopped the server, with where its stacks went
+        # rollout.routing_replay: (layers, top_k) of the routes each answer carries; None: not asked for
+        self.route_shape = route_shape(spec.model.path) if spec.return_routes else None
 
     def start(self, timeout_s: float | None = None) -> EngineAddress:
         """Launch the server; `timeout_s` None: rollout.engine.startup_timeout_s or its default for
@@ -121,8 +153,12 @@ class RolloutEngine:
             "input_ids": batch,
             "sampling_params": sampling.as_sglang(),
             "return_logprob": True,
+            **self._routes_asked(),
         }))
         return [self._to_generation(ids, answer) for ids, answer in zip(batch, answers, strict=False)]
+
+    def _routes_asked(self) -> dict:
+        return {"return_routed_experts": True} if self.route_shape is not None else {}
 
     def generate_each(self, inputs: list[list[int]], sampling: list[SamplingParams]) -> list[Generation]:
         """One sample per input, each with its own sampling parameters (a partial rollout's
@@ -133,6 +169,7 @@ class RolloutEngine:
             "input_ids": [list(ids) for ids in inputs],
             "sampling_params": [params.as_sglang() for params in sampling],
             "return_logprob": True,
+            **self._routes_asked(),
         }))
         return [self._to_generation(list(ids), answer) for ids, answer in zip(inputs, answers, strict=True)]
 
@@ -141,8 +178,7 @@ class RolloutEngine:
         log-probs it has so far and finish reason "abort" (SGLang's /abort_request, abort_all)."""
         self._call(self.client.abort_all)
 
-    @staticmethod
-    def _to_generation(prompt_ids: list[int], answer: dict) -> Generation:
+    def _to_generation(self, prompt_ids: list[int], answer: dict) -> Generation:
         meta = answer["meta_info"]
         pairs = meta["output_token_logprobs"]
         response_ids = [int(token) for _, token, *_ in pairs]
@@ -156,6 +192,8 @@ class RolloutEngine:
             weight_version=int(meta.get("weight_version", -1)),
             # an abort's message: "Aborted" for ours, the engine's reason when it aborted by itself
             stop_reason=finish.get("message") if reason == "abort" and isinstance(finish, dict) else None,
+            routes=None if self.route_shape is None else decode_routes(meta, self.route_shape,
+                                                                       len(prompt_ids) + len(response_ids) - 1),
         )
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

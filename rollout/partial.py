@@ -80,7 +80,19 @@ def stitch(prompt_ids: list[int], before: Generation | None, answer: Generation)
                        token_versions=[answer.weight_version] * len(answer.response_ids))
     versions = _versions(before) + [answer.weight_version] * len(answer.response_ids)
     return replace(answer, prompt_ids=list(prompt_ids), response_ids=before.response_ids + answer.response_ids,
-                   logprobs=before.logprobs + answer.logprobs, weight_version=min(versions), token_versions=versions)
+                   logprobs=before.logprobs + answer.logprobs, weight_version=min(versions), token_versions=versions,
+                   routes=stitched_routes(before.routes, answer.routes))
+
+
+def stitched_routes(before, answer):
+    """Routing replay: the tokens `before` forwarded keep the experts they had when they were sampled;
+    the continuation (which forwarded them again, with newer weights, as its prompt) gives the rest:
+    `before`'s last token, which only the continuation forwarded, and its own."""
+    if before is None or answer is None:
+        return None
+    import numpy as np
+
+    return np.concatenate([before, answer[len(before):]])
 
 
 def settle(sample: Generation, sampling: SamplingParams) -> Generation:
@@ -103,9 +115,18 @@ def settle(sample: Generation, sampling: SamplingParams) -> Generation:
 
 def group_to_json(group: GroupInFlight) -> dict:
     return {"prompt": asdict(group.prompt.record), "token_ids": list(group.prompt.token_ids),
-            "samples": [None if s is None else asdict(s) for s in group.samples]}
+            "samples": [None if s is None else _sample_to_json(s) for s in group.samples]}
+
+
+def _sample_to_json(sample: Generation) -> dict:
+    return {**asdict(sample), "routes": None if sample.routes is None else sample.routes.tolist()}
 
 
 def group_from_json(data: dict) -> GroupInFlight:
+    import numpy as np
+
     prompt = EncodedPrompt(PromptRecord(**data["prompt"]), list(data["token_ids"]))
-    return GroupInFlight(prompt, [None if s is None else Generation(**s) for s in data["samples"]])
+    samples = [None if s is None else Generation(**{**s, "routes": None if s.get("routes") is None else
+                                                    np.asarray(s["routes"], dtype=np.int16)})
+               for s in data["samples"]]
+    return GroupInFlight(prompt, samples)

@@ -73,6 +73,7 @@ class EngineIdentity:
     num_engines: int
     has_gpu: bool
     memory_saver: bool  # started with SGLang's memory saver (a colocated GPU run's hand-off needs it)
+    return_routes: bool = False  # returns each token's experts (rollout.routing_replay)
     trainer_resources: dict = field(default_factory=dict)
     engine_resources: dict = field(default_factory=dict)
 
@@ -84,7 +85,7 @@ class EngineIdentity:
             skip_tokenizer_init=spec.engine.skip_tokenizer_init, extra_args=tuple(spec.engine.extra_args),
             mode=topology.mode, num_ranks=topology.num_ranks,
             num_engines=topology.num_engines, has_gpu=topology.has_gpu,
-            memory_saver=spec.memory_saver and topology.has_gpu,
+            memory_saver=spec.memory_saver and topology.has_gpu, return_routes=spec.return_routes,
             trainer_resources=dict(topology.trainer_resources), engine_resources=dict(topology.engine_resources))
 
     def differences(self, run: EngineIdentity, placement: bool = True) -> list[str]:
@@ -114,6 +115,9 @@ class EngineIdentity:
         if placement and run.memory_saver and not self.memory_saver:
             lines.append("the run hands the GPU between trainer and engines (colocated, sleeping trainers): the "
                          "engines were started without SGLang's memory saver")
+        if run.return_routes and not self.return_routes:
+            lines.append("the run replays the engines' expert routing (rollout.routing_replay: rollout): the engines "
+                         "were started without returning it; start them from a config with routing_replay: rollout")
         return lines
 
 

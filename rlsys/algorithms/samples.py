@@ -130,6 +130,7 @@ def to_train_sequences(samples: list[Sample], mask_truncated: bool = False) -> l
             advantage=s.advantage,
             engine_logprobs=s.generation.logprobs,
             loss_mask=loss_mask(s, mask_truncated),
+            routes=s.generation.routes,
         )
         for s in samples
     ]

@@ -282,6 +282,10 @@ def _check_the_model(config: RunConfig, model_dir: Path) -> None:
             "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
         )
     architecture = read_architecture(model_dir)
+    if config.rollout.routing_replay != "off" and not getattr(architecture, "num_experts_per_tok", None):
+        raise ConfigError(f"invalid config: rollout.routing_replay={config.rollout.routing_replay} replays the experts "
+                          f"the engine routed each token to, but model.path {model_dir} is not a mixture-of-experts "
+                          "model (its config.json has no num_experts_per_tok); set rollout.routing_replay=off")
     if config.trainer.context_parallel_size > 1 and config.trainer.context_parallel_style == "ulysses":
         from rlsys.actors.context_parallel import check_ulysses_heads
 

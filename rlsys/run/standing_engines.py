@@ -109,7 +109,8 @@ def server_spec(config: RunConfig, topology: Topology, cpu_sharers: int) -> Serv
     return ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
                       memory_saver=topology.trainers_sleep, cpu_sharers=cpu_sharers,
                       radix_cache=config.rollout.uses_radix_cache(topology.has_gpu),
-                      pipelined_sync=config.weight_sync.pipelined, env=dict(config.placement.env))
+                      pipelined_sync=config.weight_sync.pipelined, env=dict(config.placement.env),
+                      return_routes=config.rollout.routing_replay == "rollout")
 
 
 # ---- up / status / down -------------------------------------------------------------------

@@ -51,6 +51,9 @@ class ServerSpec:
     # its threads are the node's cores over this. None (standalone engines): one thread.
     cpu_sharers: int | None = None
     pipelined_sync: bool = True  # weight_sync.pipelined: the trainers gather the next bucket during a load
+    # rollout.routing_replay: the server records which experts it routed each token to and returns them
+    # (SGLang's --enable-return-routed-experts, a request's return_routed_experts)
+    return_routes: bool = False
     env: dict[str, str] = field(default_factory=dict)  # placement.env: the collectives' settings (NCCL_*, ...)
 
     @property
@@ -159,6 +162,8 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int, api_
         command.append(f"--api-key={api_key}")
     if not spec.radix_cache:
         command.append("--disable-radix-cache")
+    if spec.return_routes:
+        command.append("--enable-return-routed-experts")
     if engine.skip_tokenizer_init:
         command.append("--skip-tokenizer-init")
     elif spec.model.tokenizer_path:
