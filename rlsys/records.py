@@ -102,7 +102,7 @@ class Generation:
     # token, when a response was continued across weight updates; None: all of them `weight_version`.
     token_versions: list[int] | None = None
     # rollout.routing_replay: the experts the engine routed each token it forwarded to (prompt and
-    # response but the last token), a numpy int16 array [tokens, MoE layers, top_k]; None: not asked.
+    # response but the last token), a numpy uint8/int16 array [tokens, layers, top_k]; None: not asked.
     routes: Any = None
 
     @property

@@ -52,7 +52,8 @@ def route_shape(model_path: str) -> tuple[int, int]:
 
 def decode_routes(meta: dict, shape: tuple[int, int], tokens: int) -> np.ndarray:
     """An answer's routed experts (base64 int32, `[tokens, layers, top_k]`, covering every token the
-    engine forwarded: the prompt and the response but its last token) as int16."""
+    engine forwarded: the prompt and the response but its last token) as uint8 where every expert id
+    fits (models of up to 256 experts), else int16: a sample holds tokens x layers x top_k of them."""
     if not meta.get("routed_experts"):
         raise EngineError("(engine)", "/generate", "the answer carries no routed experts although they were asked for "
                           "(rollout.routing_replay): was the server started with --enable-return-routed-experts?")
@@ -61,7 +62,8 @@ def decode_routes(meta: dict, shape: tuple[int, int], tokens: int) -> np.ndarray
     if routes.size != tokens * layers * top_k:
         raise EngineError("(engine)", "/generate", f"the answer's routed experts hold {routes.size} ids, not "
                           f"{tokens} tokens x {layers} layers x {top_k} experts")
-    return routes.reshape(tokens, layers, top_k).astype(np.int16)
+    routes = routes.reshape(tokens, layers, top_k)
+    return routes.astype(np.uint8 if routes.size == 0 or routes.max() < 256 else np.int16)
 
 
 class RolloutEngine:

@@ -91,7 +91,7 @@ def test_a_dense_model_is_refused(tmp_path):
         RouteReplay(dense)
 
 
-def test_an_engines_answer_gives_int16_routes_of_every_forwarded_token():
+def test_an_engines_answer_gives_compact_routes_of_every_forwarded_token():
     import base64
 
     import numpy as np
@@ -102,7 +102,9 @@ def test_an_engines_answer_gives_int16_routes_of_every_forwarded_token():
     routes = np.arange(5 * 2 * 2, dtype=np.int32).reshape(5, 2, 2) % 4  # prompt 3 + response 3 - 1 tokens
     meta = {"routed_experts": base64.b64encode(routes.tobytes()).decode()}
     decoded = decode_routes(meta, (2, 2), tokens=5)
-    assert decoded.dtype == np.int16 and np.array_equal(decoded, routes)
+    assert decoded.dtype == np.uint8 and np.array_equal(decoded, routes)
+    wide = {"routed_experts": base64.b64encode((routes * 100).tobytes()).decode()}  # ids up to 300
+    assert decode_routes(wide, (2, 2), tokens=5).dtype == np.int16
     with pytest.raises(EngineError, match="hold 20 ids, not 6 tokens x 2 layers x 2 experts"):
         decode_routes(meta, (2, 2), tokens=6)
     with pytest.raises(EngineError, match="--enable-return-routed-experts"):

@@ -17,6 +17,11 @@ patches the server needs to run with `--device cpu` at all:
 2. `torch.cuda.synchronize()` is called by `/release_memory_occupation` through the device
    module and dies on a CUDA build of torch without a driver. With no GPU there is nothing to
    synchronise, so it becomes a no-op.
+2b. SGLang allocates host buffers (the routed-experts capturer's, which routing replay's
+   `--enable-return-routed-experts` turns on) pinned and registered with cudaHostRegister
+   (`mem_cache/pool_host/common.py` `alloc_with_host_register`), which initialises CUDA and dies
+   without a driver. Pinning only speeds up copies from a GPU, so without one the "cpu" entry of
+   its `ALLOC_MEMORY_FUNCS` allocates plain memory (`_unpinned_host_memory`).
 
 and four speed-ups, off with RLSYS_SGLANG_CPU_SPEEDUPS=0 (`rlsys_fence.SPEEDUPS_ENV`). Those that
 replace an SGLang method first check that the method still has the parameters its replacement
@@ -180,11 +185,41 @@ def _run_shadowed_sitecustomize():
             sys.excepthook(*sys.exc_info())
 
 
+_HOST_MEMORY_MODULE = "sglang.srt.mem_cache.pool_host.common"
+
+
+def _unpinned_host_memory(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    """(2b): `alloc_with_host_register`'s parameters, plain host memory."""
+    import torch
+
+    return torch.empty(dims, dtype=dtype, device="cpu")
+
+
+class _UnpinnedHostMemory(importlib.abc.MetaPathFinder):
+    """Finds `_HOST_MEMORY_MODULE` as usual, then points its "cpu" allocator at `_unpinned_host_memory`."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _HOST_MEMORY_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            module.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned_host_memory
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def _install_required(torch):
-    """(1) and (2): what the server needs to run without a GPU at all."""
+    """(1), (2) and (2b): what the server needs to run without a GPU at all."""
     sys.meta_path.insert(0, _StandInFinder())
     if torch is not None and not torch.cuda.is_available():
         torch.cuda.synchronize = lambda *args, **kwargs: None
+        sys.meta_path.insert(0, _UnpinnedHostMemory())
 
 
 def _install_speedups(torch):
