@@ -24,11 +24,13 @@ const CHARTS = [
   { id: "chart-policy", series: [["clip_fraction", "tokens clipped", "#e53935"],
                                  ["seq_clip_fraction", "responses clipped (gspo, luspo)", "#fb8c00"],
                                  ["vespo_phi_mean", "VESPO phi mean", "#3949ab"]] },
-  // algorithm.corrections: the importance weights' mean, tokens truncated, tokens and responses masked.
+  // algorithm.corrections: the importance weights' mean, tokens truncated, tokens and responses masked;
+  // rollout.routing_replay: the share of (token, MoE layer) pairs the trainer would have routed elsewhere.
   { id: "chart-tis", series: [["tis_weight_mean", "IS weight mean", "#00897b"],
                               ["tis_clipped_fraction", "tokens truncated", "#e53935"],
                               ["masked_token_fraction", "tokens masked", "#8e24aa"],
-                              ["masked_sequence_fraction", "responses masked", "#fb8c00"]] },
+                              ["masked_sequence_fraction", "responses masked", "#fb8c00"],
+                              ["routing_mismatch_fraction", "routes replayed that differ", "#3949ab"]] },
   // rollout.generate_function (multi-turn, tools), rollout.max_staleness and rollout.partial_rollouts.
   { id: "chart-tools", series: [["turns_mean", "turns", "#1e88e5"], ["tool_calls_mean", "tool calls", "#43a047"],
                                 ["tool_errors", "tool errors", "#e53935"],
