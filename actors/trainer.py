@@ -191,8 +191,9 @@ class LossSums:
         if with_corrections:
             metrics.update(tis_weight_mean=self.tis_weight / engine_tokens,
                            tis_clipped_fraction=self.tis_clipped / engine_tokens,
-                           masked_token_fraction=self.masked_tokens / tokens,
-                           masked_sequence_fraction=self.masked_sequences / max(self.corrected_sequences, 1.0))
+                           masked_token_fraction=self.masked_tokens / tokens)
+            if self.corrected_sequences:  # (not counted under context parallelism)
+                metrics["masked_sequence_fraction"] = self.masked_sequences / self.corrected_sequences
         if policy_loss.one_ratio_per_sequence:
             metrics["seq_clip_fraction"] = self.clipped_sequences / max(self.sequences, 1.0)
         return {**metrics, **policy_loss.weight_metrics(self.policy_weight / tokens)}
@@ -469,8 +470,11 @@ class TrainerWorker:
                 mask, tis = batch.response_mask, loss.tis
                 sequences, clipped_sequences = (flagged_sequences(loss.clipped, mask, batch.spans)
                                                 if algorithm.policy_loss.one_ratio_per_sequence else (0, 0))
-                corrected_sequences, masked_sequences = (flagged_sequences(loss.corrected.rejected, mask, batch.spans)
-                                                         if algorithm.corrections else (0, 0))
+                # per sequence only on whole rows: context parallelism allows token-level corrections only,
+                # and its spans are the unsplit row's
+                corrected_sequences, masked_sequences = (
+                    flagged_sequences(loss.corrected.rejected, mask, batch.spans)
+                    if algorithm.corrections and batch.context_parallel is None else (0, 0))
                 sums += LossSums(
                     **_mismatch_sums(loss.old_logprobs, batch.engine_logprobs, batch.engine_mask),
                     masked_tokens=masked_sum(loss.corrected.rejected, mask).item(),
