@@ -128,27 +128,36 @@ class _StandInFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+def _spec_patched_after_exec(fullname, path, patch):
+    """`fullname`'s spec as Python would find it, whose module is passed to `patch` once it has executed."""
+    spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+    if spec is None or spec.loader is None:
+        return None
+    execute = spec.loader.exec_module
+
+    def exec_module(module):
+        execute(module)
+        patch(module)
+
+    spec.loader.exec_module = exec_module
+    return spec
+
+
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
     """Finds a module of `_SPEEDUP_PATCHES` as usual, then patches it once it has executed."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in _SPEEDUP_PATCHES:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        execute = spec.loader.exec_module
 
-        def exec_module(module):
-            execute(module)
+        def patch(module):
             try:
                 for replacement in _SPEEDUP_PATCHES[fullname]:
                     _replace_once(module, *replacement)
             except rlsys_fence.SGLangMismatch as error:
                 rlsys_fence.refuse(error)
 
-        spec.loader.exec_module = exec_module
-        return spec
+        return _spec_patched_after_exec(fullname, path, patch)
 
 
 def _fork_instead_of_spawn():
@@ -201,17 +210,8 @@ class _UnpinnedHostMemory(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != _HOST_MEMORY_MODULE:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            module.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned_host_memory
-
-        spec.loader.exec_module = exec_module
-        return spec
+        return _spec_patched_after_exec(
+            fullname, path, lambda module: module.ALLOC_MEMORY_FUNCS.__setitem__("cpu", _unpinned_host_memory))
 
 
 def _install_required(torch):
