@@ -130,55 +130,6 @@ def test_an_engine_nobody_answers_at_is_named_when_the_trainer_connects(ray_clus
         trainer.shutdown()
 
 
-def _server_processes(url: str) -> list:
-    """The SGLang server listening at `url` and every process it started."""
-    import psutil
-
-    port = url.rsplit(":", 1)[1]
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if "sglang.launch_server" in cmdline and port in cmdline:
-            return [process] + process.children(recursive=True)
-    raise AssertionError(f"no SGLang server listens at {url}")
-
-
-def test_broadcast_to_a_stopped_engine_fails_within_the_timeout_naming_it(two_engines_two_ranks, tmp_path):
-    """A frozen engine must not hang the sync until a backend watchdog: the sync fails within
-    weight_sync.timeout_s (plus the engine calls' own answer time) and names the engine; the stacks
-    a run then reads (rlsys/run/components.py `sync_engines`: rlsys/run/hangs.py) find the frozen
-    server stopped where it stood. Last in this module: it leaves engine-1 outside any weight-update group."""
-    import json
-    import time
-    from types import SimpleNamespace
-
-    from rlsys.run.hangs import HangReporter
-
-    rollout, trainer = two_engines_two_ranks
-    trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=5)
-    frozen = _server_processes(rollout.addresses[1].url)
-    for process in frozen:
-        process.suspend()
-    start = time.monotonic()
-    try:
-        with pytest.raises(Exception, match="engine-1") as failure:
-            trainer.sync_weights(16 * 2**20, weight_version=6)
-        elapsed = time.monotonic() - start
-        hangs = HangReporter(tmp_path, SimpleNamespace(trainer=trainer, rollout=rollout), lambda: 6)
-        dump = hangs.collect_safely("weight sync to version 6 failed")
-    finally:
-        for process in frozen:
-            process.resume()
-    print(f"sync failed after {elapsed:.1f}s: {str(failure.value)[-600:]}")
-    assert elapsed < 5 * 3 + 10, "the sync outlived its timeout"
-    assert dump is not None and dump.parent == tmp_path / "hangs" and dump.name.startswith("00000006-")
-    found = {entry["pid"]: entry for entry in json.loads((dump / "summary.json").read_text())}
-    assert {entry["role"] for entry in found.values()} >= {"driver", "trainer rank 0", "trainer rank 1", "engine-0",
-                                                           "engine-1"}
-    assert all(found[process.pid]["state"] == "stopped" and found[process.pid]["role"].startswith("engine-1")
-               for process in frozen)
-    assert all(entry["state"] != "stopped" for entry in found.values() if not entry["role"].startswith("engine-1"))
-
-
 def test_a_session_left_open_by_a_dead_trainer_is_closed_and_the_next_sync_goes_through(two_engines_two_ranks):
     """A trainer rank killed between /begin_weight_update and /end_weight_update leaves the engines'
     session open; SGLang then refuses every later sync until it is closed."""
@@ -250,3 +201,54 @@ def test_partial_rollouts_continue_aborted_samples_token_by_token_with_the_new_w
             assert sample.weight_version == old
             scored = rollout.score([prompt + sample.response_ids])[0][len(prompt) - 1:]
             assert _max_diff([scored[kept:]], [sample.logprobs[kept:]]) < 1e-3  # the new tokens: new weights'
+
+
+def _server_processes(url: str) -> list:
+    """The SGLang server listening at `url` and every process it started."""
+    import psutil
+
+    port = url.rsplit(":", 1)[1]
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "sglang.launch_server" in cmdline and port in cmdline:
+            return [process] + process.children(recursive=True)
+    raise AssertionError(f"no SGLang server listens at {url}")
+
+
+def test_broadcast_to_a_stopped_engine_fails_within_the_timeout_naming_it(two_engines_two_ranks, tmp_path):
+    """A frozen engine must not hang the sync until a backend watchdog: the sync fails within
+    weight_sync.timeout_s (plus the engine calls' own answer time) and names the engine; the stacks
+    a run then reads (rlsys/run/components.py `sync_engines`: rlsys/run/hangs.py) find the frozen
+    server stopped where it stood. Last in this module: it leaves engine-1 outside any weight-update group,
+    and the failed sync's /begin_weight_update, queued while the engine was stopped, may open a session there
+    once it resumes (CI saw the next test's begin refused)."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from rlsys.run.hangs import HangReporter
+
+    rollout, trainer = two_engines_two_ranks
+    trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=5)
+    frozen = _server_processes(rollout.addresses[1].url)
+    for process in frozen:
+        process.suspend()
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception, match="engine-1") as failure:
+            trainer.sync_weights(16 * 2**20, weight_version=6)
+        elapsed = time.monotonic() - start
+        hangs = HangReporter(tmp_path, SimpleNamespace(trainer=trainer, rollout=rollout), lambda: 6)
+        dump = hangs.collect_safely("weight sync to version 6 failed")
+    finally:
+        for process in frozen:
+            process.resume()
+    print(f"sync failed after {elapsed:.1f}s: {str(failure.value)[-600:]}")
+    assert elapsed < 5 * 3 + 10, "the sync outlived its timeout"
+    assert dump is not None and dump.parent == tmp_path / "hangs" and dump.name.startswith("00000006-")
+    found = {entry["pid"]: entry for entry in json.loads((dump / "summary.json").read_text())}
+    assert {entry["role"] for entry in found.values()} >= {"driver", "trainer rank 0", "trainer rank 1", "engine-0",
+                                                           "engine-1"}
+    assert all(found[process.pid]["state"] == "stopped" and found[process.pid]["role"].startswith("engine-1")
+               for process in frozen)
+    assert all(entry["state"] != "stopped" for entry in found.values() if not entry["role"].startswith("engine-1"))
