@@ -11,7 +11,9 @@ import ray
 from rlsys.actors.batching import balanced_partition, split_evenly
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker
 from rlsys.algorithms.losses import sequence_loss_weights
+from rlsys.config import ConfigError
 from rlsys.records import TrainSequence
+from rlsys.run.model_shape import ModelShape
 from rlsys.system.topology import Topology
 
 
@@ -28,7 +30,11 @@ class TrainerHang(Exception):
 
 class TrainerGroup:
     def __init__(self, spec: TrainerSpec, num_ranks: int, actor_options: list[dict] | None = None,
-                 env_vars: dict[str, str] | None = None, worker_cls: type = TrainerWorker):
+                 env_vars: dict[str, str] | None = None, worker_cls: type = TrainerWorker,
+                 judge_model: Callable[[ModelShape], None] | None = None):
+        """`judge_model`: called with the model's shapes rank 0 reports (`TrainerWorker.model_report`)
+        before any rank builds its model (the run's memory plan); what it raises, or rank 0's refusal
+        of the model (a ConfigError), stops the ranks and is raised here."""
         self.spec = spec
         self.num_ranks = num_ranks
         self.asleep = False
@@ -48,7 +54,19 @@ class TrainerGroup:
         address, port = ray.get(self.workers[0].rendezvous_address.remote())
         self.processes = ray.get([worker.process.remote() for worker in self.workers])  # rank -> (pid, node id, address)
         self.nodes = [address for _, _, address in self.processes]  # rank -> node address
+        if judge_model is not None:
+            self._judge_model(judge_model)
         ray.get([worker.setup.remote(address, port) for worker in self.workers])
+
+    def _judge_model(self, judge: Callable[[ModelShape], None]) -> None:
+        try:
+            shape, refusal = ray.get(self.workers[0].model_report.remote())
+            if refusal is not None:
+                raise ConfigError(refusal)
+            judge(shape)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _wait(self, calls: list, what: str) -> list:
         """The ranks' answers to one call each, within trainer.call_timeout_s (TrainerHang past it; a

@@ -50,6 +50,7 @@ from rlsys.algorithms.losses import flagged_sequences, micro_batch_loss
 from rlsys.algorithms.policy_losses import PolicyLoss
 from rlsys.config import (
     AlgorithmConfig,
+    ConfigError,
     ModelConfig,
     RolloutConfig,
     RunConfig,
@@ -58,6 +59,8 @@ from rlsys.config import (
     resolve_derived_settings,
 )
 from rlsys.records import TrainSequence
+from rlsys.run.model_checks import model_report
+from rlsys.run.model_shape import ModelShape
 from rlsys.system.backend import engine_dtype, make_backend
 from rlsys.system.node import bind_gloo_to_node_address, node_address
 from rlsys.system.reaper import start_actor_reaper, stop_reaper
@@ -260,6 +263,15 @@ class TrainerWorker:
         group's store on it, so no other process can take it in between (system/rendezvous.py)."""
         self.reserved_port = ReservedPort()
         return node_address(), self.reserved_port.port
+
+    def model_report(self) -> tuple[ModelShape | None, str | None]:
+        """(Rank 0, before `setup`.) The model's shapes for the driver's memory plan, or why the ranks
+        cannot load it (ConfigError's message): checked here, where the weights are read and where
+        transformers' modeling code is imported anyway, instead of in the driver (rlsys/run/model_checks.py)."""
+        try:
+            return model_report(self.spec.model.path, self.spec.model.lora), None
+        except ConfigError as error:
+            return None, str(error)
 
     def setup(self, master_address: str, master_port: int) -> None:
         os.environ.setdefault("MASTER_ADDR", master_address)

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 RLSYS = REPO / ".venv" / "bin" / "rlsys"
 MARKS = {  # start-up line -> its name in the timeline
     "run directory": "driver_ready", "Ray cluster up": "ray", "attached to standing engines": "attached",
-    "memory plan": "nodes_checked", "trainer:": "trainer_ranks_ready", "SGLang engine(s) ready": "engines_ready",
+    "memory plan": "memory_plan", "trainer:": "trainer_ranks_ready", "SGLang engine(s) ready": "engines_ready",
     "engines hold the trainer's weights": "weights_pushed", "training (started": "training",
 }
 

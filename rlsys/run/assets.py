@@ -7,11 +7,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlsys.config import ConfigError, EvalSetConfig, LoraConfig, RunConfig
+from rlsys.config import ConfigError, EvalSetConfig, RunConfig
 from rlsys.data.datasets import Columns, DatasetError, load_splits, read_records
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.records import EncodedPrompt, PromptRecord
 from rlsys.rewards.loading import load_reward_function
+from rlsys.run.model_checks import trained_model
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 
@@ -133,49 +134,6 @@ def _load_tokenizer_checked(config: RunConfig, tokenizer_dir: Path):
         raise
 
 
-def trained_model(model_dir: Path, lora: LoraConfig | None):
-    """The policy the trainer ranks build (meta device: shapes only), with model.lora's adapters;
-    ConfigError when target_modules match no module."""
-    import torch
-
-    from rlsys.actors.loading import build_empty_model
-    from rlsys.actors.lora import AdapterTargetError, UnsupportedAdapterTargetError, add_adapters
-
-    model = build_empty_model(str(model_dir), "sdpa")
-    if lora is None:
-        return model
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if isinstance(module, torch.nn.Linear)} - {"lm_head"})
-    try:
-        add_adapters(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
-    except AdapterTargetError as error:
-        raise ConfigError(f"invalid config: model.lora.target_modules {lora.target_modules} match no module of "
-                          f"{model_dir} ({error}); its linear layers are {', '.join(linear)}, or use all-linear") from None
-    except UnsupportedAdapterTargetError as error:
-        raise ConfigError(f"invalid config: model.lora.target_modules {lora.target_modules} put adapters on modules "
-                          f"of {model_dir} that are not linear layers ({error}: a mixture-of-experts model's stacked "
-                          "experts or router); rlsys merges adapters into linear layers only: list target_modules "
-                          f"from its linear layers, {', '.join(linear)}") from None
-    _refuse_rank_above_the_adapted_dimensions(model, lora.rank)
-    return model
-
-
-def _refuse_rank_above_the_adapted_dimensions(model, rank: int) -> None:
-    """B A of a layer with in -> out features has rank at most min(in, out): a larger model.lora.rank
-    adds parameters, optimizer state and time that can never change the update."""
-    dimensions = {name: min(module.base_layer.in_features, module.base_layer.out_features)
-                  for name, module in model.named_modules()
-                  if hasattr(module, "lora_A") and hasattr(module.base_layer, "in_features")}
-    if not dimensions:
-        return
-    name, smallest = min(dimensions.items(), key=lambda item: item[1])
-    if rank > smallest:
-        raise ConfigError(f"invalid config: model.lora.rank {rank} is above the smallest dimension of the layers it "
-                          f"adapts ({smallest}: {name}); a rank above min(in, out) of a layer cannot change its "
-                          f"update and only costs memory: use model.lora.rank <= {smallest}, or target_modules "
-                          "without that layer")
-
-
 def refuse_incompatible_checkpoint(checkpoint: Path, config: RunConfig) -> None:
     """Before anything starts: the trainer state in `checkpoint` fits the model this config builds
     (the same parameters, shapes, and LoRA or not), else a ConfigError naming what differs."""
@@ -210,28 +168,6 @@ def refuse_incompatible_checkpoint(checkpoint: Path, config: RunConfig) -> None:
     raise ConfigError(f"invalid config: checkpoint {checkpoint} was written by a different model than this config "
                       f"builds ({'; '.join(lines)}); set {change} (its settings: "
                       f"{checkpoint.parent.parent / 'config.yaml'}), or start a new run_dir")
-
-
-def _check_the_trainer_can_load(model_dir: Path, lora: LoraConfig | None = None) -> None:
-    """Every parameter of the model config.json describes has its tensor(s) in the weight files, as
-    the trainer ranks read them (actors/loading.py), checked before any actor starts; and the model
-    stores no parameter in a layout rlsys does not read."""
-    from rlsys.actors.checkpoint_layout import unsupported_layouts
-    from rlsys.actors.loading import build_empty_model, parameters_without_tensor
-
-    model = build_empty_model(str(model_dir), "sdpa")
-    trained_model(model_dir, lora)  # target_modules that match nothing
-    if unsupported := unsupported_layouts(model):
-        raise ConfigError(f"invalid config: model.path {model_dir}: transformers converts parameters of this "
-                          f"architecture ({', '.join(unsupported[:3])}) from its checkpoint in a way rlsys does not "
-                          "read; supported architectures: docs/gpus-and-clusters.md")
-    if not any(model_dir.glob("*.safetensors")):
-        return  # .bin weights: the trainer refuses them with its own message
-    missing = parameters_without_tensor(model_dir)
-    if missing:
-        raise ConfigError(f"invalid config: model.path {model_dir}: {len(missing)} parameter(s) of the model have "
-                          f"no tensor of that name in its weight files (e.g. {', '.join(missing[:3])}): config.json "
-                          "and the weight files disagree; point model.path at a complete Hugging Face checkpoint")
 
 
 def load_assets(config: RunConfig) -> RunAssets:
@@ -300,7 +236,6 @@ def _check_the_model(config: RunConfig, model_dir: Path) -> None:
             f"invalid config: model.path {model_dir} holds no weight files ({', '.join(_WEIGHT_FILES)}); "
             "point it at a complete Hugging Face checkpoint"
         )
-    _check_the_trainer_can_load(model_dir, config.model.lora)
 
 
 def _encode_fitting(config: RunConfig, tokenizer, records: list[PromptRecord],

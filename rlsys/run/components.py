@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ray.exceptions import RayError
@@ -21,7 +23,12 @@ from rlsys.rollout.manager import RolloutManager
 from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
 from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
 from rlsys.run.hangs import HangReporter
-from rlsys.run.placement_checks import check_placement_nodes
+from rlsys.run.model_shape import ModelShape
+from rlsys.run.placement_checks import (
+    judge_memory_plan,
+    probe_placement_nodes,
+    refuse_unusable_placement_nodes,
+)
 from rlsys.run.standing_engines import attach, server_spec
 from rlsys.run.verify import model_depth, verify_engine_weights
 from rlsys.system.cluster import ACTOR_ENV
@@ -60,7 +67,10 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
         stack.callback(attached.lease.release)  # after the components stop (the engines are left ready first)
     parts = Components(topology, attached.placement if attached else create_placement(topology))
     stack.callback(parts.shutdown)
-    check_placement_nodes(config, topology, parts.placement, run_dir)  # before any trainer or engine starts
+    # Before any trainer or engine starts; the memory plan, on rank 0's reading of the model, before
+    # the ranks build it (`_trainer_group`).
+    nodes = probe_placement_nodes(config, topology, parts.placement, run_dir)
+    refuse_unusable_placement_nodes(config, nodes, run_dir)
     parts.cpu_sharers = topology.cpu_sharers(parts.placement.bundle_nodes())
     if config.placement.env:
         logger.info("placement.env of the trainer ranks and engine servers: %s",
@@ -71,7 +81,7 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
                                    hangs_dir=str(run_dir / "hangs"))
     if topology.engines_start_first:
         parts.rollout.wait_ready()
-    parts.trainer = _trainer_group(config, parts)
+    parts.trainer = _trainer_group(config, parts, partial(judge_memory_plan, config, topology, nodes))
     ranks = parts.trainer.describe()
     logger.info(f"trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
                 f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads "
@@ -85,9 +95,11 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     return parts
 
 
-def _trainer_group(config: RunConfig, parts: Components) -> TrainerGroup:
+def _trainer_group(config: RunConfig, parts: Components,
+                   judge_model: Callable[[ModelShape], None] | None = None) -> TrainerGroup:
     spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
-    group = TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(), env_vars=trainer_env(config))
+    group = TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(), env_vars=trainer_env(config),
+                         judge_model=judge_model)
     if parts.hangs is not None:
         group.on_hang = parts.hangs.on_trainer_hang
     return group

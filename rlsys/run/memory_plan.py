@@ -344,14 +344,14 @@ def memory_plan(config: RunConfig, gpus_per_node: int = 8) -> MemoryPlan:
     return plan
 
 
-def plan_for_devices(config: RunConfig, on_gpu: bool, device_memory: int, flash_attention: bool) -> MemoryPlan:
-    """`rlsys train`'s plan: for the devices its placement got (on_gpu and their memory read on the
-    nodes, rlsys/system/node_checks.py; placement.gpu_memory_gb when set), refusing a config that cannot
-    fit (ConfigError naming the term to change)."""
+def plan_for_devices(config: RunConfig, shape: ModelShape, on_gpu: bool, device_memory: int,
+                     flash_attention: bool) -> MemoryPlan:
+    """`rlsys train`'s plan: for the model's shapes and the devices its placement got (on_gpu and
+    their memory read on the nodes, rlsys/system/node_checks.py; placement.gpu_memory_gb when set),
+    refusing a config that cannot fit (ConfigError naming the term to change)."""
     if config.placement.gpu_memory_gb is not None:
         device_memory = int(config.placement.gpu_memory_gb * GiB)
-    plan = plan_memory(config, ModelShape.from_model_dir(config.model.path, config.model.lora), device_memory, on_gpu,
-                       flash_attention)
+    plan = plan_memory(config, shape, device_memory, on_gpu, flash_attention)
     if not plan.fits:
         raise ConfigError(f"memory plan: {plan.advice} (rlsys plan CONFIG shows every term)")
     return plan

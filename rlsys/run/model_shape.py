@@ -53,7 +53,7 @@ class ModelShape:
             model = AutoModelForCausalLM.from_config(config)
         adapters: dict[int, int] = {}  # id(decoder layer) -> its adapters' parameters
         if lora is not None:
-            from rlsys.run.assets import trained_model
+            from rlsys.run.model_checks import trained_model
 
             adapted = trained_model(Path(path), lora)
             for layer in decoder_layers(adapted):

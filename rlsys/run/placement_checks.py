@@ -1,6 +1,8 @@
-"""Whether the nodes a placement got can run the config, checked before any trainer or engine
-starts (and by `rlsys doctor`, the same code): each sees run_dir and the model, and its devices fit
-the memory plan; and whether the run uses GPUs, from the Ray cluster's resources."""
+"""Whether the nodes a placement got can run the config (and `rlsys doctor`, the same code): each
+sees run_dir and the model, checked before any trainer or engine starts; its devices fit the memory
+plan, judged on the model's shapes as trainer rank 0 reports them before the ranks build their
+models (`rlsys train`; `rlsys doctor` and `rlsys engines up` read the shapes in their own process);
+and whether the run uses GPUs, from the Ray cluster's resources."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from rlsys.actors.placement import Placement
 from rlsys.config import RunConfig
 from rlsys.errors import RunFailed
 from rlsys.run.memory_plan import plan_for_devices
+from rlsys.run.model_checks import model_report
+from rlsys.run.model_shape import ModelShape
 from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
 from rlsys.system.node import node_address
 from rlsys.system.node_checks import (
@@ -30,6 +34,11 @@ def check_placement_nodes(config: RunConfig, topology: Topology, placement: Plac
     """Every node the placement got sees run_dir and the model, and its devices fit the memory plan
     (rlsys/system/node_checks.py); otherwise a ConfigError naming the node and what to set."""
     judge_placement_nodes(config, topology, probe_placement_nodes(config, topology, placement, run_dir), run_dir)
+
+
+def refuse_unusable_placement_nodes(config: RunConfig, reports: list[NodeReport], run_dir: Path | None) -> None:
+    """NodeCheckFailed (a ConfigError) for a node that cannot see run_dir or the model."""
+    refuse_unusable_nodes(reports, run_dir, model_paths(config))
 
 
 def model_paths(config: RunConfig) -> tuple[str, ...]:
@@ -56,14 +65,20 @@ def probe_placement_nodes(config: RunConfig, topology: Topology, placement: Plac
 def judge_placement_nodes(config: RunConfig, topology: Topology, reports: list[NodeReport],
                           run_dir: Path | None) -> None:
     """NodeCheckFailed (a ConfigError) for a node that cannot see run_dir or the model, ConfigError
-    when the memory plan does not fit the nodes' devices; logs the plan and the nodes."""
-    models = model_paths(config)
-    refuse_unusable_nodes(reports, run_dir, models)
+    when the trainer cannot load the model or the memory plan does not fit the nodes' devices (the
+    model's shapes read in this process); logs the plan and the nodes."""
+    refuse_unusable_placement_nodes(config, reports, run_dir)
+    judge_memory_plan(config, topology, reports, model_report(config.model.path, config.model.lora))
+
+
+def judge_memory_plan(config: RunConfig, topology: Topology, reports: list[NodeReport], shape: ModelShape) -> None:
+    """ConfigError when the memory plan of a model of `shape` does not fit the nodes' devices; logs
+    the plan and the nodes."""
     memory, source = device_memory_budget(reports, topology.has_gpu)
     trainer_nodes = [r for r in reports if any(role.startswith("trainer") for role in r.roles)]
     flash = (topology.has_gpu and config.model.dtype in ("bfloat16", "float16")
              and all(r.flash_attn_installed for r in trainer_nodes))
-    plan = plan_for_devices(config, topology.has_gpu, memory, flash)
+    plan = plan_for_devices(config, shape, topology.has_gpu, memory, flash)
     budget = "placement.gpu_memory_gb" if config.placement.gpu_memory_gb is not None else source
     logger.info("memory plan: peak %.2f GiB per device of %.1f GiB (%s; rlsys plan CONFIG for every term)",
                 plan.per_gpu_bytes / 2**30, plan.gpu_memory_bytes / 2**30, budget)

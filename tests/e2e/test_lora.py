@@ -106,7 +106,7 @@ def test_a_lora_run_learns_the_quickstart_task_and_exports_its_adapter(tmp_path,
     greedy eval 0.04 -> 0.39-0.49 at step 40 and 0.73-0.92 at step 99; full fine-tuning reaches 0.9
     sooner); `rlsys export` writes a PEFT adapter that PeftModel loads onto the base, and --merged the
     same model merged; --resume with another adapter rank is refused before anything starts, naming
-    the setting."""
+    the setting; an adapter rank the model cannot have is refused by trainer rank 0."""
     import json
     import subprocess
     import sys
@@ -158,3 +158,12 @@ def test_a_lora_run_learns_the_quickstart_task_and_exports_its_adapter(tmp_path,
                                            "--resume"), capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "was written by a different model" in refused.stderr and "model.lora (rank" in refused.stderr
+
+    # What the ranks cannot build is refused by trainer rank 0 before they build the model (the driver
+    # no longer imports the modeling code): one error line, exit 2, nothing trained.
+    too_large = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, tmp_path / "too-large",
+                                             "model.lora.rank=4096", ray_address, quickstart_engines),
+                               capture_output=True, text=True, timeout=300)
+    assert too_large.returncode == 2, too_large.stderr[-2000:]
+    assert "rlsys: error: invalid config: model.lora.rank 4096 is above the smallest dimension" in too_large.stderr
+    assert "Traceback" not in too_large.stderr and not (tmp_path / "too-large" / "checkpoints").exists()

@@ -1,5 +1,6 @@
 """Config loading: overrides, and bad input failing early with the field and the reason."""
 
+import re
 import subprocess
 import sys
 
@@ -83,39 +84,40 @@ def test_model_directory_without_weight_files_fails_before_actors(tmp_path, tiny
         load_assets(config)
 
 
-def test_weights_missing_a_parameter_fail_before_actors_naming_it(tmp_path, tiny_model_dir):
+def test_weights_missing_a_parameter_are_refused_before_the_ranks_build_the_model_naming_it(tmp_path, tiny_model_dir):
+    """What trainer rank 0 reports before the ranks build the model (`TrainerWorker.model_report`)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from rlsys.run.assets import load_assets
+    from rlsys.run.model_checks import model_report
 
     damaged = tmp_path / "model"
     shutil.copytree(tiny_model_dir, damaged)
     tensors = load_file(damaged / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
-    config = load_config(write_config(tmp_path / "c.yaml", damaged))
     with pytest.raises(ConfigError, match=r"1 parameter\(s\) .* \(e.g. model.layers.1.mlp.up_proj.weight\): "
                                           "config.json and the weight files disagree"):
-        load_assets(config)
+        model_report(damaged)
 
 
-def test_a_mixture_of_experts_checkpoint_is_checked_per_expert_before_actors(tmp_path):
+def test_a_mixture_of_experts_checkpoint_is_checked_per_expert_before_the_ranks_build_the_model(tmp_path):
     """A Qwen3-MoE checkpoint stores one tensor per expert, which the trainer stacks: a whole one
-    passes, and one missing a single expert's tensor is named before any actor starts."""
+    passes, and one missing a single expert's tensor is named before the ranks build the model."""
     from safetensors.torch import load_file, save_file
 
-    from rlsys.run.assets import load_assets
+    from rlsys.run.model_checks import model_report
+    from rlsys.run.model_shape import ModelShape
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     model = make_tiny_model(tmp_path / "moe", TinyModelSpec(arch="qwen3_moe"))
-    load_assets(load_config(write_config(tmp_path / "c.yaml", model)))
+    assert model_report(model) == ModelShape.from_model_dir(model)
     tensors = load_file(model / "model.safetensors")
     del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"1 parameter\(s\) .*model.layers.1.mlp.experts.gate_up_proj"):
-        load_assets(load_config(write_config(tmp_path / "c.yaml", model)))
+        model_report(model)
 
 
 @pytest.mark.parametrize("betas", ["[2.0, 0.999]", "[0.9, 1.0]", "[-0.1, 0.9]"])
@@ -325,23 +327,25 @@ def test_vespo_with_sequence_level_importance_weights_is_refused(tmp_path, tiny_
 def test_lora_targets_that_match_nothing_or_reach_past_linear_layers_are_refused_naming_the_linear_ones(
         tmp_path, tiny_model_dir):
     """target_modules matching no module, and (PEFT's all-linear on a mixture-of-experts model) ones
-    that put adapters on the stacked experts and the router, are refused before any actor starts;
-    the message lists the layers that can carry adapters. Attention-only LoRA on the MoE passes."""
-    from rlsys.run.assets import load_assets
+    that put adapters on the stacked experts and the router, are refused by trainer rank 0 before the
+    ranks build the model; the message lists the layers that can carry adapters. Attention-only LoRA
+    on the MoE passes."""
+    from rlsys.run.model_checks import model_report
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     config = load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), ["model.lora.target_modules=[qkv]"])
     with pytest.raises(ConfigError, match=r"target_modules \['qkv'\] match no module of .*its linear layers are "
                                           "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"):
-        load_assets(config)
+        model_report(config.model.path, config.model.lora)
     moe = make_tiny_model(tmp_path / "moe", TinyModelSpec(arch="qwen3_moe"))
     config = load_config(write_config(tmp_path / "c.yaml", moe), ["model.lora.rank=4"])
     with pytest.raises(ConfigError, match=r"target_modules all-linear put adapters on modules .* that are not linear "
                                           r"layers \(model.layers.1.mlp.experts, model.layers.1.mlp.gate: .* "
                                           "k_proj, o_proj, q_proj, v_proj"):
-        load_assets(config)
-    load_assets(load_config(write_config(tmp_path / "c.yaml", moe),
-                            ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]))
+        model_report(config.model.path, config.model.lora)
+    config = load_config(write_config(tmp_path / "c.yaml", moe),
+                         ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"])
+    assert model_report(config.model.path, config.model.lora).adapter_params > 0
 
 
 def test_a_lora_rank_above_the_smallest_adapted_dimension_is_refused_and_the_plan_counts_the_adapters(
@@ -350,13 +354,16 @@ def test_a_lora_rank_above_the_smallest_adapted_dimension_is_refused_and_the_pla
     says (4096 used to run, 100000 to plan as fitting). Below it, the plan's trainer terms grow with the
     adapters: gradients 4 and AdamW moments 8 bytes per adapter parameter."""
     from rlsys.run.memory_plan import plan_memory
+    from rlsys.run.model_checks import model_report
     from rlsys.run.model_shape import ModelShape
 
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
-    for command in ("train", "plan"):
-        stderr = refused_by_cli(command, str(path), "model.lora.rank=4096")
-        assert "model.lora.rank 4096 is above the smallest dimension of the layers it adapts (32: " \
-               "model.layers.0.self_attn.k_proj)" in stderr, (command, stderr)
+    why = "model.lora.rank 4096 is above the smallest dimension of the layers it adapts (32: " \
+          "model.layers.0.self_attn.k_proj)"
+    assert why in refused_by_cli("plan", str(path), "model.lora.rank=4096")
+    # `rlsys train`: trainer rank 0 refuses it before the ranks build the model (tests/e2e/test_lora.py)
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        model_report(tiny_model_dir, load_config(path, ["model.lora.rank=4096"]).model.lora)
     terms = {}
     for rank in (8, 32):
         config = load_config(path, [f"model.lora.rank={rank}", "trainer.num_ranks=1"])

@@ -48,6 +48,11 @@ def _config(model_dir, **sections) -> RunConfig:
     return RunConfig.model_validate(tree)
 
 
+def _plan_for_devices(config: RunConfig, **devices):
+    """`rlsys train`'s plan, with the shapes trainer rank 0 would report (read here)."""
+    return plan_for_devices(config, ModelShape.from_model_dir(config.model.path, config.model.lora), **devices)
+
+
 def test_shapes_come_from_config_json_alone(qwen):
     name, model_dir = qwen
     shape = ModelShape.from_model_dir(model_dir)
@@ -165,7 +170,7 @@ def test_train_refuses_a_config_that_cannot_fit(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                                           **QWEN["7b"])))
     with pytest.raises(ConfigError, match="memory plan: .*rlsys plan CONFIG"):
-        plan_for_devices(_config(tmp_path, placement={"gpu_memory_gb": 24}), on_gpu=True, device_memory=80 * GiB,
+        _plan_for_devices(_config(tmp_path, placement={"gpu_memory_gb": 24}), on_gpu=True, device_memory=80 * GiB,
                          flash_attention=True)
 
 
@@ -174,10 +179,10 @@ def test_train_plans_for_the_placements_devices_not_the_drivers(tmp_path):
     run that 24 GB GPUs do not, whatever this machine has."""
     (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                                           **QWEN["7b"])))
-    plan = plan_for_devices(_config(tmp_path), on_gpu=True, device_memory=80 * GiB, flash_attention=True)
+    plan = _plan_for_devices(_config(tmp_path), on_gpu=True, device_memory=80 * GiB, flash_attention=True)
     assert plan.fits and plan.gpu_memory_bytes == 80 * GiB
     with pytest.raises(ConfigError, match="memory plan"):
-        plan_for_devices(_config(tmp_path), on_gpu=True, device_memory=24 * GiB, flash_attention=True)
+        _plan_for_devices(_config(tmp_path), on_gpu=True, device_memory=24 * GiB, flash_attention=True)
 
 
 def test_plan_for_cuda_on_a_machine_without_a_gpu_asks_for_the_gpu_memory(tmp_path, tiny_model_dir):
@@ -450,7 +455,7 @@ def test_gpu_recipes_fit_their_models_on_80gb(tmp_path):
         (tmp_path / name).mkdir()
         model_dir = _qwen_dir(tmp_path / name, name)
         for recipe in ("gpu_colocated", "gpu_disaggregated"):
-            plan = plan_for_devices(_recipe(recipe, model_dir), on_gpu=True, device_memory=80 * GiB,
+            plan = _plan_for_devices(_recipe(recipe, model_dir), on_gpu=True, device_memory=80 * GiB,
                                     flash_attention=True)
             assert plan.fits, (name, recipe, plan.table())
 
@@ -472,11 +477,11 @@ def test_train_refuses_what_the_output_layer_and_reduce_scatter_push_past_the_gp
     assert plan.phases["trainer_gpu"] - left_out < 80 * GiB < plan.phases["trainer_gpu"]
     assert 16 * p // 4 < plan.phases["trainer_gpu"]  # the sharded state alone is 16 bytes a parameter / 4
     with pytest.raises(ConfigError, match="memory plan: trainer_gpu needs 89.4 GiB of 80.0 GiB"):
-        plan_for_devices(config, on_gpu=True, device_memory=80 * GiB, flash_attention=True)
+        _plan_for_devices(config, on_gpu=True, device_memory=80 * GiB, flash_attention=True)
     serial = load_config(REPO / "configs/gpu_disaggregated.yaml", [f"model.path={model_dir}", "trainer.num_ranks=4",
                                                                      "weight_sync.pipelined=false"])
     with pytest.raises(ConfigError, match="memory plan: trainer_gpu needs 88.0 GiB of 80.0 GiB"):
-        plan_for_devices(serial, on_gpu=True, device_memory=80 * GiB, flash_attention=True)
+        _plan_for_devices(serial, on_gpu=True, device_memory=80 * GiB, flash_attention=True)
 
 
 def test_lora_plans_gradients_and_moments_for_the_adapters_only_and_no_reference_model(tmp_path):
@@ -635,7 +640,7 @@ def test_plan_names_the_smallest_context_parallel_size_that_fits_the_longest_seq
     assert "does not fit a rank even alone" in plan.advice
     assert plan.advice.endswith("set trainer.context_parallel_size=8, the smallest that fits")
     with pytest.raises(ConfigError, match=r"does not fit a rank even alone.*context_parallel_size=8, the smallest"):
-        plan_for_devices(_long(model_dir), on_gpu=True, device_memory=80 * GiB, flash_attention=True)
+        _plan_for_devices(_long(model_dir), on_gpu=True, device_memory=80 * GiB, flash_attention=True)
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     out = io.StringIO()
@@ -661,10 +666,10 @@ def test_plan_refuses_a_longest_sequence_no_context_parallel_size_fits(tmp_path)
     model_dir = _qwen_dir(tmp_path, "7b")
     with pytest.raises(ConfigError, match=r"does not fit a rank even alone: 131,072 tokens a rank .* no "
                                           r"trainer.context_parallel_size dividing trainer.num_ranks=8 fits it"):
-        plan_for_devices(_long(model_dir, "rollout.engine.context_length=131072"), on_gpu=True,
+        _plan_for_devices(_long(model_dir, "rollout.engine.context_length=131072"), on_gpu=True,
                          device_memory=80 * GiB, flash_attention=True)
     with pytest.raises(ConfigError, match=r"even alone.*context parallelism cannot split it: algorithm.policy_loss=gspo"):
-        plan_for_devices(_long(model_dir, "algorithm.policy_loss=gspo"), on_gpu=True, device_memory=80 * GiB,
+        _plan_for_devices(_long(model_dir, "algorithm.policy_loss=gspo"), on_gpu=True, device_memory=80 * GiB,
                          flash_attention=True)
     budget = plan_memory(_long(model_dir, "trainer.context_parallel_size=8", "trainer.max_tokens_per_microbatch=16384"),
                          ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
