@@ -60,7 +60,9 @@ class TrainerGroup:
 
     def _judge_model(self, judge: Callable[[ModelShape], None]) -> None:
         try:
-            shape, refusal = ray.get(self.workers[0].model_report.remote())
+            # Every rank reads the model at once, so each imports the modeling code in parallel, as
+            # `setup` would; rank 0's answer is the one judged.
+            shape, refusal = ray.get([worker.model_report.remote() for worker in self.workers])[0]
             if refusal is not None:
                 raise ConfigError(refusal)
             judge(shape)

@@ -265,7 +265,7 @@ class TrainerWorker:
         return node_address(), self.reserved_port.port
 
     def model_report(self) -> tuple[ModelShape | None, str | None]:
-        """(Rank 0, before `setup`.) The model's shapes for the driver's memory plan, or why the ranks
+        """(Before `setup`.) The model's shapes for the driver's memory plan, or why the ranks
         cannot load it (ConfigError's message): checked here, where the weights are read and where
         transformers' modeling code is imported anyway, instead of in the driver (rlsys/run/model_checks.py)."""
         try:
