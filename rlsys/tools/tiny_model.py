@@ -1,5 +1,5 @@
-"""Build a tiny random-init model (Qwen2, Qwen3, Llama or Qwen3-MoE) and a character-level
-tokenizer into a local directory.
+"""Build a tiny random-init model (Qwen2, Qwen3, Llama, Qwen3-MoE, or the vision-language Qwen2.5-VL:
+rlsys/tools/tiny_vlm.py) and a character-level tokenizer into a local directory.
 
 Nothing here touches a model hub: the tokenizer is built with transformers' Qwen2 tokenizer class and the
 model from its transformers config class, then both are saved in the Hugging Face format that
@@ -52,6 +52,12 @@ class TinyModelSpec:
             raise UsageError(f"--init-std must be a finite number >= 0, got {self.init_std}")
         if self.arch not in ARCHITECTURES:
             raise UsageError(f"--arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
+        if self.arch == "qwen2_5_vl" and (self.hidden_size // self.num_heads % 8 or self.intermediate_size % 32):
+            # the 3-row RoPE splits a head's rotary pairs in four quarters (2:1:1); SGLang pads an
+            # intermediate size to a multiple of 32 on the CPU, which would change the weights' shapes
+            raise UsageError("--arch qwen2_5_vl needs a head size (--hidden-size / --num-heads) divisible by 8 and an "
+                             f"--intermediate-size divisible by 32, got {self.hidden_size // self.num_heads} and "
+                             f"{self.intermediate_size}")
 
     def config_fields(self) -> dict:
         """The architecture's own config fields for these shapes (beyond the shared ones)."""
@@ -75,6 +81,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),  # with its processor: tiny_vlm.py
 }
 
 
@@ -132,6 +139,10 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
     from transformers import GenerationConfig
 
     out_dir = _make_output_dir(out_dir)
+    if spec.arch == "qwen2_5_vl":  # a chat model with a processor, whatever `chat` says
+        from rlsys.tools.tiny_vlm import make_tiny_vlm
+
+        return make_tiny_vlm(out_dir, spec, _save_tokenizer)
     tokenizer = build_tokenizer(chat)
     # Twice: beside the model, and alone in tokenizer/ (for model.tokenizer_path: the same tokenizer
     # from a directory of its own).
