@@ -21,6 +21,7 @@ other converter that touches one of its parameters is refused by name (`unsuppor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,24 @@ def checkpoint_pieces(model: torch.nn.Module) -> dict[str, list[Piece]]:
                             for expert in range(experts) for source in sources]
             break
     return pieces
+
+
+def released_names(model: torch.nn.Module) -> Callable[[str], str]:
+    """A parameter's name -> its name in the released checkpoint (and in SGLang's `load_weights`),
+    where transformers 5 renames on loading: a vision-language model's `model.language_model.*` is
+    `model.*` there and `model.visual.*` is `visual.*` (its `WeightRenaming`s, reversed as
+    transformers' own `revert_weight_conversion` does on saving). The identity for the others."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    try:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+    except AttributeError:  # not a transformers model (a test's own module)
+        return str
+    renamings = [c.reverse_transform() for c in reversed(conversions) if type(c) is WeightRenaming]
+    if not renamings:
+        return str
+    return lambda name: rename_source_key(name, renamings, [], reverse=True)[0]
 
 
 def unsupported_layouts(model: torch.nn.Module) -> list[str]:

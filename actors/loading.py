@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rlsys.actors.checkpoint_layout import Piece, checkpoint_pieces
+from rlsys.actors.checkpoint_layout import Piece, checkpoint_pieces, released_names
 from rlsys.actors.context_parallel import CONTEXT_PARALLEL, register_context_parallel_attention
 from rlsys.actors.packed_attention import PACKED_SDPA, register_packed_sdpa
 
@@ -42,17 +42,24 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = register
 
 
+def is_vision_language(config) -> bool:
+    """A vision-language model's config (Qwen2.5-VL's): a vision tower's config beside the text model's."""
+    return getattr(config, "vision_config", None) is not None
+
+
 def build_empty_model(path: str, attn_implementation: str) -> torch.nn.Module:
-    """The model of `path`/config.json with fp32 parameters on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model of `path`/config.json with fp32 parameters on the meta device: a causal LM, or a
+    vision-language model (its vision tower and language model, transformers' image-text-to-text class)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if attn_implementation == PACKED_SDPA:
         register_packed_sdpa()
     if attn_implementation == CONTEXT_PARALLEL:
         register_context_parallel_attention()
     config = AutoConfig.from_pretrained(path)
+    model_class = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = model_class.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     model.config.use_cache = False
     return model
 
@@ -93,9 +100,10 @@ def parameters_without_tensor(path: str | Path) -> list[str]:
     model = build_empty_model(str(path), "sdpa")
     stored = CheckpointFiles(path).file_of
     stacked = checkpoint_pieces(model)
+    released = released_names(model)
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
+        aliases.setdefault(id(param), []).append(released(name))
     return [names[0] for names in aliases.values()
             if not (all(piece.name in stored for piece in stacked[names[0]]) if names[0] in stacked
                     else any(name in stored for name in names))]
@@ -152,7 +160,8 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch
                          initial: Callable[[str, torch.Size], torch.Tensor | None] | None = None) -> int:
     """Give the meta-device (possibly sharded) `model` storage on `device` and read each local
     shard from the checkpoint at `path`; buffers keep their computed values. Returns the bytes read.
-    `stored_as`: a parameter's name in the checkpoint (LoRA's `base_layer` dropped, actors/lora.py);
+    `stored_as`: a parameter's name in the checkpoint (LoRA's `base_layer` dropped, actors/lora.py),
+    then renamed as the released checkpoint names it (`released_names`: a vision-language model's);
     `initial`: the full value of a parameter the checkpoint does not hold (None for the others)."""
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     aliases: dict[int, list[str]] = {}  # tied weights: one parameter, several names
@@ -166,6 +175,10 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch
     files = CheckpointFiles(path)
     aliases = {id(model.get_parameter(names[0])): names for names in aliases.values()}
     stacked = checkpoint_pieces(model)
+    released = released_names(model)
+
+    def stored_name(name: str) -> str:
+        return released(stored_as(name))
     read = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -177,7 +190,8 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch
                 local, first_row = _local_rows(param)
                 local.copy_(value[first_row:first_row + local.shape[0]])
                 continue
-            stored = next((stored_as(alias) for alias in aliases[id(param)] if stored_as(alias) in files.file_of), None)
+            stored = next((stored_name(alias) for alias in aliases[id(param)] if stored_name(alias) in files.file_of),
+                          None)
             if stored is None:
                 raise KeyError(f"the checkpoint in {path} has no tensor for parameter {name} "
                                f"(looked for {aliases[id(param)]})")

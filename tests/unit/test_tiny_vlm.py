@@ -59,3 +59,31 @@ def test_shapes_the_multimodal_rope_or_the_cpu_padding_would_change_are_refused(
         TinyModelSpec(arch="qwen2_5_vl", hidden_size=48, num_heads=4)
     with pytest.raises(UsageError, match="intermediate-size divisible by 32"):
         TinyModelSpec(arch="qwen2_5_vl", intermediate_size=100)
+
+
+def test_the_trainer_builds_the_vlm_and_reads_every_weight_under_its_released_name(vlm_dir, tmp_path):
+    """actors/loading.py: the vision-language class on the meta device, filled from the checkpoint's
+    `model.*`/`visual.*` tensors into transformers 5's `model.language_model.*`/`model.visual.*`
+    parameters: what transformers' own from_pretrained loads; a missing tower tensor is named."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    from rlsys.actors.loading import build_empty_model, fill_from_checkpoint, parameters_without_tensor
+
+    model = build_empty_model(str(vlm_dir), "sdpa")
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    fill_from_checkpoint(model, vlm_dir, "cpu")
+    expected = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).state_dict()
+    loaded = model.state_dict()
+    assert loaded.keys() == expected.keys() and any(name.startswith("model.visual.") for name in loaded)
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+    assert parameters_without_tensor(vlm_dir) == []
+
+    damaged = shutil.copytree(vlm_dir, tmp_path / "damaged")
+    tensors = load_file(damaged / "model.safetensors")
+    del tensors["visual.blocks.0.attn.qkv.weight"]
+    save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
+    assert parameters_without_tensor(damaged) == ["visual.blocks.0.attn.qkv.weight"]
