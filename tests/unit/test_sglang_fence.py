@@ -170,6 +170,32 @@ def test_the_stand_ins_names_are_those_the_pinned_sglangs_cpu_path_imports():
     assert imported == rlsys_fence.SGL_KERNEL_CPU_NAMES
 
 
+OPS_PROBE = """
+import torch
+from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from sglang.srt.multimodal.processors.qwen_vl import QwenVLImageProcessor
+from sglang.srt.utils.common import cpu_has_amx_support
+print(Qwen2_5_VLForConditionalGeneration in QwenVLImageProcessor.models)
+print(cpu_has_amx_support(), hasattr(torch.ops.sgl_kernel, "convert_weight_packed"))
+try:
+    torch.ops.sgl_kernel.fused_sigmoid_mul_cpu(None, None)
+except RuntimeError as error:
+    print(error)
+"""
+
+
+def test_the_qwen_vl_image_processor_imports_on_the_cpu_path_with_the_ops_its_modules_read():
+    """Without `rlsys_fence.SGL_KERNEL_OPS_READ_AT_IMPORT`, models/qwen3_5.py (imported by the Qwen-VL
+    processor module) fails at import and a vision-language server starts with no image processor."""
+    lines = _with_layer(OPS_PROBE)
+    assert lines[0] == "True"
+    assert lines[1] == "False False"  # SGLang's AMX check still reads no op
+    assert lines[2].startswith("torch.ops.sgl_kernel.fused_sigmoid_mul_cpu is a CUDA kernel from sgl_kernel")
+    root = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    source = (root / "srt" / "models" / "qwen3_5.py").read_text()
+    assert all(f"torch.ops.sgl_kernel.{name}" in source for name in rlsys_fence.SGL_KERNEL_OPS_READ_AT_IMPORT)
+
+
 SPEEDUPS_PROBE = """
 import multiprocessing as mp, sys, torch, sgl_kernel
 mp.set_start_method("spawn", force=True)

@@ -32,6 +32,18 @@ SGL_KERNEL_CPU_NAMES = frozenset({
     "rotate_input_ids_cpu",
 })
 
+# The ops of SGLang's kernel library that a module on the CPU path reads from `torch.ops.sgl_kernel`
+# when it is imported, on a CPU without AMX: models/qwen3_5.py binds these four at import, and the
+# Qwen-VL image processor (multimodal/processors/qwen_vl.py) imports it, so without them a
+# vision-language model's server starts with no image processor (SGLang logs the import error and
+# goes on). Qwen2.5-VL never calls them.
+SGL_KERNEL_OPS_READ_AT_IMPORT = frozenset({
+    "fused_sigmoid_mul_cpu",
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+})
+
 # "0" turns the speed-ups off (rollout/sglang/cpu_compat/site/sitecustomize.py); the patches the
 # server needs to run at all stay.
 SPEEDUPS_ENV = "RLSYS_SGLANG_CPU_SPEEDUPS"

@@ -17,6 +17,11 @@ patches the server needs to run with `--device cpu` at all:
 2. `torch.cuda.synchronize()` is called by `/release_memory_occupation` through the device
    module and dies on a CUDA build of torch without a driver. With no GPU there is nothing to
    synchronise, so it becomes a no-op.
+1b. Some SGLang model modules bind ops of that kernel library from `torch.ops.sgl_kernel` under
+   their `if _is_cpu:` branches when imported (`rlsys_fence.SGL_KERNEL_OPS_READ_AT_IMPORT`:
+   models/qwen3_5.py, which the Qwen-VL image processor imports). `torch.ops.sgl_kernel` becomes a
+   stand-in that has those names, each raising if called, and otherwise answers as the real
+   namespace does (no op registered: AttributeError, so SGLang's AMX checks stay false).
 2b. SGLang allocates host buffers (the routed-experts capturer's, which routing replay's
    `--enable-return-routed-experts` turns on) pinned and registered with cudaHostRegister
    (`mem_cache/pool_host/common.py` `alloc_with_host_register`), which initialises CUDA and dies
@@ -214,10 +219,23 @@ class _UnpinnedHostMemory(importlib.abc.MetaPathFinder):
             fullname, path, lambda module: module.ALLOC_MEMORY_FUNCS.__setitem__("cpu", _unpinned_host_memory))
 
 
+class _StandInOps:
+    """(1b): `torch.ops.sgl_kernel` with the ops `rlsys_fence.SGL_KERNEL_OPS_READ_AT_IMPORT` names."""
+
+    def __init__(self, namespace):
+        self._namespace = namespace
+
+    def __getattr__(self, name):
+        if name in rlsys_fence.SGL_KERNEL_OPS_READ_AT_IMPORT:
+            return _raise_not_available(f"torch.ops.sgl_kernel.{name}")
+        return getattr(self._namespace, name)
+
+
 def _install_required(torch):
-    """(1), (2) and (2b): what the server needs to run without a GPU at all."""
+    """(1), (1b), (2) and (2b): what the server needs to run without a GPU at all."""
     sys.meta_path.insert(0, _StandInFinder())
     if torch is not None and not torch.cuda.is_available():
+        torch.ops.sgl_kernel = _StandInOps(torch.ops.sgl_kernel)
         torch.cuda.synchronize = lambda *args, **kwargs: None
         sys.meta_path.insert(0, _UnpinnedHostMemory())
 
