@@ -97,6 +97,10 @@ class DataConfig(_Section):
     prompt_key: str = Field("prompt", description="The field (column) holding the prompt text.")
     label_key: str = Field("label", description="The field holding the label the reward function gets.")
     metadata_keys: list[str] = Field(default_factory=list, description="Fields passed to the reward as metadata.")
+    image_key: str | None = Field(
+        None, description="A vision-language model's data: the field holding a row's images (one, or a list), each "
+        "a path relative to the data file, the image's bytes, a base64 string or a data: URI; every image is opened "
+        "when the data is read, and an unreadable one is a bad row (data.skip_invalid_rows). Unset: no images.")
     train_split: str = Field("train", description="The split of a saved DatasetDict that train_path names.")
     eval_split: str = Field("test", description="The split of a saved DatasetDict that eval_path names.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Held out of train_path when no eval_path.")

@@ -25,6 +25,8 @@ class PromptRecord:
     prompt: str
     label: str
     metadata: dict = field(default_factory=dict)
+    # A vision-language prompt's images, as stored (PNG, JPEG, ... bytes: rlsys/multimodal/images.py)
+    images: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

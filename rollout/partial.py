@@ -10,6 +10,7 @@ each token, which TIS compares with the trainer's).
 
 from __future__ import annotations
 
+import base64
 from dataclasses import asdict, dataclass, replace
 
 from rlsys.records import EncodedPrompt, Generation, PromptRecord, SamplingParams
@@ -114,7 +115,9 @@ def settle(sample: Generation, sampling: SamplingParams) -> Generation:
 # ---- checkpoint form (coordinator.json) ------------------------------------------------------
 
 def group_to_json(group: GroupInFlight) -> dict:
-    return {"prompt": asdict(group.prompt.record), "token_ids": list(group.prompt.token_ids),
+    record = asdict(group.prompt.record)
+    record["images"] = [base64.b64encode(image).decode() for image in record["images"]]  # bytes: not JSON
+    return {"prompt": record, "token_ids": list(group.prompt.token_ids),
             "samples": [None if s is None else _sample_to_json(s) for s in group.samples]}
 
 
@@ -125,7 +128,8 @@ def _sample_to_json(sample: Generation) -> dict:
 def group_from_json(data: dict) -> GroupInFlight:
     import numpy as np
 
-    prompt = EncodedPrompt(PromptRecord(**data["prompt"]), list(data["token_ids"]))
+    record = {**data["prompt"], "images": tuple(base64.b64decode(image) for image in data["prompt"].get("images", ()))}
+    prompt = EncodedPrompt(PromptRecord(**record), list(data["token_ids"]))
     samples = [None if s is None else Generation(**{**s, "routes": None if s.get("routes") is None else
                                                     np.asarray(s["routes"], dtype=np.int16)})
                for s in data["samples"]]

@@ -1,8 +1,9 @@
 """Prompt datasets: a file or a built-in synthetic task, split into train and eval.
 
-A row maps to `PromptRecord(prompt, label, metadata)` through `data.prompt_key` (default
-"prompt"), `data.label_key` ("label") and `data.metadata_keys` (columns gathered into metadata;
-a `metadata` object field is kept too). Formats, by path:
+A row maps to `PromptRecord(prompt, label, metadata, images)` through `data.prompt_key` (default
+"prompt"), `data.label_key` ("label"), `data.metadata_keys` (columns gathered into metadata;
+a `metadata` object field is kept too) and `data.image_key` (a vision-language model's images:
+rlsys/multimodal/images.py; unset, a row has none). Formats, by path:
 - `.jsonl`: one JSON object per line; a field that is not mapped is an error (a typo, most likely);
 - `.parquet` and `.csv`: read with pyarrow (a CSV's values as the strings written: `007` stays `007`);
 - `.json`: a JSON array of objects, or JSON lines;
@@ -26,6 +27,7 @@ from pathlib import Path
 from rlsys.config import DataConfig
 from rlsys.data.tasks import generate_task
 from rlsys.errors import UserError
+from rlsys.multimodal.images import ImageError, read_images
 from rlsys.records import PromptRecord
 
 
@@ -40,15 +42,22 @@ class Columns:
     prompt: str = "prompt"
     label: str = "label"
     metadata: tuple[str, ...] = ()
+    images: str | None = None
 
     @classmethod
     def from_config(cls, config: DataConfig) -> Columns:
-        return cls(config.prompt_key, config.label_key, tuple(config.metadata_keys))
+        return cls(config.prompt_key, config.label_key, tuple(config.metadata_keys), config.image_key)
+
+    @property
+    def mapped(self) -> set[str]:
+        """The fields a row's record is made of."""
+        return {self.prompt, self.label, "metadata", *self.metadata} | ({self.images} if self.images else set())
 
 
-def parse_row(raw: bytes | str, where: str, columns: Columns = Columns()) -> PromptRecord:
+def parse_row(raw: bytes | str, where: str, columns: Columns = Columns(), base_dir: Path | None = None,
+              ) -> PromptRecord:
     """One JSONL line -> a record (JSON, then `record_from_row` with unknown fields refused)."""
-    return record_from_row(_json_line(raw, where), where, columns, refuse_unknown=True)
+    return record_from_row(_json_line(raw, where), where, columns, refuse_unknown=True, base_dir=base_dir)
 
 
 def _json_line(raw: bytes | str, where: str) -> dict:
@@ -67,9 +76,11 @@ def _json_line(raw: bytes | str, where: str) -> dict:
     return row
 
 
-def record_from_row(row: dict, where: str, columns: Columns, refuse_unknown: bool) -> PromptRecord:
+def record_from_row(row: dict, where: str, columns: Columns, refuse_unknown: bool,
+                    base_dir: Path | None = None) -> PromptRecord:
+    """`base_dir`: where an image's relative path starts (the data file's folder)."""
     if refuse_unknown:
-        allowed = {columns.prompt, columns.label, "metadata", *columns.metadata}
+        allowed = columns.mapped
         unknown = set(row) - allowed
         if unknown:
             raise DatasetError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {', '.join(sorted(allowed))} "
@@ -91,7 +102,13 @@ def record_from_row(row: dict, where: str, columns: Columns, refuse_unknown: boo
         raise DatasetError(f"{where}: missing metadata field(s) {missing}: neither a column nor in the row's "
                            "metadata object (data.metadata_keys, eval.datasets[].metadata_keys)")
     metadata = {**metadata, **{key: row[key] for key in columns.metadata if key in row}}
-    return PromptRecord(prompt=prompt, label=str(label), metadata=metadata)
+    images = ()
+    if columns.images is not None:
+        try:
+            images = read_images(row.get(columns.images), base_dir)
+        except ImageError as error:
+            raise DatasetError(f"{where}: {columns.images!r}{error}") from None
+    return PromptRecord(prompt=prompt, label=str(label), metadata=metadata, images=images)
 
 
 def read_jsonl(path: str | Path, skip_invalid: bool = False, columns: Columns = Columns(),
@@ -106,7 +123,7 @@ def read_jsonl(path: str | Path, skip_invalid: bool = False, columns: Columns = 
             if not raw.strip():
                 continue
             try:
-                records.append(parse_row(raw, f"{path}:{line_number}", columns))
+                records.append(parse_row(raw, f"{path}:{line_number}", columns, path.parent))
             except DatasetError:
                 if not skip_invalid:
                     raise
@@ -127,7 +144,8 @@ def read_records(path: str | Path, columns: Columns = Columns(), skip_invalid: b
         try:
             if isinstance(row, DatasetError):  # a row that could not even be read
                 raise row
-            records.append(record_from_row(row, where, columns, refuse_unknown=False))
+            records.append(record_from_row(row, where, columns, refuse_unknown=False,
+                                           base_dir=path if path.is_dir() else path.parent))
         except DatasetError:
             if not skip_invalid:
                 raise
@@ -167,7 +185,7 @@ def _table_rows(path: Path, split: str, columns: Columns) -> Iterator[tuple[str,
 def _json_rows(path: Path, columns: Columns) -> Iterator[tuple[str, dict | DatasetError]]:
     """A JSON array of objects (rows numbered), or JSON lines (named by line, like .jsonl); a bad
     byte counts only in a mapped field, as in the other table formats."""
-    wanted = {columns.prompt, columns.label, "metadata", *columns.metadata}
+    wanted = columns.mapped
     raw = path.read_bytes()
     if not raw.strip():
         raise DatasetError(f"dataset {path}: cannot be read: it holds only whitespace, no JSON")
@@ -241,7 +259,7 @@ def _csv_table(path: Path):
 
 def _arrow_rows(table, path: Path, columns: Columns) -> Iterator[tuple[str, dict | DatasetError]]:
     """Rows of an Arrow table as dicts, only the mapped columns (a bad byte elsewhere is no matter)."""
-    wanted = {columns.prompt, columns.label, "metadata", *columns.metadata}
+    wanted = columns.mapped
     table = table.select([name for name in table.column_names if name in wanted])
     index = 0
     for batch in table.to_batches():

@@ -217,6 +217,12 @@ def _check_the_model(config: RunConfig, model_dir: Path) -> None:
             f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
             "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
         )
+    if config.data.image_key is not None:  # the trainer and engines take images only with a vision tower
+        raw = read_model_config(model_dir)
+        if "vision_config" not in raw:
+            raise ConfigError(f"invalid config: data.image_key={config.data.image_key} gives each prompt images, but "
+                              f"model.path {model_dir} is not a vision-language model (its config.json has no "
+                              "vision_config); unset data.image_key, or point model.path at one")
     architecture = read_architecture(model_dir)
     if config.rollout.routing_replay != "off" and not getattr(architecture, "num_experts_per_tok", None):
         raise ConfigError(f"invalid config: rollout.routing_replay={config.rollout.routing_replay} replays the experts "
@@ -269,7 +275,8 @@ def _read_eval_set(config: RunConfig, eval_set: EvalSetConfig) -> tuple[list[Pro
                           ".jsonl, .parquet, .json or .csv file, or a saved dataset directory)")
     data = config.data
     columns = Columns(eval_set.prompt_key or data.prompt_key, eval_set.label_key or data.label_key,
-                      tuple(data.metadata_keys if eval_set.metadata_keys is None else eval_set.metadata_keys))
+                      tuple(data.metadata_keys if eval_set.metadata_keys is None else eval_set.metadata_keys),
+                      data.image_key)
     try:
         records, skipped = read_records(eval_set.path, columns, data.skip_invalid_rows, eval_set.split)
     except DatasetError as error:
