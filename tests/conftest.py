@@ -205,7 +205,8 @@ def pytest_runtest_setup(item):
 
 # SGLang starts the suite may spend outside the tests whose subject is an engine's start-up, death or
 # cleanup (marked own_engines): every other test shares the session's engine sets (docs/design.md).
-SHARED_START_BUDGET = 12
+# 12 as the suite's issue decided, and the one vision-language engine its issue allowed (tests/e2e/test_vlm.py).
+SHARED_START_BUDGET = 13
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

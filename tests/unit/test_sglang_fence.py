@@ -181,16 +181,23 @@ try:
     torch.ops.sgl_kernel.fused_sigmoid_mul_cpu(None, None)
 except RuntimeError as error:
     print(error)
+from sglang.srt.layers.attention import vision
+eager = vision.apply_rotary_pos_emb is vision.apply_rotary_pos_emb_native_eager
+print(eager, vision.ROTARY_EMBED_CLASSES["normal"] is vision.apply_rotary_pos_emb)
 """
 
 
-def test_the_qwen_vl_image_processor_imports_on_the_cpu_path_with_the_ops_its_modules_read():
+@pytest.mark.parametrize("speedups", ["1", "0"])
+def test_the_qwen_vl_image_processor_imports_on_the_cpu_path_with_the_ops_its_modules_read(speedups):
     """Without `rlsys_fence.SGL_KERNEL_OPS_READ_AT_IMPORT`, models/qwen3_5.py (imported by the Qwen-VL
-    processor module) fails at import and a vision-language server starts with no image processor."""
-    lines = _with_layer(OPS_PROBE)
+    processor module) fails at import and a vision-language server starts with no image processor.
+    Speed-up (7): the vision tower's rotary embedding is its eager twin (no Inductor compile on the
+    first image), everywhere the module refers to it; without the speed-ups, SGLang's own."""
+    lines = _with_layer(OPS_PROBE, {rlsys_fence.SPEEDUPS_ENV: speedups})
     assert lines[0] == "True"
     assert lines[1] == "False False"  # SGLang's AMX check still reads no op
     assert lines[2].startswith("torch.ops.sgl_kernel.fused_sigmoid_mul_cpu is a CUDA kernel from sgl_kernel")
+    assert lines[3] == f"{speedups == '1'} True"
     root = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
     source = (root / "srt" / "models" / "qwen3_5.py").read_text()
     assert all(f"torch.ops.sgl_kernel.{name}" in source for name in rlsys_fence.SGL_KERNEL_OPS_READ_AT_IMPORT)

@@ -28,7 +28,7 @@ patches the server needs to run with `--device cpu` at all:
    without a driver. Pinning only speeds up copies from a GPU, so without one the "cpu" entry of
    its `ALLOC_MEMORY_FUNCS` allocates plain memory (`_unpinned_host_memory`).
 
-and four speed-ups, off with RLSYS_SGLANG_CPU_SPEEDUPS=0 (`rlsys_fence.SPEEDUPS_ENV`). Those that
+and five speed-ups, off with RLSYS_SGLANG_CPU_SPEEDUPS=0 (`rlsys_fence.SPEEDUPS_ENV`). Those that
 replace an SGLang method first check that the method still has the parameters its replacement
 was written with (`rlsys_fence.check_signature`), when SGLang imports its module during start-up,
 and end the process with one message if not:
@@ -50,6 +50,12 @@ and end the process with one message if not:
 6. SGLang modules call `torch.compile` at import, which sets up TorchDynamo at once (~1.2 s of
    a server's start) for kernels a CPU never runs; `rlsys_lazy_compile` defers that set-up to a
    compiled function's first call (compilation itself was already deferred to it).
+
+7. A vision tower's rotary embedding (layers/attention/vision.py `apply_rotary_pos_emb`) is
+   `torch.compile`d with Inductor, which on a CPU compiles C++ at a VLM server's first image (70.8 s
+   of a tiny Qwen2.5-VL's first request on 2 cores); the module's own eager twin,
+   `apply_rotary_pos_emb_native_eager` (the same operations, which SGLang uses under a ViT CUDA
+   graph), is used instead: the first request took 0.2 s, its log-probs the same to the bit.
 
 Last, it runs the `sitecustomize` this file shadows (the next one on sys.path, e.g. a venv's or a
 distribution's), as Python would have without it.
@@ -81,6 +87,32 @@ _SPEEDUP_PATCHES = {
         ("Scheduler", "maybe_sleep_on_idle", "rlsys_prompt_shutdown", "skip_idle_sleep_when_exiting"),
     ],
 }
+
+
+# Speed-up (7): module functions replaced by another function of the same module, once it has
+# executed: module name -> (global, the global to use instead).
+_SPEEDUP_GLOBALS = {
+    "sglang.srt.layers.attention.vision": [("apply_rotary_pos_emb", "apply_rotary_pos_emb_native_eager")],
+}
+
+
+def _use_instead(module, name: str, instead: str) -> None:
+    """`module.name` (and every entry of a module-level dict that holds it) becomes `module.instead`,
+    which must take the same parameters."""
+    original, replacement = getattr(module, name, None), getattr(module, instead, None)
+    if original is None or replacement is None:
+        raise rlsys_fence.SGLangMismatch(
+            f"rlsys's CPU layer uses {module.__name__}.{instead} for {name}, written for "
+            f"sglang=={rlsys_fence.SGLANG_VERSION}; the installed sglang {rlsys_fence.installed_sglang_version()} "
+            f"has no {name if original is None else instead}. Install sglang=={rlsys_fence.SGLANG_VERSION}, or set "
+            f"{rlsys_fence.SPEEDUPS_ENV}=0 to run without the CPU speed-ups.")
+    rlsys_fence.check_signature(f"{module.__name__}.{name}", original, replacement)
+    setattr(module, name, replacement)
+    for value in list(vars(module).values()):
+        if isinstance(value, dict):
+            for key, entry in list(value.items()):
+                if entry is original:
+                    value[key] = replacement
 
 
 def _replace_once(module, class_name: str, method: str, patcher: str, wrapper: str) -> None:
@@ -149,16 +181,18 @@ def _spec_patched_after_exec(fullname, path, patch):
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Finds a module of `_SPEEDUP_PATCHES` as usual, then patches it once it has executed."""
+    """Finds a module of `_SPEEDUP_PATCHES` or `_SPEEDUP_GLOBALS` as usual, then patches it once it has executed."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _SPEEDUP_PATCHES:
+        if fullname not in _SPEEDUP_PATCHES and fullname not in _SPEEDUP_GLOBALS:
             return None
 
         def patch(module):
             try:
-                for replacement in _SPEEDUP_PATCHES[fullname]:
+                for replacement in _SPEEDUP_PATCHES.get(fullname, ()):
                     _replace_once(module, *replacement)
+                for name, instead in _SPEEDUP_GLOBALS.get(fullname, ()):
+                    _use_instead(module, name, instead)
             except rlsys_fence.SGLangMismatch as error:
                 rlsys_fence.refuse(error)
 
@@ -241,7 +275,7 @@ def _install_required(torch):
 
 
 def _install_speedups(torch):
-    """(3) to (6): faster, same results; RLSYS_SGLANG_CPU_SPEEDUPS=0 leaves them out."""
+    """(3) to (7): faster, same results; RLSYS_SGLANG_CPU_SPEEDUPS=0 leaves them out."""
     if torch is None or torch.cuda.is_available():
         return
     from rlsys_lazy_compile import defer_dynamo_setup
