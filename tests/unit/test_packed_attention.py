@@ -32,7 +32,8 @@ def _sequences() -> list[torch.Tensor]:
     return [torch.randint(0, 50, (n,), generator=generator) for n in LENGTHS]
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+# The causal LMs (a vision-language model's packing needs its 3-row positions: not wired yet, #62)
+@pytest.mark.parametrize("arch", [arch for arch, (_, model) in ARCHITECTURES.items() if model.endswith("ForCausalLM")])
 def test_a_packed_row_gives_each_sequences_own_logits_and_gradients(arch):
     model = _model(PACKED_SDPA, arch)
     sequences = _sequences()
