@@ -67,7 +67,7 @@ def _from_text(text: str, base_dir: Path | None) -> bytes:
     try:
         if path.is_file():
             return path.read_bytes()
-    except OSError:  # a name too long for a path: a base64 string
+    except (OSError, ValueError):  # a name too long for a path, or with a NUL byte: not a file
         pass
     try:
         return _base64(text)

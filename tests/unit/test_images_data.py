@@ -81,6 +81,8 @@ def test_a_saved_dataset_with_an_image_column(pictures):
     (["img/red.png", base64.b64encode(b"not a picture").decode()], r"'images'\[1\]: not an image PIL can read"),
     ("data:image/png,rawbytes", r"'images'\[0\]: a data: URI must be base64"),
     (7, r"'images'\[0\]: an image must be a path, bytes, a base64 string or a data: URI, got int"),
+    ("a\u0000b", r"'images'\[0\]: 'a\\x00b' is neither an image file"),
+    ("x" * 5000, r"'images'\[0\]: not an image PIL can read"),  # too long for a path: read as base64
 ])
 def test_an_unreadable_image_is_a_bad_row_naming_row_and_field(pictures, value, why):
     path = pictures / "bad.jsonl"
