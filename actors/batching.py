@@ -24,12 +24,16 @@ from rlsys.records import TrainSequence
 
 if TYPE_CHECKING:
     from rlsys.actors.context_parallel import ContextParallelLayout
+    from rlsys.multimodal.vision_inputs import VisionInputs
 
 
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [B, T]
-    position_ids: torch.Tensor  # [B, T]
+    # [B, T]; a vision-language model's: its multimodal rotary positions (rlsys/multimodal/positions.py),
+    # [3, B, T] padded, or [4, 1, T] packed with each sequence's text positions (restarting at 0) first,
+    # which transformers' Qwen2.5-VL reads as the packing (modeling_qwen2_5_vl.py Qwen2_5_VLTextModel.forward).
+    position_ids: torch.Tensor
     attention_mask: torch.Tensor | None  # [B, T] for padded rows; None when packed
     targets: torch.Tensor  # [B, T-1]
     response_mask: torch.Tensor  # [B, T-1] float: the tokens the loss counts (response tokens, loss mask 1)
@@ -56,6 +60,13 @@ class MicroBatch:
     # per-token tensors are then [1, T] and aligned with the inputs (each token's own target), where
     # an unsplit batch's are [B, T-1] (position t predicts token t + 1; the last predicts nothing).
     context_parallel: ContextParallelLayout | None = None
+    # A vision-language model's images, in the order of their tokens in the rows: their patches
+    # [patches, patch dim] and patch grids [images, 3] (rlsys/multimodal/vision_inputs.py).
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    # [B, T] bool: the tokens the images' features replace, in the prompts only (a sampled image
+    # token is text: actors/image_placement.py); None for a text model.
+    image_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> float:
@@ -68,6 +79,8 @@ class MicroBatch:
             inputs["context_parallel"] = self.context_parallel
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask
+        if self.pixel_values is not None:
+            inputs.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
         if self.cu_seq_lens is not None:
             # transformers' FlashAttentionKwargs; with all four given, `_flash_attention_forward`
             # (transformers/modeling_flash_attention_utils.py) takes its varlen branch as is.
@@ -100,16 +113,23 @@ def _check(seq: TrainSequence) -> None:
 
 
 def build_micro_batch(
-    sequences: list[TrainSequence], indices: list[int], pad_id: int, device: torch.device, packed: bool
+    sequences: list[TrainSequence], indices: list[int], pad_id: int, device: torch.device, packed: bool,
+    vision: VisionInputs | None = None,
 ) -> MicroBatch:
     """Lay sequences out packed (one row) or padded (one row each).
 
     An empty list gives a two-token dummy row with an all-zero mask: a rank with no data still
     joins FSDP's collectives. Sequences without a `loss_weight` weigh 1 per loss token.
+    `vision`: a vision-language model's; the batch then carries its sequences' images and
+    multimodal positions, and a batch without an image gets a one-token dummy one, outside every
+    span and loss, so the vision tower's collectives run on every rank in every pass.
     """
     is_dummy = not sequences
     if is_dummy:
         sequences, indices = [TrainSequence(token_ids=[pad_id, pad_id], prompt_len=2, loss_weight=0.0)], []
+    image_dummy = vision is not None and not any(seq.images for seq in sequences)
+    if image_dummy:
+        sequences = [*sequences, TrainSequence(token_ids=[vision.image_token_id], prompt_len=1, loss_weight=0.0)]
     for seq in sequences:
         _check(seq)
     if packed:
@@ -124,9 +144,22 @@ def build_micro_batch(
         for name in ("mask", "weight", "engine_mask"):
             per_token[name][:] = 0.0
         spans = []
+    elif image_dummy:
+        spans = spans[:-1]
     input_ids = torch.from_numpy(input_ids)
     lengths = [len(s.token_ids) for s in sequences]
-    cu_seq_lens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32) if packed else None
+    # Not for a vision-language model: its forward passes every keyword on to the vision tower too,
+    # whose attention has its own cu_seq_lens (transformers' Qwen2.5-VL get_image_features).
+    cu_seq_lens = (torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+                   if packed and vision is None else None)
+    pixel_values = image_grid_thw = image_mask = None
+    if vision is not None:
+        encoded = [vision.encode(seq.images) for seq in sequences[:-1] if image_dummy] + [vision.dummy()] \
+            if image_dummy else [vision.encode(seq.images) for seq in sequences]
+        pixel_values = torch.cat([e.pixel_values for e in encoded]).to(device)
+        image_grid_thw = torch.tensor([grid for e in encoded for grid in e.grids], dtype=torch.long, device=device)
+        position_ids = _multimodal_positions(rows, width, position_ids, [e.grids for e in encoded], vision, packed)
+        image_mask = torch.from_numpy(_prompt_image_tokens(rows, width, vision.image_token_id)).to(device)
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
@@ -134,6 +167,9 @@ def build_micro_batch(
     return MicroBatch(
         input_ids=input_ids.to(device),
         position_ids=tensor(position_ids),
+        pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw,
+        image_mask=image_mask,
         attention_mask=None if packed else tensor(attention_mask),
         targets=input_ids[:, 1:].to(device),
         response_mask=tensor(per_token["mask"]),
@@ -144,9 +180,38 @@ def build_micro_batch(
         indices=list(indices),
         spans=spans,
         cu_seq_lens=None if cu_seq_lens is None else cu_seq_lens.to(device),
-        max_length=max(lengths) if packed else None,
+        max_length=max(lengths) if cu_seq_lens is not None else None,
         routes=None if routes is None else tensor(routes),
     )
+
+
+def _multimodal_positions(rows: list[list[TrainSequence]], width: int, text_positions: np.ndarray,
+                          grids: list[list[tuple[int, int, int]]], vision: VisionInputs, packed: bool) -> np.ndarray:
+    """A vision-language batch's positions: each sequence's three rotary rows where its tokens lie
+    (0 over padding), under the text positions when packed ([4, 1, T]), else [3, B, T]."""
+    from rlsys.multimodal.positions import multimodal_position_ids
+
+    out = np.zeros((3, len(rows), width), dtype=np.int64)
+    grids_of = iter(grids)  # one entry per sequence, in row order
+    for row, row_sequences in enumerate(rows):
+        offset = 0
+        for seq in row_sequences:
+            length = len(seq.token_ids)
+            out[:, row, offset:offset + length] = multimodal_position_ids(
+                seq.token_ids, next(grids_of), vision.image_token_id, vision.merge, seq.prompt_len).numpy()
+            offset += length
+    return np.concatenate([text_positions[None], out]) if packed else out
+
+
+def _prompt_image_tokens(rows: list[list[TrainSequence]], width: int, image_token_id: int) -> np.ndarray:
+    """[rows, width] bool: the image tokens of each sequence's prompt where they lie."""
+    out = np.zeros((len(rows), width), dtype=bool)
+    for row, row_sequences in enumerate(rows):
+        offset = 0
+        for seq in row_sequences:
+            out[row, offset:offset + seq.prompt_len] = np.asarray(seq.token_ids[:seq.prompt_len]) == image_token_id
+            offset += len(seq.token_ids)
+    return out
 
 
 def _laid_out_routes(rows: list[list[TrainSequence]], width: int) -> np.ndarray | None:

@@ -47,6 +47,15 @@ def is_vision_language(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+# Where transformers 5 puts a vision-language model's vision tower (and its merger) in the module tree.
+VISION_TOWER_PREFIX = "model.visual."
+
+
+def is_vision_parameter(name: str) -> bool:
+    """A parameter of the vision tower (model.freeze_vision keeps these as loaded)."""
+    return name.startswith(VISION_TOWER_PREFIX)
+
+
 def build_empty_model(path: str, attn_implementation: str) -> torch.nn.Module:
     """The model of `path`/config.json with fp32 parameters on the meta device: a causal LM, or a
     vision-language model (its vision tower and language model, transformers' image-text-to-text class)."""
@@ -157,12 +166,15 @@ def _retie(model: torch.nn.Module, tied_names: list[list[str]]) -> None:
 
 def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch.device | str,
                          stored_as: Callable[[str], str] = str,
-                         initial: Callable[[str, torch.Size], torch.Tensor | None] | None = None) -> int:
+                         initial: Callable[[str, torch.Size], torch.Tensor | None] | None = None,
+                         released: Callable[[str], str] | None = None) -> int:
     """Give the meta-device (possibly sharded) `model` storage on `device` and read each local
     shard from the checkpoint at `path`; buffers keep their computed values. Returns the bytes read.
     `stored_as`: a parameter's name in the checkpoint (LoRA's `base_layer` dropped, actors/lora.py),
     then renamed as the released checkpoint names it (`released_names`: a vision-language model's);
-    `initial`: the full value of a parameter the checkpoint does not hold (None for the others)."""
+    `initial`: the full value of a parameter the checkpoint does not hold (None for the others).
+    `released`: `released_names` of the model as built, before FSDP wrapped it (transformers finds no
+    renamings for FSDP's subclass, which it takes for custom code); None: of `model` itself."""
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     aliases: dict[int, list[str]] = {}  # tied weights: one parameter, several names
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -175,7 +187,7 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str | Path, device: torch
     files = CheckpointFiles(path)
     aliases = {id(model.get_parameter(names[0])): names for names in aliases.values()}
     stacked = checkpoint_pieces(model)
-    released = released_names(model)
+    released = released or released_names(model)
 
     def stored_name(name: str) -> str:
         return released(stored_as(name))

@@ -43,12 +43,27 @@ class UnsupportedAdapterTargetError(ValueError):
         self.modules = modules
 
 
+# A vision-language model's vision tower takes no adapters: LoRA adapts its language model (as
+# verl and TRL do for Qwen2.5-VL); a module name that matches in full is left out (PEFT's exclude_modules).
+VISION_TOWER_MODULES = r"(.*\.)?visual(\..*)?"
+
+
+def lora_settings(model_config, rank: int, alpha: float, dropout: float, target_modules: list[str] | str, **extra):
+    """PEFT's LoraConfig for model.lora on a model of `model_config` (the trainer's and the export's)."""
+    from peft import LoraConfig
+
+    vision = getattr(model_config, "vision_config", None) is not None
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, bias="none",
+                      exclude_modules=VISION_TOWER_MODULES if vision else None, **extra)
+
+
 def add_adapters(model: torch.nn.Module, rank: int, alpha: float, dropout: float,
                  target_modules: list[str] | str) -> torch.nn.Module:
-    """Inject LoRA adapters into `model` in place (its parameters may be on the meta device)."""
-    from peft import LoraConfig, inject_adapter_in_model
+    """Inject LoRA adapters into `model` in place (its parameters may be on the meta device); a
+    vision-language model's language model only."""
+    from peft import inject_adapter_in_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, bias="none")
+    config = lora_settings(model.config, rank, alpha, dropout, target_modules)
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     except ValueError as error:

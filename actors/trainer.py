@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from torch.distributed.constants import default_pg_nccl_timeout, default_pg_time
 
 from rlsys.actors.batching import MicroBatch, build_micro_batch, split_by_token_budget, split_evenly
 from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
-from rlsys.actors.checkpoint_layout import checkpoint_pieces
+from rlsys.actors.checkpoint_layout import checkpoint_pieces, released_names
 from rlsys.actors.context_parallel import (
     CONTEXT_PARALLEL,
     check_ulysses_heads,
@@ -30,7 +31,8 @@ from rlsys.actors.context_parallel import (
     shard_micro_batch,
     unshard_values,
 )
-from rlsys.actors.loading import build_empty_model, fill_from_checkpoint
+from rlsys.actors.image_placement import ImagePlacement
+from rlsys.actors.loading import build_empty_model, fill_from_checkpoint, is_vision_parameter
 from rlsys.actors.logprob_head import install_logprob_head
 from rlsys.actors.lora import (
     adapters_disabled,
@@ -58,6 +60,7 @@ from rlsys.config import (
     check_context_parallel,
     resolve_derived_settings,
 )
+from rlsys.multimodal.vision_inputs import VisionInputs
 from rlsys.records import TrainSequence
 from rlsys.run.model_checks import model_report
 from rlsys.run.model_shape import ModelShape
@@ -205,6 +208,13 @@ class LossSums:
 _EXTREMES = ("rollout_ratio_min", "rollout_ratio_max")
 
 
+def trained_parameters(lora: bool, freeze_vision: bool) -> Callable[[str], bool] | None:
+    """Which parameters learn (None: all): LoRA's adapters only, and none of a frozen vision tower's."""
+    if not lora and not freeze_vision:
+        return None
+    return lambda name: (not lora or is_adapter_parameter(name)) and not (freeze_vision and is_vision_parameter(name))
+
+
 def _mismatch_sums(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, engine_mask: torch.Tensor) -> dict:
     """The engine/trainer mismatch of a micro-batch's engine-scored tokens, as LossSums' fields:
     rho = pi_old / pi_engine; k1 = log pi_engine - log pi_old and k3 = rho - log rho - 1, whose means
@@ -247,6 +257,10 @@ class TrainerWorker:
         self.profiler = RankProfiler(self.backend, rank)  # records only between start_profile and stop_profile
         self.reserved_port: ReservedPort | None = None  # rank 0's, from rendezvous_address until setup
         self.route_replays: dict[int, RouteReplay] = {}  # id(model) -> its routers' replay (routing_replay)
+        # A vision-language model's image processor and token layout (setup; None for a text model)
+        self.vision: VisionInputs | None = None
+        self.released_name: Callable[[str], str] = str  # a parameter's name in the checkpoint and engines (setup)
+        self.image_placements: dict[int, ImagePlacement] = {}  # id(model) -> where its image features go
 
     # ---- set-up -------------------------------------------------------------------------
     def node_address(self) -> str:
@@ -286,6 +300,7 @@ class TrainerWorker:
         self.context_parallel = new_context_parallel_groups(self.world_size, self.rank, t.context_parallel_size,
                                                             t.context_parallel_style)
         rss_before = _resident_bytes()
+        self.vision = VisionInputs.for_model(self.spec.model.path)
         self.model = self._build_model(trainable=True, lora=self.spec.model.lora is not None)
         # What the engine loads a stacked parameter (MoE experts) as: the sync sends those tensors.
         self.checkpoint_pieces = {name: [(piece.name, piece.shape) for piece in pieces]
@@ -307,6 +322,9 @@ class TrainerWorker:
         if self.spec.routing_replay:
             self.route_replays = {id(model): RouteReplay(model) for model in (self.model, self.ref_model)
                                   if model is not None}
+        if self.vision is not None:
+            self.image_placements = {id(model): ImagePlacement(model) for model in (self.model, self.ref_model)
+                                     if model is not None}
 
     def _build_model(self, trainable: bool, lora: bool = False) -> torch.nn.Module:
         """Built on the meta device, sharded, then each rank reads only its shards from the
@@ -314,6 +332,8 @@ class TrainerWorker:
         in fp32 (`uses_fsdp`: then its shard is the whole model and FSDP has nothing to do).
         `lora`: with model.lora's adapters (actors/lora.py), the only parameters that train."""
         model = build_empty_model(self.spec.model.path, self._attention())
+        # Checkpoint and engine names, read off the model before FSDP wraps it (actors/loading.py)
+        self.released_name = released_names(model)
         if lora:
             settings = self.spec.model.lora
             add_adapters(model, settings.rank, settings.alpha, settings.dropout, settings.target_modules)
@@ -324,12 +344,13 @@ class TrainerWorker:
 
             mesh = init_device_mesh(self.backend.device_type, (self.world_size,))
         model = parallelize(model, mesh, self.spec.model.dtype, trainable, self.spec.trainer.gradient_checkpointing,
-                            trains=is_adapter_parameter if lora else None)
+                            trains=trained_parameters(lora, self.spec.model.freeze_vision))
         # The frozen reference stays on the host: FSDP streams it to the device layer by layer.
         seed = self.spec.seed
         fill_from_checkpoint(model, self.spec.model.path, self.device if trainable else "cpu", stored_as=checkpoint_name,
                              initial=(lambda name, shape: initial_adapter(name, shape, seed)
-                                      if is_adapter_parameter(name) else None) if lora else None)
+                                      if is_adapter_parameter(name) else None) if lora else None,
+                             released=self.released_name)
         if not trainable:
             pin_host_shards(model, self.backend.has_gpu)  # in place, at exactly their bytes
         return model
@@ -360,7 +381,7 @@ class TrainerWorker:
     # ---- micro-batches and log-probs ----------------------------------------------------
     @property
     def _pad_id(self) -> int:
-        return self.model.config.pad_token_id or 0
+        return getattr(self.model.config.get_text_config(), "pad_token_id", None) or 0
 
     def _global_max(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
@@ -379,8 +400,8 @@ class TrainerWorker:
         else:
             groups = split_evenly(indices, max(1, math.ceil(len(indices) / t.micro_batch_size)))
         groups += [[] for _ in range(self._global_max(len(groups)) - len(groups))]
-        batches = [build_micro_batch([sequences[i] for i in group], group, self._pad_id, self.device, t.packing)
-                   for group in groups]
+        batches = [build_micro_batch([sequences[i] for i in group], group, self._pad_id, self.device, t.packing,
+                                     self.vision) for group in groups]
         if cp is not None:
             batches = [shard_micro_batch(batch, cp) for batch in batches]
         return batches
@@ -392,7 +413,9 @@ class TrainerWorker:
         if (replay := self.route_replays.get(id(model))) is not None:  # kept through a recomputing backward
             replay.set_routes(None if batch.routes is None else batch.routes.flatten(0, 1))
         temperature = self.spec.temperature if temperature is None else temperature
-        with head.computing(batch.head_targets(), temperature, with_entropy, self.spec.trainer.logprob_chunk_tokens):
+        placement = self.image_placements.get(id(model))
+        with (head.computing(batch.head_targets(), temperature, with_entropy, self.spec.trainer.logprob_chunk_tokens),
+              placement.placing(batch.image_mask) if placement is not None else nullcontext()):
             per_position = batch.scored(model(**batch.model_inputs()).logits)
         return per_position[..., 0], (per_position[..., 1] if with_entropy else None)
 
@@ -616,13 +639,27 @@ class TrainerWorker:
     @profiled_phase("sync_weights")
     def sync_weights(self, bucket_bytes: int, weight_version: int, pipelined: bool = True) -> dict:
         """Gather the weights bucket by bucket and hand them to this rank's transport. Collective."""
-        named, merge = (merged_parameters(self.model) if self.spec.model.lora is not None
-                        else (self.model.named_parameters(), None))
+        named, merge = self._engine_parameters()
         plan = SyncPlan(bucket_bytes, str(weight_version), pipelined=pipelined, gather_dst=self.gather_dst,
                         engine_dtype=getattr(torch, engine_dtype(self.spec.has_gpu, self.spec.model.dtype)),
                         pieces=self.checkpoint_pieces)
         return sync_weights(named, plan, self.transport, self.backend, self.gather_scratch, materialize=merge,
                             shared_staging=self.shared_staging).as_dict()
+
+    def _engine_parameters(self) -> tuple[list[tuple[str, torch.Tensor]], Callable | None]:
+        """What a sync sends, under the engine's names (the released checkpoint's: a vision-language
+        model's `model.language_model.*` is `model.*` there), and how to materialize each (LoRA's
+        merge). A frozen vision tower is left out: the engines loaded it and it never changes."""
+        named, merge = (merged_parameters(self.model) if self.spec.model.lora is not None
+                        else (list(self.model.named_parameters()), None))
+        if self.spec.model.freeze_vision:
+            named = [(name, param) for name, param in named if not is_vision_parameter(name)]
+        released = self.released_name
+        if released is str:
+            return named, merge
+        trainer_name = {released(name): name for name, _ in named}
+        return ([(released(name), param) for name, param in named],
+                None if merge is None else lambda name, tensor: merge(trainer_name[name], tensor))
 
     def _close_transport(self) -> None:
         if self.transport is not None:
@@ -639,7 +676,7 @@ class TrainerWorker:
         return self.profiler.stop(directory)
 
     def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return int(self.model.config.get_text_config().vocab_size)
 
     def describe(self) -> dict:
         """What this rank runs on, as its backend decided (printed at start-up)."""

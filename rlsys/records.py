@@ -162,6 +162,9 @@ class TrainSequence:
     # rollout.routing_replay: the engine's experts for tokens 0..n-1 (Generation.routes), which every
     # trainer forward of the sequence routes by (actors/routing_replay.py); None: its own routing.
     routes: Any = None
+    # A vision-language prompt's images (stored bytes); its token ids then hold each image's
+    # placeholders as the engine expanded them (one token per merged patch), in the images' order.
+    images: tuple[bytes, ...] = ()
 
     @property
     def response_len(self) -> int:

@@ -131,6 +131,7 @@ def to_train_sequences(samples: list[Sample], mask_truncated: bool = False) -> l
             engine_logprobs=s.generation.logprobs,
             loss_mask=loss_mask(s, mask_truncated),
             routes=s.generation.routes,
+            images=s.record.images,
         )
         for s in samples
     ]

@@ -35,10 +35,12 @@ def image_token_runs(token_ids: Sequence[int], image_token_id: int) -> list[tupl
 
 
 def multimodal_position_ids(token_ids: Sequence[int], image_grids: Sequence[Sequence[int]], image_token_id: int,
-                            spatial_merge_size: int) -> torch.Tensor:
+                            spatial_merge_size: int, prompt_len: int | None = None) -> torch.Tensor:
     """The (3, len(token_ids)) positions of a sequence whose i-th run of image tokens is the i-th
-    image, of patch grid `image_grids[i]` = (t, h, w) before merging (the processor's image_grid_thw)."""
-    runs = image_token_runs(token_ids, image_token_id)
+    image, of patch grid `image_grids[i]` = (t, h, w) before merging (the processor's image_grid_thw).
+    `prompt_len`: images lie in the first prompt_len tokens only; an image token the model sampled
+    after them is text to the engine (it embeds and positions it as any other token), and here too."""
+    runs = image_token_runs(token_ids[:prompt_len], image_token_id)
     if len(runs) != len(image_grids):
         raise ImageTokenMismatch(f"{len(runs)} run(s) of image tokens for {len(image_grids)} image(s)")
     pieces, position, previous_end = [], 0, 0

@@ -41,16 +41,21 @@ class ModelShape:
     @classmethod
     def from_model_dir(cls, path: str | Path, lora=None) -> ModelShape:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+        from rlsys.actors.loading import is_vision_language
         from rlsys.actors.parallelize import decoder_layers
         from rlsys.run.assets import read_architecture
 
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"model.path {path} has no config.json (the memory plan reads the model's shapes)")
-        config = read_architecture(path)
+        architecture = read_architecture(path)
+        vision_language = is_vision_language(architecture)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = (AutoModelForImageTextToText if vision_language else AutoModelForCausalLM).from_config(architecture)
+        # A vision-language model's layers are its language model's; its vision tower counts with
+        # what lies outside them (the plan holds it gathered whole: more than FSDP's per-block gathers).
+        config = architecture.get_text_config()
         adapters: dict[int, int] = {}  # id(decoder layer) -> its adapters' parameters
         if lora is not None:
             from rlsys.run.model_checks import trained_model
@@ -59,7 +64,7 @@ class ModelShape:
             for layer in decoder_layers(adapted):
                 adapters[id(layer)] = sum(p.numel() for n, p in layer.named_parameters() if ".lora_" in n)
         params = sum(p.numel() for p in model.parameters())
-        layers = decoder_layers(model)
+        layers = decoder_layers(model.get_decoder() if vision_language else model)
         layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         largest = layers[layer_params.index(max(layer_params))]
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
