@@ -71,6 +71,10 @@ class ModelConfig(_Section):
         None, description="Train LoRA adapters instead of every weight (null: full fine-tuning). The engines get "
         "merged weights (W + alpha/rank * B A) at every sync.",
     )
+    freeze_vision: bool = Field(
+        False, description="A vision-language model: keep its vision tower (and the merger into the language model) "
+        "as loaded; only the language model trains, and weight syncs send only it.",
+    )
 
     @property
     def tokenizer_dir(self) -> str:
@@ -78,13 +82,19 @@ class ModelConfig(_Section):
 
 
 class SyntheticTaskConfig(_Section):
-    task: Literal["max_digit", "first_digit", "last_digit", "sum_mod10", "calculator"] = Field(
-        "max_digit", description="The built-in task whose prompts and labels are generated (rlsys/data/tasks.py).",
+    task: Literal["max_digit", "first_digit", "last_digit", "sum_mod10", "calculator", "square_color"] = Field(
+        "max_digit", description="The built-in task whose prompts and labels are generated (rlsys/data/tasks.py). "
+        "square_color: an image (a vision-language model's task) with a coloured square on grey, answered by the "
+        "colour's letter.",
     )
     num_digits: int = Field(3, ge=1, le=12, description="Digits per prompt (the digit tasks).")
     num_train: int = Field(2000, ge=1, description="Training prompts generated.")
     num_eval: int = Field(128, ge=1, description="Eval prompts generated (none of them among the training ones).")
     seed: int = Field(0, description="Seed of the generator that draws the prompts.")
+    blank_images: bool = Field(
+        False, description="square_color: draw the grey background only (the same sizes and labels), so no answer "
+        "can be seen: a control that a model which learns the task does so by looking.",
+    )
 
 
 class DataConfig(_Section):
@@ -114,6 +124,11 @@ class DataConfig(_Section):
     )
     system_prompt: str | None = Field(None, description="A system turn before each prompt (needs apply_chat_template).")
     skip_invalid_rows: bool = Field(False, description="Skip (and count) malformed rows instead of failing.")
+
+    @property
+    def has_images(self) -> bool:
+        """Its prompts carry images (a vision-language model's data)."""
+        return self.image_key is not None or (self.synthetic is not None and self.synthetic.task == "square_color")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -892,6 +907,17 @@ class RunConfig(_Section):
             raise ValueError("rollout.routing_replay with trainer.context_parallel_size > 1 is not supported yet (each "
                              "rank holds chunks of a sequence, the routes are laid out per whole sequence); use "
                              "context_parallel_size=1")
+        return self
+
+    @model_validator(mode="after")
+    def _images_fit_rollout(self):
+        # Both send token ids alone to the engine: a continued or multi-turn request would drop its images.
+        if self.data.has_images and self.rollout.partial_rollouts:
+            raise ValueError("rollout.partial_rollouts with images (a vision-language model's data) is not supported "
+                             "yet: a continued response would reach the engine without its prompt's images")
+        if self.data.has_images and self.rollout.generate_function:
+            raise ValueError("rollout.generate_function with images (a vision-language model's data) is not supported "
+                             "yet: ctx.generate sends token ids only; use the default generation")
         return self
 
     @model_validator(mode="after")

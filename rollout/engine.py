@@ -146,8 +146,11 @@ class RolloutEngine:
                                  self.server.log_tail()) from error
             raise
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Generation]:
-        """`n` samples for every prompt, grouped prompt by prompt (len = n * len(prompts))."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1,
+                 images: list[tuple[bytes, ...]] | None = None) -> list[Generation]:
+        """`n` samples for every prompt, grouped prompt by prompt (len = n * len(prompts)).
+        `images`: a vision-language model's, per prompt (its token ids hold one placeholder per
+        image); each Generation's prompt_ids are then the engine's, with the placeholders expanded."""
         if not prompts:
             return []
         batch = [list(p) for p in prompts for _ in range(n)]
@@ -156,6 +159,7 @@ class RolloutEngine:
             "sampling_params": sampling.as_sglang(),
             "return_logprob": True,
             **self._routes_asked(),
+            **_images_asked(images, n),
         }))
         return [self._to_generation(ids, answer) for ids, answer in zip(batch, answers, strict=False)]
 
@@ -182,6 +186,8 @@ class RolloutEngine:
 
     def _to_generation(self, prompt_ids: list[int], answer: dict) -> Generation:
         meta = answer["meta_info"]
+        if "prompt_token_ids" in answer:  # asked with images: the ids the engine expanded them to
+            prompt_ids = [int(token) for token in answer["prompt_token_ids"]]
         pairs = meta["output_token_logprobs"]
         response_ids = [int(token) for _, token, *_ in pairs]
         finish = meta.get("finish_reason") or {}
@@ -321,3 +327,12 @@ class RolloutEngine:
         self._watching.clear()
         self.server.stop()
         stop_reaper(self._reaper)
+
+
+def _images_asked(images: list[tuple[bytes, ...]] | None, n: int) -> dict:
+    """The request's images (base64, as SGLang's `image_data` takes them: a list per input, here
+    each prompt's n times) and the expanded prompt ids back; nothing for prompts without images."""
+    if not images or not any(images):
+        return {}
+    encoded = [[base64.b64encode(image).decode() for image in prompt_images] for prompt_images in images]
+    return {"image_data": [each for each in encoded for _ in range(n)], "return_prompt_token_ids": True}

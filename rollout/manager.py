@@ -143,10 +143,11 @@ class RolloutManager:
         return self.addresses
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
-                 recover: bool = True) -> list[Generation]:
+                 recover: bool = True, images: list[tuple[bytes, ...]] | None = None) -> list[Generation]:
         """n samples per prompt, grouped prompt by prompt in the caller's order. Runs of prompts
         go to the least busy engine; a run whose engine dies is issued again once the engine has
-        been restarted (with `recover`; otherwise the EngineCallFailed is raised)."""
+        been restarted (with `recover`; otherwise the EngineCallFailed is raised). `images`: per
+        prompt, a vision-language model's (rollout/engine.py `generate`)."""
         for number, prompt in enumerate(prompts):
             self._refuse_out_of_vocabulary(prompt, f"prompt {number} of the batch")
         chunks = split_into_chunks(len(prompts), len(self.engines))
@@ -156,7 +157,9 @@ class RolloutManager:
         answers: dict[int, list[Generation]] = {}
         self._answer_all(
             list(range(len(chunks))),
-            lambda keys: _gather([self._generate_run([prompts[p] for p in chunks[c]], sampling, n, limit) for c in keys]),
+            lambda keys: _gather([self._generate_run([prompts[p] for p in chunks[c]], sampling, n, limit,
+                                                     None if images is None else [images[p] for p in chunks[c]])
+                                  for c in keys]),
             answers.__setitem__,
             lambda c: (f"prompts {chunks[c].start}..{chunks[c].stop - 1} of the batch (the first's token ids begin "
                        f"{prompts[chunks[c].start][:16]})"),
@@ -164,10 +167,11 @@ class RolloutManager:
         return [generation for c in range(len(chunks)) for generation in answers[c]]
 
     async def _generate_run(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
-                            limit: int | None) -> list[Generation] | EngineCallFailed:
+                            limit: int | None, images: list[tuple[bytes, ...]] | None = None,
+                            ) -> list[Generation] | EngineCallFailed:
         async with self.dispatcher.engine(len(prompts) * n, limit) as index:
             try:
-                return await self.engines[index].generate.remote(prompts, sampling, n)
+                return await self.engines[index].generate.remote(prompts, sampling, n, images)
             except (RayActorError, RayTaskError) as error:
                 return EngineCallFailed(index, error)
 

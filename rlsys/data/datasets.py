@@ -316,7 +316,7 @@ class PromptSplits:
 
 def load_splits(config: DataConfig, seed: int) -> PromptSplits:
     if config.synthetic is not None:
-        train, eval_ = ([PromptRecord(e.prompt, e.label, {"task": e.task}) for e in split]
+        train, eval_ = ([PromptRecord(e.prompt, e.label, {"task": e.task}, e.images) for e in split]
                         for split in generate_task(config.synthetic))
         return PromptSplits(train=train, eval=eval_)
     columns = Columns.from_config(config)

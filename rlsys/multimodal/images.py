@@ -99,3 +99,17 @@ def decoded(data: bytes):
 
     with Image.open(io.BytesIO(data)) as image:
         return image.convert("RGB")
+
+
+THUMBNAIL_SIDE = 64  # pixels: the dashboard's sample table shows each image at most this large
+
+
+def thumbnail_uri(data: bytes, side: int = THUMBNAIL_SIDE) -> str:
+    """A small PNG of the image (its longer side at most `side`), as a data: URI the dashboard shows."""
+    from PIL import Image
+
+    image = decoded(data)
+    image.thumbnail((side, side), Image.Resampling.BILINEAR)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()

@@ -25,16 +25,25 @@ def _cut(text: str) -> str:
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + f"… ({len(text) - SHOWN_CHARS} more characters)"
 
 
+SHOWN_IMAGES = 4  # thumbnails of a vision-language prompt's images a row holds
+
+
 def shown_samples(step: int, source: str, prompts: Sequence[str], responses: Sequence[str],
                   rewards: Sequence[float | None], finish_reasons: Sequence[str], response_tokens: Sequence[int],
-                  group_size: int, count: int) -> list[dict]:
+                  group_size: int, count: int, images: Sequence[tuple[bytes, ...]] | None = None) -> list[dict]:
     """The first answer of each of the first `count` prompts (groups of `group_size` answers each),
-    as the rows samples.jsonl holds. `source`: "train", or "eval" / "eval:NAME" for an eval set."""
+    as the rows samples.jsonl holds. `source`: "train", or "eval" / "eval:NAME" for an eval set.
+    `images`: per sample, a vision-language prompt's; a row then holds thumbnails of them (data: URIs)."""
+    from rlsys.multimodal.images import thumbnail_uri
+
     rows = []
     for index in range(0, min(len(prompts), count * group_size), group_size):
-        rows.append({"step": step, "source": source, "prompt": _cut(prompts[index]), "response": _cut(responses[index]),
-                     "reward": rewards[index], "finish_reason": finish_reasons[index],
-                     "response_tokens": response_tokens[index]})
+        row = {"step": step, "source": source, "prompt": _cut(prompts[index]), "response": _cut(responses[index]),
+               "reward": rewards[index], "finish_reason": finish_reasons[index],
+               "response_tokens": response_tokens[index]}
+        if images is not None and images[index]:
+            row["images"] = [thumbnail_uri(image) for image in images[index][:SHOWN_IMAGES]]
+        rows.append(row)
     return rows
 
 

@@ -38,15 +38,23 @@ class RunAssets:
     eval_sets: list[EvalSetAssets] = field(default_factory=list)
 
 
-def _encode(tokenizer, record: PromptRecord, chat: bool, system_prompt: str | None = None) -> list[int]:
+def _encode(tokenizer, record: PromptRecord, chat: bool, system_prompt: str | None = None,
+            image_placeholder: list[int] | None = None) -> list[int]:
+    """A prompt's token ids. With images, each is one placeholder (`image_placeholder`: Qwen2.5-VL's
+    vision start, image pad and vision end) that the engine expands to the image's tokens: where the
+    chat template puts an image part (before the text, as Qwen's processor examples do), else before
+    the prompt's own ids."""
     if chat:
         messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-        messages.append({"role": "user", "content": record.prompt})
+        content = record.prompt if not record.images else \
+            [{"type": "image"} for _ in record.images] + [{"type": "text", "text": record.prompt}]
+        messages.append({"role": "user", "content": content})
         # Rendered to text, then tokenised without added special tokens (the template holds them
         # all): the same ids whatever apply_chat_template(tokenize=True) returns in a given version.
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(record.prompt, add_special_tokens=True)["input_ids"]
+    ids = tokenizer(record.prompt, add_special_tokens=True)["input_ids"]
+    return ids if not record.images else list(image_placeholder) * len(record.images) + ids
 
 
 def _stop_token_ids(config: RunConfig, tokenizer) -> list[int]:
@@ -79,10 +87,16 @@ def read_model_config(model_dir: str | Path) -> dict:
     return model_config
 
 
+# Vision-language model types rlsys trains: their multimodal rotary positions are Qwen2.5-VL's
+# (rlsys/multimodal/positions.py) and SGLang's weight names theirs (actors/checkpoint_layout.py).
+VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
+
+
 def read_architecture(model_dir: str | Path):
     """The model's transformers config, refused with a ConfigError when transformers cannot build a
-    causal LM from it (a model type it does not know, or one that is no causal LM), before anything
-    starts."""
+    causal LM from it (a model type it does not know, or one that is no causal LM) or it is a
+    vision-language model of another type than VISION_LANGUAGE_MODEL_TYPES, before anything starts.
+    A vision-language model's text model is `.get_text_config()` (the text model's own config is itself)."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -100,6 +114,11 @@ def read_architecture(model_dir: str | Path):
         raise ConfigError(f"invalid config: model.path {model_dir}: transformers cannot read its config.json, "
                           f"{named}: {reason}; rlsys trains the architectures in docs/gpus-and-clusters.md "
                           "(Qwen2, Qwen3, Llama, Qwen3-MoE): point model.path at one of those") from None
+    if "vision_config" in model_config:
+        if config.model_type not in VISION_LANGUAGE_MODEL_TYPES:
+            raise ConfigError(f"invalid config: model.path {model_dir}: {named} is a vision-language model rlsys does "
+                              f"not train; it trains {', '.join(VISION_LANGUAGE_MODEL_TYPES)} (Qwen2.5-VL) among them")
+        return config
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError(f"invalid config: model.path {model_dir}: {named} is not a causal language model "
                           "transformers can build (AutoModelForCausalLM); rlsys trains the architectures in "
@@ -217,13 +236,21 @@ def _check_the_model(config: RunConfig, model_dir: Path) -> None:
             f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
             "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
         )
-    if config.data.image_key is not None:  # the trainer and engines take images only with a vision tower
-        raw = read_model_config(model_dir)
-        if "vision_config" not in raw:
-            raise ConfigError(f"invalid config: data.image_key={config.data.image_key} gives each prompt images, but "
-                              f"model.path {model_dir} is not a vision-language model (its config.json has no "
-                              "vision_config); unset data.image_key, or point model.path at one")
-    architecture = read_architecture(model_dir)
+    vision_language = "vision_config" in read_model_config(model_dir)
+    if config.data.has_images and not vision_language:  # the trainer and engines take images only with a vision tower
+        source = (f"data.image_key={config.data.image_key}" if config.data.image_key is not None
+                  else f"data.synthetic.task={config.data.synthetic.task}")
+        raise ConfigError(f"invalid config: {source} gives each prompt images, but model.path {model_dir} is not a "
+                          "vision-language model (its config.json has no vision_config); point model.path at one "
+                          "(rlsys make-tiny-model --arch qwen2_5_vl DIR builds a tiny one)")
+    if vision_language and config.trainer.context_parallel_size > 1:
+        raise ConfigError(f"invalid config: trainer.context_parallel_size={config.trainer.context_parallel_size} with a "
+                          f"vision-language model ({model_dir}) is not supported yet (a sequence's image tokens would "
+                          "be split over ranks the vision tower does not span); use context_parallel_size=1")
+    if config.model.freeze_vision and not vision_language:
+        raise ConfigError(f"invalid config: model.freeze_vision is set but model.path {model_dir} has no vision tower "
+                          "(its config.json has no vision_config)")
+    architecture = read_architecture(model_dir).get_text_config()
     if config.rollout.routing_replay != "off" and not getattr(architecture, "num_experts_per_tok", None):
         raise ConfigError(f"invalid config: rollout.routing_replay={config.rollout.routing_replay} replays the experts "
                           f"the engine routed each token to, but model.path {model_dir} is not a mixture-of-experts "
@@ -246,12 +273,41 @@ def _check_the_model(config: RunConfig, model_dir: Path) -> None:
 
 def _encode_fitting(config: RunConfig, tokenizer, records: list[PromptRecord],
                     budget: int) -> tuple[list[EncodedPrompt], int]:
-    """The records encoded (chat template, system prompt), those of 1 to `budget` tokens kept; and
-    how many were not."""
+    """The records encoded (chat template, system prompt), those of 1 to `budget` tokens kept (a
+    prompt's images counted at the tokens the engine expands them to); and how many were not."""
     data = config.data
-    encoded = [EncodedPrompt(r, _encode(tokenizer, r, data.apply_chat_template, data.system_prompt)) for r in records]
-    kept = [e for e in encoded if 0 < len(e.token_ids) <= budget]
+    images = _ImageTokens.of(config) if any(r.images for r in records) else None
+    placeholder = images.placeholder if images is not None else None
+    encoded = [EncodedPrompt(r, _encode(tokenizer, r, data.apply_chat_template, data.system_prompt, placeholder))
+               for r in records]
+    if images is None:
+        kept = [e for e in encoded if 0 < len(e.token_ids) <= budget]
+    else:
+        kept = [e for e in encoded if 0 < images.expanded_len(e) <= budget]
     return kept, len(encoded) - len(kept)
+
+
+class _ImageTokens:
+    """A vision-language model's image placeholder ids and the length a prompt's images expand to."""
+
+    def __init__(self, model_dir: str, raw: dict):
+        from rlsys.multimodal.vision_inputs import VisionInputs
+
+        self.vision = VisionInputs.for_model(model_dir)
+        self.placeholder = [raw["vision_start_token_id"], raw["image_token_id"], raw["vision_end_token_id"]]
+
+    @classmethod
+    def of(cls, config: RunConfig) -> _ImageTokens:
+        return cls(config.model.path, read_model_config(config.model.path))
+
+    def expanded_len(self, prompt: EncodedPrompt) -> int:
+        """Its length on the engine; ConfigError when its ids hold another number of images than it has."""
+        placeholders = prompt.token_ids.count(self.vision.image_token_id)
+        if placeholders != len(prompt.record.images):
+            raise ConfigError(f"invalid data: prompt {prompt.text[:60]!r} has {len(prompt.record.images)} image(s) but "
+                              f"its token ids hold {placeholders} image placeholder(s) (the chat template's, or "
+                              "image tokens written in the prompt's text); one per image is needed")
+        return len(prompt.token_ids) + self.vision.placeholder_len(prompt.record.images)
 
 
 def _eval_set_assets(config: RunConfig, tokenizer, eval_set: EvalSetConfig) -> EvalSetAssets:

@@ -138,7 +138,7 @@ def _shown_samples(config: RunConfig, step: int, scored: ScoredBatch) -> list[di
     return shown_samples(step, "train", [s.record.prompt for s in samples], [s.response_text for s in samples],
                          [s.reward for s in samples], [s.generation.finish_reason for s in samples],
                          [len(s.generation.response_ids) for s in samples], config.rollout.n_samples_per_prompt,
-                         config.logging.samples_per_step)
+                         config.logging.samples_per_step, [s.record.images for s in samples])
 
 
 def _record(run: Run, row: dict, shown: list[dict], last_step: bool) -> None:

@@ -136,7 +136,7 @@ class Evaluator:
                                       [r.prompt for r in records], [c.response for c in calls],
                                       [o.value for o in outcomes], [g.finish_reason for g in generations],
                                       [len(g.response_ids) for g in generations], eval_set.n_samples,
-                                      self.samples_per_set)
+                                      self.samples_per_set, [r.images for r in records])
         return set_metrics(eval_set, generations, rewards, sum(o.error is not None for o in outcomes))
 
     def _scorer_for(self, function: str | None) -> Scorer:

@@ -56,7 +56,9 @@ class SampleMaker:
     def samples(self, rollout: RolloutManager, prompts: list[EncodedPrompt], sampling: SamplingParams, n: int,
                 recover: bool = True) -> list[Generation]:
         if self.function is None:
-            return rollout.generate([p.token_ids for p in prompts], sampling, n, recover=recover)
+            images = [p.record.images for p in prompts]
+            return rollout.generate([p.token_ids for p in prompts], sampling, n, recover=recover,
+                                    images=images if any(images) else None)
         return rollout.trajectories(prompts, self.function, sampling,
                                     n, self.tokenizer, self.tool_timeout_s, recover=recover, function_path=self.path)
 

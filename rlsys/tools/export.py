@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
     "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json",
+    # a vision-language model's processor: AutoProcessor reads these beside the tokenizer's
+    "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json",
 )
 
 
@@ -63,10 +65,12 @@ def _read_checkpoint(state: dict, checkpoint: Path) -> None:
 def _with_adapters(model, lora, checkpoint: Path, base_id: str):
     """`model` as a PeftModel holding the checkpoint's adapters (the trainer's DCP keys are the
     injected model's own names, `...q_proj.lora_A.default.weight`)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    settings = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=lora.target_modules, bias="none", base_model_name_or_path=base_id)
+    from rlsys.actors.lora import lora_settings
+
+    settings = lora_settings(model.config, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
+                             base_model_name_or_path=base_id)
     peft_model = get_peft_model(model, settings)
     inner = peft_model.base_model.model  # the transformers model, adapters injected: the trainer's names
     adapters = {name: param.detach() for name, param in inner.named_parameters() if ".lora_" in name}
@@ -96,7 +100,9 @@ def _clear_output_dir(out_dir: Path, overwrite: bool) -> None:
 
 def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path, merged: bool = False,
               overwrite: bool = False) -> Path:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rlsys.actors.loading import is_vision_language
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     checkpoint = checkpoint_to_export(CheckpointStore(run_dir), step)
@@ -111,7 +117,9 @@ def export_hf(run_dir: str | Path, step: int | None, out_dir: str | Path, merged
         raise ConfigError(f"--merged: the run in {run_dir} trained every weight (no model.lora): its export is "
                           "the whole model already; leave --merged out")
     base = Path(config.model.path)
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model_class = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(str(base))) \
+        else AutoModelForCausalLM
+    model = model_class.from_pretrained(str(base), dtype=torch.float32)
     if config.model.lora is not None:
         peft_model = _with_adapters(model, config.model.lora, checkpoint, config.model.hub_id or str(base))
         if merged:

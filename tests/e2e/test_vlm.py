@@ -1,15 +1,28 @@
-"""A vision-language model on the real SGLang server's CPU path (#62 so far: serving and the
-trainer's side of a log-prob; the run itself is not wired yet): the tiny Qwen2.5-VL
-(`rlsys make-tiny-model --arch qwen2_5_vl`) takes prompts as token ids with one image placeholder
-per image and the images beside them (`image_data`); the engine expands each placeholder exactly as
-transformers' processor does, and its log-probs of what it sampled are transformers' own within fp32
-rounding (issue bound: mean |diff| <= 1e-5; measured 1.2e-7 mean, 4.8e-7 most on the first prompt).
-One SGLang start: the one vision-language engine the suite's budget holds (tests/conftest.py)."""
+"""A vision-language model end to end (#62) on the real SGLang server's CPU path, through one
+standing engine set of the tiny Qwen2.5-VL (`rlsys make-tiny-model --arch qwen2_5_vl`): the one
+vision-language engine the suite's budget holds (tests/conftest.py).
 
-import base64
+The engine takes a prompt's token ids with one placeholder per image and the images beside them
+(`image_data`), expands each placeholder exactly as transformers' processor does, and its log-probs
+of what it sampled are transformers' and the trainer's own within fp32 rounding (issue bound: mean
+|diff| <= 1e-5; measured 1.2e-7 mean, 4.8e-7 most against transformers). A run on
+configs/quickstart_vlm.yaml trains with the engines verified equal to the trainer after every sync,
+resumes from its checkpoint on the checkpointed weights, and exports a model and processor that
+transformers loads and that answers the eval prompts as the run's eval did."""
+
 import io
+import json
+import shutil
+import subprocess
+import sys
 
 import pytest
+import ray
+import torch
+
+from rlsys.observability.metrics import read_metrics
+from tests.conftest import standing_set, stop_standing_set
+from tests.helpers import REPO, train_command, trainer_spec
 
 
 def _png(color, size) -> bytes:
@@ -21,55 +34,133 @@ def _png(color, size) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def vlm_engine(tmp_path_factory):
-    from rlsys.config import EngineConfig, ModelConfig
-    from rlsys.rollout.sglang.server import ServerSpec, SGLangServer
-    from rlsys.system.backend import make_backend
+def vlm_model(tmp_path_factory):
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
-    model = make_tiny_model(tmp_path_factory.mktemp("vlm"), TinyModelSpec(arch="qwen2_5_vl"))
-    spec = ServerSpec(ModelConfig(path=str(model)), EngineConfig(skip_tokenizer_init=True, context_length=128,
-                                                                max_total_tokens=4096, request_timeout_s=300))
-    server = SGLangServer(spec, make_backend(False), "vlm", tmp_path_factory.mktemp("logs") / "vlm.log")
-    server.start(spec.startup_timeout_s)
-    yield model, server
-    server.stop()
+    return make_tiny_model(tmp_path_factory.mktemp("vlm"), TinyModelSpec(arch="qwen2_5_vl"))
 
 
-def test_the_engine_expands_images_as_the_processor_does_and_scores_as_transformers(vlm_engine):
-    import torch
+@pytest.fixture(scope="module")
+def vlm_engines(ray_cluster, vlm_model, tmp_path_factory):
+    """Standing engines for configs/quickstart_vlm.yaml on the tiny VLM, for this module's tests."""
+    yield standing_set("vlm", "quickstart_vlm.yaml", [f"model.path={vlm_model}"],
+                       tmp_path_factory.getbasetemp() / "standing-engines")
+    stop_standing_set("vlm")
+
+
+def test_the_engine_expands_images_as_the_processor_does_and_scores_as_transformers_and_the_trainer(
+        vlm_model, vlm_engines):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from rlsys.actors.trainer import TrainerWorker
+    from rlsys.data.tokenizer import load_tokenizer
     from rlsys.multimodal.images import decoded
+    from rlsys.records import PromptRecord, SamplingParams, TrainSequence
+    from rlsys.rollout.standing import engine_handle, service
+    from rlsys.run.assets import _encode
 
-    model_dir, server = vlm_engine
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    prompts = [  # (images, question): one image; two of other sizes (2 and 4 image tokens)
-        ([_png((255, 0, 0), (56, 56))], "red?"),
-        ([_png((0, 0, 255), (60, 30)), _png((0, 255, 0), (40, 40))], "which?"),
-    ]
-    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(images)
-                                             + [{"type": "text", "text": question}]}], add_generation_prompt=True)
-             for images, question in prompts]
-    answers = server.client.generate({
-        "input_ids": [processor.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts],
-        "image_data": [[base64.b64encode(image).decode() for image in images] for images, _ in prompts],
-        "sampling_params": {"temperature": 1.0, "max_new_tokens": 8},
-        "return_logprob": True, "return_prompt_token_ids": True,
-    })
-    gaps = []
-    for (images, _), text, answer in zip(prompts, texts, answers, strict=True):
-        inputs = processor(text=[text], images=[decoded(image) for image in images], return_tensors="pt")
+    processor = AutoProcessor.from_pretrained(vlm_model)
+    model = AutoModelForImageTextToText.from_pretrained(vlm_model, dtype=torch.float32)
+    records = [PromptRecord("red?", "r", images=(_png((255, 0, 0), (56, 56)),)),  # one image, 4 tokens
+               PromptRecord("which?", "g", images=(_png((0, 0, 255), (60, 30)), _png((0, 255, 0), (40, 40))))]
+    tokenizer = load_tokenizer(vlm_model)
+    prompts = [_encode(tokenizer, record, chat=True) for record in records]  # one placeholder per image
+    engine = engine_handle(ray.get(service("vlm").record.remote()), 0)
+    generations = ray.get(engine.generate.remote(prompts, SamplingParams(temperature=1.0, max_new_tokens=8), 1,
+                                                 [record.images for record in records]))
+    worker = TrainerWorker(trainer_spec(vlm_model, num_ranks=1), 0, 1)
+    worker.setup(*worker.rendezvous_address())
+    try:
+        trainer_logprobs = worker.compute_log_probs([
+            TrainSequence(g.prompt_ids + g.response_ids, prompt_len=len(g.prompt_ids), images=record.images)
+            for g, record in zip(generations, records, strict=True)])
+    finally:
+        worker.shutdown()
+    to_transformers, to_trainer = [], []
+    for record, generation, ours in zip(records, generations, trainer_logprobs, strict=True):
+        content = [{"type": "image"}] * len(record.images) + [{"type": "text", "text": record.prompt}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        inputs = processor(text=[text], images=[decoded(image) for image in record.images], return_tensors="pt")
         expanded = inputs["input_ids"][0].tolist()
-        assert answer["prompt_token_ids"] == expanded  # the placeholder became the image's merged patches
-        pairs = answer["meta_info"]["output_token_logprobs"]
-        response = [int(token) for _, token, *_ in pairs]
+        assert generation.prompt_ids == expanded  # each placeholder became the image's merged patches
+        response = generation.response_ids
         sequence = torch.tensor([expanded + response])
         token_types = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, len(response), dtype=torch.int)], dim=1)
         with torch.no_grad():
             logits = model(input_ids=sequence, pixel_values=inputs["pixel_values"],
                            image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=token_types).logits
         scored = torch.log_softmax(logits[0, len(expanded) - 1:-1], -1).gather(-1, torch.tensor(response)[:, None])
-        gaps += (scored[:, 0] - torch.tensor([float(lp) for lp, *_ in pairs])).abs().tolist()
-    assert sum(gaps) / len(gaps) <= 1e-5 and max(gaps) <= 1e-4, gaps
+        engine_logprobs = torch.tensor(generation.logprobs)
+        to_transformers += (scored[:, 0] - engine_logprobs).abs().tolist()
+        to_trainer += (torch.tensor(ours) - engine_logprobs).abs().tolist()
+    for gaps in (to_transformers, to_trainer):
+        assert sum(gaps) / len(gaps) <= 1e-5 and max(gaps) <= 1e-4, gaps
+
+
+def test_a_vlm_run_syncs_verified_weights_resumes_and_exports_a_model_that_answers_as_its_eval(
+        tmp_path, vlm_model, ray_address, vlm_engines):
+    """Four steps on the square-colour task with every sync verified (engine == trainer, the
+    vision tower included), eval at steps 0 and 2, checkpoints at 2 and 4; the run resumed from
+    step 2 continues with the checkpointed data position and weights; `rlsys export` of step 2 loads
+    in transformers (model and processor) and answers step 2's eval prompts as the run's eval did."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rlsys.config import load_config
+    from rlsys.data.tasks import generate_task
+    from rlsys.multimodal.images import decoded
+    from rlsys.records import PromptRecord
+    from rlsys.run.assets import _encode
+
+    run_dir = tmp_path / "run"
+    overrides = ["trainer.total_steps=4", "checkpoint.interval=2", "eval.interval=2", "weight_sync.verify=true",
+                 "data.prompts_per_step=8", "logging.samples_per_step=8", ray_address, vlm_engines]
+    result = subprocess.run(train_command("quickstart_vlm.yaml", vlm_model, run_dir, *overrides), cwd=REPO,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["logprob_mismatch"] < 1e-5 for r in rows)  # mean |engine - trainer| of the sampled tokens' log-probs
+    shown = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert all(row["images"] and row["images"][0].startswith("data:image/png;base64,") for row in shown)
+
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "step_00000004")
+    result = subprocess.run(train_command("quickstart_vlm.yaml", vlm_model, resumed_dir, *overrides,
+                                          "checkpoint.resume=auto"), cwd=REPO, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step_00000002" in result.stdout
+    resumed = read_metrics(resumed_dir / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3] and resumed[:2] == rows[:2]
+    assert [(r["data_epoch"], r["data_index"]) for r in resumed] == [(r["data_epoch"], r["data_index"]) for r in rows]
+    # on the checkpointed weights (version 2), engine and trainer alike: its step-2 eval is the run's
+    assert resumed[2]["weight_version"] == 2 and resumed[2]["eval_reward_mean"] == rows[2]["eval_reward_mean"]
+
+    export = subprocess.run([sys.executable, "-m", "rlsys.cli", "export", str(run_dir), str(tmp_path / "hf"),
+                             "--step", "2"], capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr[-2000:]
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(tmp_path / "hf")
+    config = load_config(run_dir / "config.yaml")
+    _, eval_examples = generate_task(config.data.synthetic)
+    evaluated = [row for row in shown if row["step"] == 2 and row["source"] == "eval"]
+    assert evaluated
+    placeholder = [model.config.vision_start_token_id, model.config.image_token_id, model.config.vision_end_token_id]
+    for example, row in zip(eval_examples, evaluated, strict=False):
+        ids = _encode(processor.tokenizer, PromptRecord(example.prompt, example.label, images=example.images),
+                      chat=False, image_placeholder=placeholder)  # as the run encodes it
+        inputs = processor.image_processor(images=[decoded(example.images[0])], return_tensors="pt")
+        expanded = _expanded(ids, model.config.image_token_id, inputs["image_grid_thw"])
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([expanded]), pixel_values=inputs["pixel_values"],
+                           image_grid_thw=inputs["image_grid_thw"],
+                           mm_token_type_ids=(torch.tensor([expanded]) == model.config.image_token_id).int()).logits
+        answer = processor.tokenizer.decode([int(logits[0, -1].argmax())], skip_special_tokens=False)
+        assert answer == row["response"], row
+
+
+def _expanded(ids: list[int], image_token: int, grid) -> list[int]:
+    """The placeholder as the processor expands it: one token per 2 x 2 merged patches."""
+    at = ids.index(image_token)
+    return ids[:at] + [image_token] * int(grid[0].prod() // 4) + ids[at + 1:]

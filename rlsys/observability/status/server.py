@@ -87,6 +87,7 @@ class SampleResponse(BaseModel):
     reward: float | None
     finish_reason: str
     response_tokens: int
+    images: list[str] = []  # a vision-language prompt's images: thumbnails as data: URIs (PNG)
 
 
 class SamplesResponse(BaseModel):

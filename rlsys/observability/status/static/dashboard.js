@@ -312,7 +312,17 @@ function redrawSamples(samples) {
   body.replaceChildren(...samples.slice().reverse().map(sample => {
     const tr = document.createElement("tr");
     tr.dataset.source = sample.source;
-    tr.append(cell(String(sample.step)), cell(sample.source), cell(sample.prompt, "sample-text"),
+    const prompt = cell(sample.prompt, "sample-text");
+    // a vision-language prompt's images: thumbnails (data: URIs of PNGs, from the API only)
+    for (const uri of sample.images || []) {
+      if (!uri.startsWith("data:image/png;base64,")) continue;
+      const img = document.createElement("img");
+      img.src = uri;
+      img.className = "sample-image";
+      img.alt = "prompt image";
+      prompt.prepend(img);
+    }
+    tr.append(cell(String(sample.step)), cell(sample.source), prompt,
               cell(sample.response, "sample-text"),
               cell(sample.reward === null ? "error" : (+sample.reward.toPrecision(3)).toString()),
               cell(sample.finish_reason));
