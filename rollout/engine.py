@@ -215,6 +215,20 @@ class RolloutEngine:
         }))
         return [[float(lp) for lp, *_ in a["meta_info"]["input_token_logprobs"][1:]] for a in answers]
 
+    def score_with_images(self, sequence: list[int], images: tuple[bytes, ...]) -> tuple[list[int], list[float]]:
+        """A vision-language sequence (one placeholder per image) scored as `score` does: its ids as
+        the engine expanded them, and the log-probs of tokens 1..L-1 of those (the ones at image
+        tokens mean nothing: the scheduler holds pad values there)."""
+        answer, = self._call(lambda: self.client.generate({
+            "input_ids": [list(sequence)],
+            "sampling_params": {"max_new_tokens": 1, "temperature": SCORE_TEMPERATURE},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            **_images_asked([images], 1),
+        }))
+        return ([int(token) for token in answer["prompt_token_ids"]],
+                [float(lp) for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]])
+
     # ---- weights ---------------------------------------------------------------------------
     def end_abandoned_weight_update(self) -> bool:
         """Close a weight-update session a trainer died in the middle of (SGLang refuses the next

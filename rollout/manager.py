@@ -482,6 +482,10 @@ class RolloutManager:
     def score(self, sequences: list[list[int]], engine_index: int = 0) -> list[list[float]]:
         return ray.get(self.engines[engine_index].score.remote(sequences))
 
+    def score_with_images(self, sequence: list[int], images: tuple[bytes, ...],
+                          engine_index: int = 0) -> tuple[list[int], list[float]]:
+        return ray.get(self.engines[engine_index].score_with_images.remote(sequence, images))
+
     def health(self, timeout_s: float = 10.0) -> list[dict]:
         """Per engine: alive, memory_bytes, url; a dead or unresponsive actor reads as not alive."""
         reports = []

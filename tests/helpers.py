@@ -452,3 +452,20 @@ def check_tracking(run_dir: Path, rows: list[dict]) -> None:
     assert sorted(evals.items()) == [(r["step"], r["eval_reward_mean"]) for r in rows
                                      if r.get("eval_reward_mean") is not None]
     assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+
+
+def image_sensitive_vlm(directory: Path) -> Path:
+    """The tiny Qwen2.5-VL (`rlsys make-tiny-model --arch qwen2_5_vl`) with its merger's output 4x
+    larger. At random init the model's answers hardly depend on the image (two images move a
+    log-prob by ~1e-5), which would let a wrong or stale image feature pass a comparison of
+    log-probs; here two images move it by ~0.08."""
+    from safetensors.torch import load_file, save_file
+
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    model = make_tiny_model(directory, TinyModelSpec(arch="qwen2_5_vl"))
+    weights = load_file(model / "model.safetensors")
+    for name in [name for name in weights if name.startswith("visual.merger.mlp.2.")]:
+        weights[name] = weights[name] * 4
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    return model

@@ -85,9 +85,49 @@ def model_depth(model_path: str) -> int:
     return int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
 
 
-def probe_sequences(vocab_size: int, seed: int, count: int = 4, length: int = 24) -> list[list[int]]:
+def probe_sequences(vocab_size: int, seed: int, count: int = 4, length: int = 24,
+                    excluded: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Random token ids (none of `excluded`: a vision-language model's image and vision markers)."""
     rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+    allowed = [token for token in range(vocab_size) if token not in excluded]
+    return [[rng.choice(allowed) for _ in range(length)] for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class ImageProbe:
+    """A vision-language model's probe: an image (a fixed gradient) before random tokens."""
+
+    placeholder: list[int]  # vision start, image pad, vision end
+    excluded: frozenset[int]  # the vision special tokens: never random probe tokens
+
+    @classmethod
+    def of(cls, model_path: str) -> ImageProbe | None:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        if "vision_config" not in config:
+            return None
+        names = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
+        return cls([config[name] for name in names[:3]], frozenset(config[name] for name in names if name in config))
+
+    @staticmethod
+    def image() -> bytes:
+        import io
+
+        from PIL import Image
+
+        picture = Image.new("RGB", (56, 56))
+        picture.putdata([(4 * x, 4 * y, 255 - 2 * (x + y)) for y in range(56) for x in range(56)])
+        out = io.BytesIO()
+        picture.save(out, format="PNG")
+        return out.getvalue()
+
+    def agreement(self, trainer, rollout, engine_index: int, tokens: list[int]) -> ProbeAgreement:
+        """Engine and trainer log-probs of the tokens after the image, through the vision tower."""
+        image = self.image()
+        expanded, engine = rollout.score_with_images(self.placeholder + tokens, (image,), engine_index)
+        after = len(expanded) - len(tokens)  # the first token after vision end
+        trainer_logprobs, = trainer.compute_log_probs([TrainSequence(expanded, prompt_len=after, images=(image,))],
+                                                      temperature=SCORE_TEMPERATURE)
+        return compare_logprobs([engine[after - 1:]], [trainer_logprobs])
 
 
 def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: float | None, seed: int,
@@ -103,12 +143,17 @@ def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: floa
     stale = [i for i, version in enumerate(versions) if version != weight_version]
     if stale:
         raise WeightSyncMismatch(f"engine(s) {stale} report weight versions {versions}, expected {weight_version}")
-    probes = probe_sequences(trainer.vocab_size(), seed)
+    image_probe = ImageProbe.of(rollout.spec.model.path)
+    probes = probe_sequences(trainer.vocab_size(), seed,
+                             excluded=image_probe.excluded if image_probe is not None else frozenset())
     expected = trainer.compute_log_probs([TrainSequence(p, prompt_len=1) for p in probes],
                                          temperature=SCORE_TEMPERATURE)
     worst = 0.0
     for index in range(len(rollout.engines)):
         agreement = compare_logprobs(rollout.score(probes, engine_index=index), expected)
+        if image_probe is not None:  # the vision tower's weights too
+            agreement = max(agreement, image_probe.agreement(trainer, rollout, index, probes[0]),
+                            key=lambda found: found.mean_abs_diff)
         bound = tolerance if tolerance is not None else rounding_tolerance(served, num_layers,
                                                                            agreement.mean_abs_logprob)
         logger.info("weight version %d, engine %d: mean |logprob diff| %.3g (max %.3g) over %d probe tokens, "

@@ -251,6 +251,11 @@ def build_env(spec: ServerSpec, backend: Backend, host: str = "127.0.0.1") -> di
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # --device cpu alone does not select the CPU path
         path = [str(CPU_COMPAT_SITE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(path)
+    # A vision-language model's image features would be served from SGLang's embedding cache, keyed
+    # by the image alone and kept across weight updates: its flush_cache (managers/scheduler.py)
+    # resets the KV and radix caches, not this one (managers/mm_schedule.py `embedding_cache`), so an
+    # image seen before a sync would be encoded by the old vision tower. Size 0 caches nothing.
+    env["SGLANG_VLM_CACHE_SIZE_MB"] = "0"
     cores = len(os.sched_getaffinity(0))
     # The scheduler's torch takes its thread count from OMP_NUM_THREADS at start.
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(spec.threads(cores))

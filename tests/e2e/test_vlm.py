@@ -12,6 +12,7 @@ transformers loads and that answers the eval prompts as the run's eval did."""
 
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 
 from rlsys.observability.metrics import read_metrics
 from tests.conftest import standing_set, stop_standing_set
-from tests.helpers import REPO, train_command, trainer_spec
+from tests.helpers import REPO, image_sensitive_vlm, train_command, trainer_spec
 
 
 def _png(color, size) -> bytes:
@@ -35,9 +36,7 @@ def _png(color, size) -> bytes:
 
 @pytest.fixture(scope="module")
 def vlm_model(tmp_path_factory):
-    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("vlm"), TinyModelSpec(arch="qwen2_5_vl"))
+    return image_sensitive_vlm(tmp_path_factory.mktemp("vlm"))
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +112,15 @@ def test_a_vlm_run_syncs_verified_weights_resumes_and_exports_a_model_that_answe
 
     run_dir = tmp_path / "run"
     overrides = ["trainer.total_steps=4", "checkpoint.interval=2", "eval.interval=2", "weight_sync.verify=true",
-                 "data.prompts_per_step=8", "logging.samples_per_step=8", ray_address, vlm_engines]
+                 "trainer.lr=0.01", "data.prompts_per_step=8", "logging.samples_per_step=8", ray_address, vlm_engines]
     result = subprocess.run(train_command("quickstart_vlm.yaml", vlm_model, run_dir, *overrides), cwd=REPO,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    # verify after every sync, its image probe the same image each time: a vision tower the engine
+    # did not take, or image features it kept from older weights (its embedding cache: 6.4e-4 after
+    # two such steps), would show here
+    verified = [float(found) for found in re.findall(r"mean \|logprob diff\| (\S+)", result.stdout)]
+    assert len(verified) >= 4 and max(verified) <= 1e-5, verified
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["logprob_mismatch"] < 1e-5 for r in rows)  # mean |engine - trainer| of the sampled tokens' log-probs

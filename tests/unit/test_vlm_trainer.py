@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.helpers import trainer_spec
+from tests.helpers import image_sensitive_vlm, trainer_spec
 
 
 def _png(color, size) -> bytes:
@@ -23,9 +23,7 @@ def _png(color, size) -> bytes:
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
-    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("vlm"), TinyModelSpec(arch="qwen2_5_vl"))
+    return image_sensitive_vlm(tmp_path_factory.mktemp("vlm"))
 
 
 @pytest.fixture(scope="module")
