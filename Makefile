@@ -11,7 +11,7 @@ STAMP := $(VENV)/.rlsys-installed
 # step keeps setuptools' "editable installation" note out of the build output.
 PIP := $(BIN)/pip install -qq
 
-.PHONY: install install-gpu quickstart test test-fast test-gpu lint clean chromium iptables bench check-install check-python
+.PHONY: install install-gpu quickstart quickstart-vlm test test-fast test-gpu lint clean chromium iptables bench check-install check-python
 
 # torch first (2.14.1 lies on local disk), then SGLang's pure-Python runtime deps, then sglang
 # itself without its CUDA-only kernel packages, then rlsys. See requirements/sglang-cpu.txt.
@@ -59,6 +59,15 @@ $(MODEL_DIR)/config.json: $(STAMP)
 
 quickstart: $(MODEL_DIR)/config.json
 	$(BIN)/rlsys train configs/quickstart.yaml
+
+VLM_DIR := .cache/tiny-vlm
+
+$(VLM_DIR)/config.json: $(STAMP)
+	$(BIN)/rlsys make-tiny-model --arch qwen2_5_vl $(VLM_DIR)
+
+# The vision-language quickstart: a tiny Qwen2.5-VL names the colour of a square in an image.
+quickstart-vlm: $(VLM_DIR)/config.json
+	$(BIN)/rlsys train configs/quickstart_vlm.yaml
 
 # The browser test drives Debian's chromium; install it when missing (needs root, as on CI).
 chromium:

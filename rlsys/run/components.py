@@ -30,7 +30,7 @@ from rlsys.run.placement_checks import (
     refuse_unusable_placement_nodes,
 )
 from rlsys.run.standing_engines import attach, server_spec
-from rlsys.run.verify import model_depth, verify_engine_weights
+from rlsys.run.verify import ImageProbe, model_depth, verify_engine_weights
 from rlsys.system.cluster import ACTOR_ENV
 from rlsys.system.topology import Topology
 
@@ -164,7 +164,8 @@ def push_weights(config: RunConfig, parts: Components, weight_version: int) -> d
         # it costs the memory that the hand-off otherwise saves).
         parts.rollout.resume_memory(list(ALL_REGIONS))
         verify_engine_weights(parts.trainer, parts.rollout, weight_version, config.weight_sync.verify_tolerance,
-                              config.seed, config.model.dtype, model_depth(config.model.path))
+                              config.seed, config.model.dtype, model_depth(config.model.path),
+                              ImageProbe.of(config.model.path))
     return metrics
 
 

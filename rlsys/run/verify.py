@@ -131,19 +131,19 @@ class ImageProbe:
 
 
 def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: float | None, seed: int,
-                          dtype: str = "float32", num_layers: int = 1) -> float:
+                          dtype: str = "float32", num_layers: int = 1, image_probe: ImageProbe | None = None) -> float:
     """Returns the largest mean |engine - trainer| probe log-prob over the engines; raises
     WeightSyncMismatch above `tolerance` (None: `rounding_tolerance` for `num_layers` and the dtype
     the engines serve model.dtype `dtype` in: bf16 on GPUs, rlsys/system/backend.py engine_dtype).
 
     Both sides score the probes at the engine's score temperature (SCORE_TEMPERATURE: SGLang's
-    prefill log-probs ignore the request's temperature), not at rollout.temperature."""
+    prefill log-probs ignore the request's temperature), not at rollout.temperature. `image_probe`: a
+    vision-language model's (`ImageProbe.of`), which checks the vision tower's weights too."""
     served = engine_dtype(rollout.spec.has_gpu, dtype)
     versions = rollout.weight_versions()
     stale = [i for i, version in enumerate(versions) if version != weight_version]
     if stale:
         raise WeightSyncMismatch(f"engine(s) {stale} report weight versions {versions}, expected {weight_version}")
-    image_probe = ImageProbe.of(rollout.spec.model.path)
     probes = probe_sequences(trainer.vocab_size(), seed,
                              excluded=image_probe.excluded if image_probe is not None else frozenset())
     expected = trainer.compute_log_probs([TrainSequence(p, prompt_len=1) for p in probes],

@@ -168,6 +168,7 @@ def _sync_dtype(spec, monkeypatch):
     worker = types.SimpleNamespace(spec=spec, model=torch.nn.Linear(2, 2), transport=None, backend=_gpu_backend(),
                                    gather_scratch=None, gather_dst=None, checkpoint_pieces=None, shared_staging=None,
                                    profiler=RankProfiler(_gpu_backend(), rank=0))
+    worker._engine_parameters = lambda: (list(worker.model.named_parameters()), None)
     trainer_module.TrainerWorker.sync_weights(worker, 2**20, weight_version=1)
     return seen["engine_dtype"]
 
