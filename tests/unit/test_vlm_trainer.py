@@ -167,3 +167,24 @@ def test_lora_adapts_the_language_model_only_and_a_sync_sends_merged_weights_und
         assert not torch.equal(merge("model.layers.0.self_attn.q_proj.weight", q_proj), q_proj)  # W + s B A
     finally:
         worker.shutdown()
+
+
+def test_the_reference_model_and_gradient_checkpointing_take_the_images_too(vlm_dir, cases):
+    """With a KL term the frozen reference scores the same images (KL 0 on the first step, where
+    policy and reference are one model); with gradient checkpointing (the vision blocks' and the
+    decoder layers') the step's loss, gradient norm and update are those without it."""
+    results = []
+    for checkpointing in (False, True):
+        worker = _worker(vlm_dir, lr=1e-2, use_kl_loss=True, kl_coef=0.1, gradient_checkpointing=checkpointing)
+        try:
+            sequences = [sequence for sequence, _ in cases]
+            for sequence, advantage in zip(sequences, (1.0, -1.0, 0.5, -0.5), strict=True):
+                sequence.advantage = advantage
+            metrics = worker.train_step([sequences])
+            results.append((metrics, {name: param.detach().clone() for name, param in worker.model.named_parameters()}))
+        finally:
+            worker.shutdown()
+    (plain, plain_weights), (checkpointed, checkpointed_weights) = results
+    assert plain["kl"] == 0.0 and checkpointed["kl"] == 0.0
+    assert abs(plain["grad_norm"] - checkpointed["grad_norm"]) <= 1e-5 * plain["grad_norm"]
+    assert max((plain_weights[name] - checkpointed_weights[name]).abs().max().item() for name in plain_weights) <= 1e-6
