@@ -469,3 +469,14 @@ def image_sensitive_vlm(directory: Path) -> Path:
         weights[name] = weights[name] * 4
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     return model
+
+
+def png_bytes(color=(255, 0, 0), size=(32, 32)) -> bytes:
+    """A PNG of one colour, as a dataset row or an engine request carries an image."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()

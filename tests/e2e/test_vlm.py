@@ -10,7 +10,6 @@ configs/quickstart_vlm.yaml trains with the engines verified equal to the traine
 resumes from its checkpoint on the checkpointed weights, and exports a model and processor that
 transformers loads and that answers the eval prompts as the run's eval did."""
 
-import io
 import json
 import re
 import shutil
@@ -23,15 +22,7 @@ import torch
 
 from rlsys.observability.metrics import read_metrics
 from tests.conftest import standing_set, stop_standing_set
-from tests.helpers import REPO, image_sensitive_vlm, train_command, trainer_spec
-
-
-def _png(color, size) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
-    return out.getvalue()
+from tests.helpers import REPO, image_sensitive_vlm, png_bytes, train_command, trainer_spec
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +51,8 @@ def test_the_engine_expands_images_as_the_processor_does_and_scores_as_transform
 
     processor = AutoProcessor.from_pretrained(vlm_model)
     model = AutoModelForImageTextToText.from_pretrained(vlm_model, dtype=torch.float32)
-    records = [PromptRecord("red?", "r", images=(_png((255, 0, 0), (56, 56)),)),  # one image, 4 tokens
-               PromptRecord("which?", "g", images=(_png((0, 0, 255), (60, 30)), _png((0, 255, 0), (40, 40))))]
+    records = [PromptRecord("red?", "r", images=(png_bytes((255, 0, 0), (56, 56)),)),  # one image, 4 tokens
+               PromptRecord("which?", "g", images=(png_bytes((0, 0, 255), (60, 30)), png_bytes((0, 255, 0), (40, 40))))]
     tokenizer = load_tokenizer(vlm_model)
     prompts = [_encode(tokenizer, record, chat=True) for record in records]  # one placeholder per image
     engine = engine_handle(ray.get(service("vlm").record.remote()), 0)

@@ -3,33 +3,25 @@ to the data file, bytes, base64 and data: URIs, one or several a row, in JSONL, 
 saved `datasets` directory; an unreadable image is a bad row naming its row and field."""
 
 import base64
-import io
 import json
 
 import pytest
 
 from rlsys.data.datasets import Columns, DatasetError, read_records
+from tests.helpers import png_bytes
 
 COLUMNS = Columns(images="images")
-
-
-def _png(color=(255, 0, 0), size=(32, 32)) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture
 def pictures(tmp_path):
     (tmp_path / "img").mkdir()
-    (tmp_path / "img" / "red.png").write_bytes(_png())
+    (tmp_path / "img" / "red.png").write_bytes(png_bytes())
     return tmp_path
 
 
 def test_jsonl_rows_take_relative_paths_base64_data_uris_and_lists(pictures):
-    blue = _png((0, 0, 255))
+    blue = png_bytes((0, 0, 255))
     rows = [{"prompt": "one", "label": "r", "images": "img/red.png"},
             {"prompt": "two", "label": "rb", "images": ["img/red.png", base64.b64encode(blue).decode()]},
             {"prompt": "uri", "label": "b", "images": "data:image/png;base64," + base64.b64encode(blue).decode()},
@@ -52,11 +44,12 @@ def test_table_formats_take_paths_and_bytes(pictures):
 
     (pictures / "train.csv").write_text("prompt,label,images\nred?,r,img/red.png\n")
     (csv_record,), _ = read_records(pictures / "train.csv", COLUMNS)
-    assert csv_record.images == (_png(),)
-    table = pa.table({"prompt": ["a", "b"], "label": ["1", "2"], "images": [[_png()], [_png(), _png((0, 255, 0))]]})
+    assert csv_record.images == (png_bytes(),)
+    table = pa.table({"prompt": ["a", "b"], "label": ["1", "2"],
+                      "images": [[png_bytes()], [png_bytes(), png_bytes((0, 255, 0))]]})
     pq.write_table(table, pictures / "train.parquet")
     records, _ = read_records(pictures / "train.parquet", COLUMNS)
-    assert [len(r.images) for r in records] == [1, 2] and records[1].images[1] == _png((0, 255, 0))
+    assert [len(r.images) for r in records] == [1, 2] and records[1].images[1] == png_bytes((0, 255, 0))
 
 
 def test_a_saved_dataset_with_an_image_column(pictures):
@@ -110,7 +103,8 @@ def test_a_partial_rollouts_checkpoint_keeps_a_prompts_images():
     from rlsys.records import EncodedPrompt, PromptRecord
     from rlsys.rollout.partial import GroupInFlight, group_from_json, group_to_json
 
-    group = GroupInFlight.new(EncodedPrompt(PromptRecord("red?", "r", images=(_png(), _png((1, 2, 3)))), [5, 6]), 2)
+    record = PromptRecord("red?", "r", images=(png_bytes(), png_bytes((1, 2, 3))))
+    group = GroupInFlight.new(EncodedPrompt(record, [5, 6]), 2)
     restored = group_from_json(json.loads(json.dumps(group_to_json(group))))
     assert restored.prompt == group.prompt
     plain = GroupInFlight.new(EncodedPrompt(PromptRecord("7", "7"), [5]), 1)

@@ -4,21 +4,12 @@ sequences whose images the engine expanded equal transformers' own forward of th
 them and in batches of their own (where a dummy image keeps the vision tower's collectives running);
 a step trains the vision tower unless model.freeze_vision, and a sync sends the engine's names."""
 
-import io
 import random
 
 import pytest
 import torch
 
-from tests.helpers import image_sensitive_vlm, trainer_spec
-
-
-def _png(color, size) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
-    return out.getvalue()
+from tests.helpers import image_sensitive_vlm, png_bytes, trainer_spec
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +30,11 @@ def cases(vlm_dir):
     rng = random.Random(0)
     out = []
     image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    for images, question, sampled_image_token in [([_png((255, 0, 0), (56, 56))], "red?", False),
-                                                  ([_png((0, 0, 255), (60, 30)), _png((0, 255, 0), (40, 40))],
+    for images, question, sampled_image_token in [([png_bytes((255, 0, 0), (56, 56))], "red?", False),
+                                                  ([png_bytes((0, 0, 255), (60, 30)), png_bytes((0, 255, 0), (40, 40))],
                                                    "which?", False),
                                                   ([], "3 4>", False),
-                                                  ([_png((9, 9, 9), (28, 28))], "dark?", True)]:
+                                                  ([png_bytes((9, 9, 9), (28, 28))], "dark?", True)]:
         content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
         text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         inputs = processor(text=[text], images=[decoded(image) for image in images] or None, return_tensors="pt")
@@ -181,10 +172,12 @@ def test_the_reference_model_and_gradient_checkpointing_take_the_images_too(vlm_
             for sequence, advantage in zip(sequences, (1.0, -1.0, 0.5, -0.5), strict=True):
                 sequence.advantage = advantage
             metrics = worker.train_step([sequences])
-            results.append((metrics, {name: param.detach().clone() for name, param in worker.model.named_parameters()}))
+            results.append(metrics)
         finally:
             worker.shutdown()
-    (plain, plain_weights), (checkpointed, checkpointed_weights) = results
+    plain, checkpointed = results
     assert plain["kl"] == 0.0 and checkpointed["kl"] == 0.0
+    # fp32, the same ops recomputed: the loss and the gradient's norm agree to rounding (the weights are
+    # not compared: AdamW's first step is ~lr * sign(g), which rounding flips where a gradient is ~0)
     assert abs(plain["grad_norm"] - checkpointed["grad_norm"]) <= 1e-5 * plain["grad_norm"]
-    assert max((plain_weights[name] - checkpointed_weights[name]).abs().max().item() for name in plain_weights) <= 1e-6
+    assert abs(plain["loss"] - checkpointed["loss"]) <= 1e-5 * max(abs(plain["loss"]), 1e-6)
