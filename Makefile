@@ -79,14 +79,24 @@ iptables:
 	@command -v iptables >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq iptables >/dev/null) || echo "rlsys: could not install iptables"
 
-# Two pytest runs: the tests that start no process (tests/unit, `not slow`) on both cores at once
-# (pytest-xdist: 137 s against 219 s one after another on an idle 2-core machine), then tests/e2e
-# one after another, sharing the session's Ray cluster and engine sets, with the 25 slowest and the
-# start report at the end. Both run whatever the first gives; either failing fails the target.
+# Two pytest sessions side by side (tests/e2e alone kept 1.5 of 2 cores busy: each test waits on
+# engines, Ray and subprocesses in turn). The first: the e2e tests on the session's Ray cluster and
+# engine sets (marked shared_cluster by tests/conftest.py), one after another, live on the output.
+# The second: tests/unit (start no process) on both cores, then the e2e tests with clusters and
+# engines of their own (own_engines, multi-node, ...), one after another; its output is kept in
+# test-artifacts/suite-own.log and printed when the first ends. Each session counts only the SGLang
+# servers and Ray clusters it started. Either failing fails the target.
+OWN_LOG := test-artifacts/suite-own.log
 test: install chromium iptables
-	@$(BIN)/python -m pytest -q -n 2 -m "not slow" tests; unit=$$?; \
-	$(BIN)/python -m pytest -q --durations=25 -m slow tests; e2e=$$?; \
-	test $$unit -eq 0 -a $$e2e -eq 0
+	@mkdir -p test-artifacts; \
+	( $(BIN)/python -m pytest -q -n 2 -m "not slow" tests; unit=$$?; \
+	  $(BIN)/python -m pytest -q --durations=25 -m "slow and not shared_cluster" tests; own=$$?; \
+	  test $$unit -eq 0 -a $$own -eq 0 ) > $(OWN_LOG) 2>&1 & second=$$!; \
+	$(BIN)/python -m pytest -q --durations=25 -m "slow and shared_cluster" tests; shared=$$?; \
+	wait $$second; own=$$?; \
+	echo "==== tests/unit, then the e2e tests with clusters and engines of their own ($(OWN_LOG)) ===="; \
+	cat $(OWN_LOG); \
+	test $$shared -eq 0 -a $$own -eq 0
 
 # The `gpu`-marked tests (they skip without CUDA), then the one-GPU smoke run.
 test-gpu:

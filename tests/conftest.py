@@ -130,12 +130,22 @@ def bf16_engines(ray_cluster, tiny_model_dir, tmp_path_factory) -> str:
                         tmp_path_factory.getbasetemp() / "standing-engines")
 
 
+# Marks every process a pytest session starts (inherited through its Ray clusters and SGLang servers):
+# `make test` runs two sessions side by side, and each counts only its own starts.
+SESSION_MARK = "RLSYS_TEST_SESSION"
+
+
 class _StartCounter:
     """Counts the SGLang servers and Ray clusters (GCS servers) the session starts, by watching the
-    machine's processes (each lives for seconds at least: polled every 0.25 s)."""
+    machine's processes (each lives for seconds at least: polled every 0.25 s). A process marked by
+    another session (SESSION_MARK) is that session's; an unmarked one (its environment unreadable,
+    or started with an environment of its own) is counted here, so nothing the session starts is missed."""
 
     def __init__(self):
         import threading
+        import uuid
+
+        self.mark = os.environ[SESSION_MARK] = uuid.uuid4().hex
 
         self.seen: dict[str, set] = {"sglang": set(), "ray": set()}
         self.test = "(session start)"  # the test running now (pytest_runtest_setup), whom a start is charged to
@@ -165,6 +175,8 @@ class _StartCounter:
                         and "gcs_server" not in command:
                     continue  # young: it may not have exec'd its program yet (a fork has its parent's command line)
                 kinds[pid] = None
+                if self._another_sessions(process):
+                    continue
                 if "sglang.launch_server" in command:
                     kinds[pid] = "sglang"
                     # a server's scheduler and detokenizer, forked, carry its command line too
@@ -175,6 +187,14 @@ class _StartCounter:
                     self._saw("ray", key)
             for pid in kinds.keys() - pids:
                 del kinds[pid]
+
+    def _another_sessions(self, process) -> bool:
+        import psutil
+
+        try:
+            return process.environ().get(SESSION_MARK, self.mark) != self.mark
+        except psutil.Error:
+            return False
 
     def _saw(self, kind: str, key: tuple) -> None:
         if key not in self.seen[kind]:
@@ -188,10 +208,60 @@ class _StartCounter:
         return {kind: len(keys) for kind, keys in self.seen.items()}
 
 
+def _machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine since boot, summed over its cores (/proc/stat):
+    a test's own processes, its Ray workers and SGLang servers alike."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / ticks, sum(fields[:8]) / ticks
+
+
+class _CpuMeter:
+    """How many of the machine's cores each test kept busy (setup, call and teardown), appended to a
+    JSON-lines file as each test ends (RLSYS_CPU_REPORT; an interrupted suite keeps what it measured):
+    the suite's idle time is what running tests side by side could use."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.cores = os.cpu_count() or 1
+        self.totals = {"wall_s": 0.0, "busy_core_s": 0.0}
+
+    def measure(self, nodeid: str):
+        import contextlib
+        import json
+        import time
+
+        @contextlib.contextmanager
+        def measuring():
+            start, (busy, _) = time.monotonic(), _machine_cpu_seconds()
+            yield
+            wall, busy = time.monotonic() - start, _machine_cpu_seconds()[0] - busy
+            self.totals["wall_s"] += wall
+            self.totals["busy_core_s"] += busy
+            with self.path.open("a") as report:
+                report.write(json.dumps({"test": nodeid, "wall_s": round(wall, 2), "busy_core_s": round(busy, 2),
+                                         "cores_busy": round(busy / wall, 2) if wall else 0.0,
+                                         "cores": self.cores}) + "\n")
+        return measuring()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    meter = getattr(item.config, "_rlsys_cpu", None)
+    if meter is None:
+        yield
+        return
+    with meter.measure(item.nodeid):
+        yield
+
+
 def pytest_sessionstart(session):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # pytest-xdist (make test-fast's unit tests): the controller's counter watches the machine
     session.config._rlsys_starts = _StartCounter()
+    if os.environ.get("RLSYS_CPU_REPORT"):
+        session.config._rlsys_cpu = _CpuMeter(Path(os.environ["RLSYS_CPU_REPORT"]))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -211,6 +281,11 @@ SHARED_START_BUDGET = 13
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """What the suite started, and which test started it (its budget: SHARED_START_BUDGET)."""
+    meter = getattr(config, "_rlsys_cpu", None)
+    if meter is not None and meter.totals["wall_s"]:
+        terminalreporter.write_line(
+            f"rlsys cpu: the tests kept {meter.totals['busy_core_s'] / meter.totals['wall_s']:.2f} of "
+            f"{meter.cores} cores busy on average over {meter.totals['wall_s']:.0f} s (per test: {meter.path})")
     counter = getattr(config, "_rlsys_starts", None)
     if counter is None:
         return
@@ -267,6 +342,9 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.path)
         if path.is_relative_to(tests / "e2e"):
             item.add_marker(pytest.mark.slow)
+            # every engine set and trainer group of the session stands on its cluster (fixture closure)
+            if "ray_cluster" in item.fixturenames:
+                item.add_marker(pytest.mark.shared_cluster)
         elif path.is_relative_to(tests / "unit"):
             uses = sorted(ray_fixtures.intersection(item.fixturenames))
             if item.get_closest_marker("slow") is not None or uses:
