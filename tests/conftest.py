@@ -208,13 +208,11 @@ class _StartCounter:
         return {kind: len(keys) for kind, keys in self.seen.items()}
 
 
-def _machine_cpu_seconds() -> tuple[float, float]:
-    """(busy, all) CPU seconds of the whole machine since boot, summed over its cores (/proc/stat):
-    a test's own processes, its Ray workers and SGLang servers alike."""
-    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    ticks = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / ticks, sum(fields[:8]) / ticks
+def _machine_busy_seconds() -> float:
+    """Busy CPU seconds of the whole machine since boot, summed over its cores (/proc/stat): a test's
+    own processes, its Ray workers and SGLang servers alike (all but idle and iowait)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 class _CpuMeter:
@@ -227,33 +225,25 @@ class _CpuMeter:
         self.cores = os.cpu_count() or 1
         self.totals = {"wall_s": 0.0, "busy_core_s": 0.0}
 
-    def measure(self, nodeid: str):
-        import contextlib
+    def record(self, nodeid: str, wall: float, busy: float) -> None:
         import json
-        import time
 
-        @contextlib.contextmanager
-        def measuring():
-            start, (busy, _) = time.monotonic(), _machine_cpu_seconds()
-            yield
-            wall, busy = time.monotonic() - start, _machine_cpu_seconds()[0] - busy
-            self.totals["wall_s"] += wall
-            self.totals["busy_core_s"] += busy
-            with self.path.open("a") as report:
-                report.write(json.dumps({"test": nodeid, "wall_s": round(wall, 2), "busy_core_s": round(busy, 2),
-                                         "cores_busy": round(busy / wall, 2) if wall else 0.0,
-                                         "cores": self.cores}) + "\n")
-        return measuring()
+        self.totals["wall_s"] += wall
+        self.totals["busy_core_s"] += busy
+        with self.path.open("a") as report:
+            report.write(json.dumps({"test": nodeid, "wall_s": round(wall, 2), "busy_core_s": round(busy, 2),
+                                     "cores_busy": round(busy / wall, 2) if wall else 0.0, "cores": self.cores}) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    import time
+
     meter = getattr(item.config, "_rlsys_cpu", None)
-    if meter is None:
-        yield
-        return
-    with meter.measure(item.nodeid):
-        yield
+    start, busy = time.monotonic(), _machine_busy_seconds()
+    yield
+    if meter is not None:
+        meter.record(item.nodeid, time.monotonic() - start, _machine_busy_seconds() - busy)
 
 
 def pytest_sessionstart(session):
