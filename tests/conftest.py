@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.start_ledger import SHARED_START_BUDGET, START_LEDGER, over_budget, record_starts
+
 
 @pytest.fixture(autouse=True)
 def rlsys_console_output():
@@ -263,12 +265,6 @@ def pytest_runtest_setup(item):
             counter.own_engines.add(item.nodeid)
 
 
-# SGLang starts the suite may spend outside the tests whose subject is an engine's start-up, death or
-# cleanup (marked own_engines): every other test shares the session's engine sets (docs/design.md).
-# 12 as the suite's issue decided, and the one vision-language engine its issue allowed (tests/e2e/test_vlm.py).
-SHARED_START_BUDGET = 13
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """What the suite started, and which test started it (its budget: SHARED_START_BUDGET)."""
     meter = getattr(config, "_rlsys_cpu", None)
@@ -289,10 +285,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(
         f"rlsys: this session started {counts['sglang']} SGLang server(s) and {counts['ray']} Ray cluster(s); "
         f"{shared} SGLang start(s) outside the own_engines tests (budget {SHARED_START_BUDGET})")
-    if shared > SHARED_START_BUDGET:
-        terminalreporter.write_line(f"rlsys: over the budget of {SHARED_START_BUDGET} shared SGLang starts: a test "
-                                    "that is not about an engine's own life should use the session's engine sets",
-                                    red=True, bold=True)
+    ledger = os.environ.get(START_LEDGER)
+    if ledger:  # make test's sessions: the budget is the suite's, summed at its end (tests/start_ledger.py)
+        record_starts(Path(ledger), counts, shared)
+    elif shared > SHARED_START_BUDGET:
+        terminalreporter.write_line(over_budget(shared), red=True, bold=True)
 
 
 @pytest.fixture(scope="session")
@@ -318,6 +315,24 @@ def leftovers(monkeypatch):
     return Leftovers(mark)
 
 
+# The session's engine sets: a test that asks for one shares its engines with every test of its identity.
+ENGINE_SETS = {"quickstart_engines", "disaggregated_engines", "bf16_engines"}
+
+
+def _check_trainers_only(item) -> None:
+    """`trainers_only` tests run in make test's second session, on a Ray cluster of that session's own
+    where no engine set stands: such a test must use the session cluster and no engine set."""
+    if item.get_closest_marker("trainers_only") is None:
+        return
+    sets = sorted(ENGINE_SETS.intersection(item.fixturenames))
+    if sets or "ray_cluster" not in item.fixturenames or item.get_closest_marker("own_engines") is not None:
+        why = f"uses {', '.join(sets)}" if sets else (
+            "starts engines of its own (own_engines)" if "ray_cluster" in item.fixturenames else
+            "does not use the session's Ray cluster")
+        raise pytest.UsageError(f"{item.nodeid} is marked trainers_only but {why}: trainers_only is for tests that "
+                                "start trainer ranks on the session cluster and no engine")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
 def pytest_collection_modifyitems(config, items):
     """Tests filed by cost (docs/design.md): every test in tests/e2e is `slow` (it starts Ray, SGLang,
@@ -327,7 +342,7 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     tests = Path(__file__).parent
-    ray_fixtures = {"ray_cluster", "ray_address", "quickstart_engines", "disaggregated_engines", "bf16_engines"}
+    ray_fixtures = {"ray_cluster", "ray_address", *ENGINE_SETS}
     for item in items:
         path = Path(item.path)
         if path.is_relative_to(tests / "e2e"):
@@ -335,6 +350,7 @@ def pytest_collection_modifyitems(config, items):
             # every engine set and trainer group of the session stands on its cluster (fixture closure)
             if "ray_cluster" in item.fixturenames:
                 item.add_marker(pytest.mark.shared_cluster)
+            _check_trainers_only(item)
         elif path.is_relative_to(tests / "unit"):
             uses = sorted(ray_fixtures.intersection(item.fixturenames))
             if item.get_closest_marker("slow") is not None or uses:

@@ -18,6 +18,8 @@ import pytest
 from rlsys.actors.group import weighed
 from tests.helpers import random_sequences, trainer_groups, trainer_spec
 
+pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
+
 GRADIENT_RTOL = 1e-4
 LOGPROB_ATOL = 1e-5
 LAYOUTS = [("ulysses", 2, 2), ("ring", 4, 4), ("ring", 4, 2)]  # (style, ranks, CP)

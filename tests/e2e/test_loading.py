@@ -2,6 +2,7 @@
 shards from the rows of the safetensors files it owns. (Built on the meta device and filled in one
 process: tests/unit/test_loading.py.)"""
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -9,6 +10,8 @@ from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.tools.tiny_model import write_random_checkpoint
 from tests.helpers import trainer_spec
 from tests.unit.test_loading import _write_model
+
+pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
 
 
 def test_two_ranks_hold_exactly_the_checkpoint_between_them(ray_cluster, tmp_path):

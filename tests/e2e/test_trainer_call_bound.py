@@ -10,6 +10,8 @@ import ray
 
 from rlsys.actors.group import TrainerGroup, TrainerHang
 
+pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
+
 
 @ray.remote(num_cpus=0)
 class Rank:

@@ -8,6 +8,8 @@ from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_groups, trainer_spec
 
+pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
+
 
 def _batch(seed: int, count: int = 12) -> list[TrainSequence]:
     return random_sequences(seed, count)
