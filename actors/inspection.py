@@ -1,13 +1,17 @@
 """A trainer rank that also answers what tests, benches and the GPU proof kit ask and a run never
-does: the full weights, the gradients of one loss without an update, the host memory of the load.
+does: the full weights, the gradients of one loss without an update, the host memory of the load,
+and a rebuild for another spec in the process group it has joined (a rank's start is ~10 CPU-seconds
+of imports, which tests that need many short-lived groups spend once: tests/trainer_pool.py).
 Kept out of `TrainerWorker`, so the production class holds what a run calls; no Ray here (the GPU
 kit builds one in its own process). Its Ray group: inspectable_group.py."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
-from rlsys.actors.trainer import TrainerWorker
+from rlsys.actors.trainer import TrainerSpec, TrainerWorker
 from rlsys.records import TrainSequence
 from rlsys.weight_sync.buckets import gather_full_tensor
 
@@ -31,3 +35,17 @@ class InspectableTrainerWorker(TrainerWorker):
         """Host memory around the policy's load: resident before, this process's peak after, and
         the full model's fp32 bytes."""
         return dict(self.load_memory)
+
+    def rebuild(self, spec: TrainerSpec) -> None:
+        """This rank anew for `spec`, as a new rank of the same group would start: its models,
+        optimizer, schedule, context-parallel groups, transports and seeded RNG are all the new spec's;
+        only the process, its imports and the process group it joined stay. Collective (every rank
+        of the group rebuilds with the same spec). A process's peak resident memory is not reset:
+        a test that measures a load's peak needs a new group."""
+        if spec.has_gpu != self.spec.has_gpu:
+            raise ValueError("a rank rebuilds for a spec of its own device kind only")
+        self._close_transport()
+        self._reset(spec)  # drops the old models, optimizer and offloaded state with their references
+        gc.collect()
+        self._build()
+

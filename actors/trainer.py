@@ -232,13 +232,18 @@ class TrainerWorker:
     """One FSDP2 rank. Plain class: wrapped with `ray.remote` at the call site."""
 
     def __init__(self, spec: TrainerSpec, rank: int, world_size: int):
-        self.spec = spec
         self.rank = rank
         self.world_size = world_size
-        self.backend = make_backend(spec.has_gpu, spec.model.dtype)
         bind_gloo_to_node_address(node_address())  # its groups may span nodes (rlsys/system/node.py)
         self._reaper = start_actor_reaper()  # if this rank is killed: its staging buffer in this node's /dev/shm
         answer_stack_signal()  # its stacks on a hang where py-spy cannot read it (rlsys/system/stacks.py)
+        self._reset(spec)
+
+    def _reset(self, spec: TrainerSpec) -> None:
+        """Everything this rank holds for `spec` before `setup` builds its models: all of it is the
+        spec's, so a rank reset with another spec (inspection.py's `rebuild`) is as a new one."""
+        self.spec = spec
+        self.backend = make_backend(spec.has_gpu, spec.model.dtype)
         torch.set_num_threads(spec.threads(len(os.sched_getaffinity(0))))
         torch.manual_seed(spec.seed)
         self.device = self.backend.device()
@@ -254,7 +259,7 @@ class TrainerWorker:
         self.shared_staging: SharedStaging | None = None  # set by connect_engines
         self.gather_scratch = StagingBuffer(share_memory=False)  # ranks that only join all-gathers
         self.context_parallel = None  # this rank's CP group (setup), None without context parallelism
-        self.profiler = RankProfiler(self.backend, rank)  # records only between start_profile and stop_profile
+        self.profiler = RankProfiler(self.backend, self.rank)  # records only between start_profile and stop_profile
         self.reserved_port: ReservedPort | None = None  # rank 0's, from rendezvous_address until setup
         self.route_replays: dict[int, RouteReplay] = {}  # id(model) -> its routers' replay (routing_replay)
         # A vision-language model's image processor and token layout (setup; None for a text model)
@@ -295,6 +300,10 @@ class TrainerWorker:
         self.reserved_port = None
         dist.init_process_group(backend=self.backend.dist_backend, store=store, rank=self.rank,
                                 world_size=self.world_size)
+        self._build()
+
+    def _build(self) -> None:
+        """This rank's context-parallel groups, models, optimizer and schedule for its spec. Collective."""
         t = self.spec.trainer
         check_context_parallel(t, self.spec.algorithm)  # a RunConfig checked it; a spec built directly too
         self.context_parallel = new_context_parallel_groups(self.world_size, self.rank, t.context_parallel_size,

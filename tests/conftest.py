@@ -53,6 +53,33 @@ def ray_cluster() -> str:
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def trainer_pool(ray_cluster):
+    """Trainer groups kept warm across the session's trainer tests (tests/trainer_pool.py); a fixture
+    of a wider scope takes and gives back through it directly, as `warm_trainer_groups` does."""
+    from tests.trainer_pool import TrainerPool
+
+    pool = TrainerPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def warm_trainer_groups(trainer_pool, request):
+    """`take((spec, num_ranks), ...)`: InspectableTrainerGroups for the test, from `trainer_pool`;
+    given back when the test ends, kept warm only if nothing failed meanwhile."""
+    taken = []
+    failed_before = request.session.testsfailed
+
+    def take(*wanted):
+        groups = trainer_pool.take(*wanted)
+        taken.extend(groups)
+        return groups
+
+    yield take
+    trainer_pool.give_back(taken, healthy=request.session.testsfailed == failed_before)
+
+
 # The session cluster's dashboard URL, once it is up.
 _DASHBOARD: dict[str, str] = {}
 

@@ -33,25 +33,6 @@ def trainer_spec(model_dir: Path, *, dtype: str = "float32", lora=None, **fields
                        AlgorithmConfig(**algorithm))
 
 
-def trainer_groups(*groups: tuple) -> list:
-    """TrainerGroups for (spec, num_ranks) pairs, started at once. A rank's start-up is one process
-    importing torch and transformers, single-threaded and CPU-bound (~5 s here): one 1-rank group
-    after another leaves the second core idle. If any fails to start, the others are shut down."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from rlsys.actors.inspectable_group import InspectableTrainerGroup
-
-    with ThreadPoolExecutor(len(groups)) as pool:
-        starting = [pool.submit(InspectableTrainerGroup, spec, num_ranks) for spec, num_ranks in groups]
-    started = [future.result() for future in starting if future.exception() is None]
-    failed = [future.exception() for future in starting if future.exception() is not None]
-    if failed:
-        for group in started:
-            group.shutdown()
-        raise failed[0]
-    return started
-
-
 def meeting_queue():
     """What ranks a test spawns meet through (`meet`): create it in the test, pass it to each rank."""
     import multiprocessing

@@ -16,7 +16,7 @@ import random
 import pytest
 
 from rlsys.actors.group import weighed
-from tests.helpers import random_sequences, trainer_groups, trainer_spec
+from tests.helpers import random_sequences, trainer_spec
 
 pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
 
@@ -34,17 +34,17 @@ def _batch(vocab: int):
 
 
 @pytest.fixture(scope="module")
-def groups(ray_cluster, tiny_model_dir):
+def groups(trainer_pool, tiny_model_dir, request):
     common = dict(max_tokens_per_microbatch=24, mini_batches_per_step=2, gradient_checkpointing=True,
                   use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, corrections=["importance_sampling"])
     specs = [trainer_spec(tiny_model_dir, **common)]
     specs += [trainer_spec(tiny_model_dir, num_ranks=ranks, context_parallel_size=cp, context_parallel_style=style,
                            **common) for style, ranks, cp in LAYOUTS]
-    started = trainer_groups((specs[0], 1), *((spec, ranks) for spec, (_, ranks, _) in zip(specs[1:], LAYOUTS,
-                                                                                             strict=True)))
+    failed_before = request.session.testsfailed
+    started = trainer_pool.take((specs[0], 1), *((spec, ranks) for spec, (_, ranks, _) in zip(specs[1:], LAYOUTS,
+                                                                                              strict=True)))
     yield started[0], started[1:], specs[0]
-    for group in started:
-        group.shutdown()
+    trainer_pool.give_back(started, healthy=request.session.testsfailed == failed_before)
 
 
 def test_context_parallel_log_probs_and_gradients_equal_one_rank(groups):

@@ -23,7 +23,7 @@ import torch
 
 from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
-from tests.helpers import random_sequences, trainer_groups, trainer_spec
+from tests.helpers import random_sequences, trainer_spec
 
 pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
 
@@ -36,17 +36,17 @@ def _sequences(seed: int, count: int, vocab: int) -> list[TrainSequence]:
 
 
 @pytest.fixture(scope="module")
-def trainers(ray_cluster, tiny_model_dir):
+def trainers(trainer_pool, tiny_model_dir, request):
     # Several packed micro-batches per rank (a 24-token budget), two optimizer steps per batch (so
     # the second mini-batch is off-policy and clipping acts), KL to the reference and entropy on.
     spec = trainer_spec(
         tiny_model_dir, lr=1e-3, max_tokens_per_microbatch=24, mini_batches_per_step=2,
         use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, clip_eps_low=0.01, clip_eps_high=0.01,
     )
-    sharded, single = trainer_groups((spec, 2), (spec, 1))
+    failed_before = request.session.testsfailed
+    sharded, single = trainer_pool.take((spec, 2), (spec, 1))
     yield sharded, single, spec
-    sharded.shutdown()
-    single.shutdown()
+    trainer_pool.give_back([sharded, single], healthy=request.session.testsfailed == failed_before)
 
 
 def _copy_state(source: InspectableTrainerGroup, target: InspectableTrainerGroup, directory) -> None:

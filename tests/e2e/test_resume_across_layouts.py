@@ -20,7 +20,7 @@ import torch
 
 from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
-from tests.helpers import random_sequences, trainer_groups, trainer_spec
+from tests.helpers import random_sequences, trainer_spec
 
 pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
 
@@ -87,7 +87,7 @@ def _resumes_as_the_saver_goes_on(saver: InspectableTrainerGroup, resumer: Inspe
 
 
 def test_a_checkpoint_resumes_on_other_rank_counts_and_context_parallel_sizes_as_the_run_would_have_gone_on(
-        ray_cluster, tiny_model_dir, tmp_path):
+        warm_trainer_groups, tiny_model_dir, tmp_path):
     """2 FSDP2 ranks train two steps and save; one fresh rank (the whole model, no FSDP) loads it and
     takes step 3 as the two ranks do; the one rank saves and 2 ranks sharing each sequence (context
     parallel size 2) load that and take step 4 alike (a rank the saving run did not have continues
@@ -99,14 +99,10 @@ def test_a_checkpoint_resumes_on_other_rank_counts_and_context_parallel_sizes_as
                         lr_schedule="cosine", warmup_steps=2, total_steps=6, entropy_coef=0.01)
     context_parallel = replace(spec, trainer=spec.trainer.model_copy(update={"num_ranks": 2,
                                                                             "context_parallel_size": 2}))
-    two, one, cp_two = trainer_groups((spec, 2), (spec, 1), (context_parallel, 2))
-    try:
-        assert (two.describe()["layout"], one.describe()["layout"]) == ("FSDP2", "whole model")
-        for step in range(2):
-            two.train_step(_batch(step))
-        _resumes_as_the_saver_goes_on(two, one, _batch(2), tmp_path / "two-to-one")
-        _resumes_as_the_saver_goes_on(one, cp_two, _batch(3), tmp_path / "one-to-cp-two")
-        _resumes_as_the_saver_goes_on(cp_two, two, _batch(4), tmp_path / "cp-two-to-two")
-    finally:
-        for group in (two, one, cp_two):
-            group.shutdown()
+    two, one, cp_two = warm_trainer_groups((spec, 2), (spec, 1), (context_parallel, 2))
+    assert (two.describe()["layout"], one.describe()["layout"]) == ("FSDP2", "whole model")
+    for step in range(2):
+        two.train_step(_batch(step))
+    _resumes_as_the_saver_goes_on(two, one, _batch(2), tmp_path / "two-to-one")
+    _resumes_as_the_saver_goes_on(one, cp_two, _batch(3), tmp_path / "one-to-cp-two")
+    _resumes_as_the_saver_goes_on(cp_two, two, _batch(4), tmp_path / "cp-two-to-two")
