@@ -11,7 +11,7 @@ STAMP := $(VENV)/.rlsys-installed
 # step keeps setuptools' "editable installation" note out of the build output.
 PIP := $(BIN)/pip install -qq
 
-.PHONY: install install-gpu quickstart quickstart-vlm test test-fast test-gpu lint clean chromium iptables bench check-install check-python
+.PHONY: install install-gpu quickstart quickstart-vlm test test-fast test-gpu lint clean chromium iptables bench check-install check-python bytecode
 
 # torch first (2.14.1 lies on local disk), then SGLang's pure-Python runtime deps, then sglang
 # itself without its CUDA-only kernel packages, then rlsys. See requirements/sglang-cpu.txt.
@@ -35,6 +35,7 @@ $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 	@$(PIP) --no-warn-conflicts --no-deps sglang==0.5.23
 	@echo "rlsys: [5/5] rlsys and its test, data, plot and tracking extras"
 	@PYTHONWARNINGS=ignore $(PIP) --no-warn-conflicts -e '.[test]'
+	@$(BIN)/python requirements/declare_top_level.py
 	@touch $(STAMP)
 	@echo "rlsys: installed into $(VENV)"
 
@@ -90,7 +91,14 @@ iptables:
 # (tests/start_ledger.py). Any session failing fails the target.
 OWN_LOG := test-artifacts/suite-own.log
 STARTS := test-artifacts/starts.jsonl
-test: install chromium iptables
+# rlsys's own modules compiled, as pip compiles what it installs: an editable install is imported from
+# the source tree, and where PYTHONDONTWRITEBYTECODE is set (as on these machines) no process writes
+# the .pyc it compiles, so each compiled ~0.4 CPU-s of rlsys anew (every driver, rank and command of a
+# test run: hundreds). Up to date in a fraction of a second; a file edited since is compiled again.
+bytecode: install
+	@$(BIN)/python -m compileall -q -j 0 rlsys actors rollout weight_sync tests
+
+test: install bytecode chromium iptables
 	@mkdir -p test-artifacts; rm -f $(STARTS); export RLSYS_START_LEDGER=$(STARTS); \
 	( $(BIN)/python -m pytest -q -n 2 -m "not slow" tests; unit=$$?; \
 	  $(BIN)/python -m pytest -q --durations=15 -m "slow and trainers_only" tests; trainers=$$?; \
@@ -113,7 +121,7 @@ test-gpu:
 bench: install
 	$(BIN)/python bench/vs_trl.py --out bench/results/vs_trl-$$(date +%F).json
 
-test-fast: install
+test-fast: install bytecode
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
 
 lint: install
