@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import SESSION_MARK
 from tests.start_ledger import SHARED_START_BUDGET, START_LEDGER, over_budget, record_starts
 
 
@@ -159,9 +160,6 @@ def bf16_engines(ray_cluster, tiny_model_dir, tmp_path_factory) -> str:
                         tmp_path_factory.getbasetemp() / "standing-engines")
 
 
-# Marks every process a pytest session starts (inherited through its Ray clusters and SGLang servers):
-# `make test` runs two sessions side by side, and each counts only its own starts.
-SESSION_MARK = "RLSYS_TEST_SESSION"
 
 
 class _StartCounter:

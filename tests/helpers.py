@@ -199,6 +199,10 @@ RUN_SHM_PREFIXES = ("torch_", "sglang_", "sgl_shm", "sem.mp-")
 # The environment variable that marks the processes a leftovers check watches (see Leftovers).
 LEFTOVERS_MARK = "RLSYS_TEST_LEFTOVERS"
 
+# Marks every process a pytest session starts (inherited through its Ray clusters and SGLang servers,
+# daemonized ones too): `make test` runs sessions side by side, and each counts and checks only its own.
+SESSION_MARK = "RLSYS_TEST_SESSION"
+
 
 class Leftovers:
     """What a run leaves behind: new SGLang/Ray processes outside this pytest's own tree, and new
@@ -228,7 +232,7 @@ class Leftovers:
                 continue
             cmdline = " ".join(proc.info["cmdline"] or [])
             if ("sglang" in cmdline or "ray::" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline) \
-                    and self._is_the_tests(proc):
+                    and self._is_the_tests(proc) and proc.is_running():  # one gone meanwhile is not left
                 found.append(f"{proc.pid}: {cmdline[:120]}")
         return found
 
@@ -254,16 +258,20 @@ class Leftovers:
                 and _mark_of(p) == self.mark]
 
     def _is_the_tests(self, proc) -> bool:
+        """Marked by this test; or unmarked, not another pytest session's (SESSION_MARK: a node that
+        session's test daemonized is an orphan too), and orphaned or a child of a marked process."""
         import psutil
 
         mark = _mark_of(proc)
         if mark is not None:
             return mark == self.mark
+        if _mark_of(proc, SESSION_MARK) not in (None, os.environ.get(SESSION_MARK)):
+            return False
         try:
             parent = proc.ppid()
             return parent == 1 or _mark_of(psutil.Process(parent)) == self.mark
         except psutil.Error:
-            return True  # gone meanwhile: it was new, so it counts
+            return True  # gone meanwhile: it was new, so it counts (its files are what it left)
 
     def _someone_elses(self, pid: int) -> bool:
         """A live process of someone else's (a dead one's files count: they are what is left)."""
@@ -275,12 +283,12 @@ class Leftovers:
             return False
 
 
-def _mark_of(proc) -> str | None:
-    """The process's LEFTOVERS_MARK, or None (unset, or its environment cannot be read)."""
+def _mark_of(proc, name: str = LEFTOVERS_MARK) -> str | None:
+    """The process's mark `name`, or None (unset, or its environment cannot be read)."""
     import psutil
 
     try:
-        return proc.environ().get(LEFTOVERS_MARK)
+        return proc.environ().get(name)
     except psutil.Error:
         return None
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import LEFTOVERS_MARK
+from tests.helpers import LEFTOVERS_MARK, SESSION_MARK
 
 SHM = Path("/dev/shm")
 SLEEP = "import time; time.sleep(60)"
@@ -87,6 +87,19 @@ def test_unmarked_processes_count_under_the_tests_parent_or_orphaned(leftovers, 
     assert under_the_tests.pid in found and orphaned.pid in found and under_someone_elses.pid not in found
     named = [p.pid for p in leftovers.new_pids("ray::Agent-stand-in")]  # to be killed: marked ones only
     assert under_the_tests.pid not in named and orphaned.pid not in named
+
+
+def test_an_orphan_of_another_pytest_session_is_not_the_tests(leftovers, processes, monkeypatch):
+    """make test runs pytest sessions side by side, and a multi-node test daemonizes its Ray nodes:
+    init's children, unmarked by any test, but marked by the session that started them."""
+    monkeypatch.setenv(SESSION_MARK, "this-session")
+    ours = _sleeper("raylet-stand-in", None, processes)
+    monkeypatch.setenv(SESSION_MARK, "another-session")
+    another_sessions = _sleeper("raylet-stand-in", None, processes)
+    monkeypatch.setenv(SESSION_MARK, "this-session")
+    assert ours.ppid() == another_sessions.ppid() == 1
+    found = _pids(leftovers.processes())
+    assert ours.pid in found and another_sessions.pid not in found
 
 
 def test_files_of_dead_or_own_creators_count_and_live_foreign_ones_do_not(leftovers, processes):
