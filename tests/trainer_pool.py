@@ -20,13 +20,8 @@ MAX_IDLE_RANKS = 8
 
 
 def _rebuilt(group: InspectableTrainerGroup, spec: TrainerSpec) -> InspectableTrainerGroup:
-    """`group` rebuilt for `spec`; a new group in its place if it cannot be (a rank its test killed)."""
-    try:
-        group.rebuild(spec)
-        return group
-    except Exception:  # noqa: BLE001 - whatever broke it, a new group is what the test asked for
-        group.shutdown()
-        return InspectableTrainerGroup(spec, group.num_ranks)
+    group.rebuild(spec)
+    return group
 
 
 class TrainerPool:
@@ -52,7 +47,7 @@ class TrainerPool:
         made = [future.result() for future in making if future.exception() is None]
         failed = [future.exception() for future in making if future.exception() is not None]
         if failed:
-            for group in made:
+            for group in made + [idle for _, _, idle in plan if idle is not None and idle not in made]:
                 group.shutdown()
             raise failed[0]
         for _, num_ranks, idle in plan:

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_spec
 
@@ -18,13 +19,13 @@ def _batch(seed: int, count: int = 10) -> list[TrainSequence]:
 
 
 @pytest.fixture(scope="module")
-def groups(trainer_pool, tiny_model_dir, request):
-    failed_before = request.session.testsfailed
-    plain, tis = trainer_pool.take(
-        (trainer_spec(tiny_model_dir, lr=1e-3), 1),
-        (trainer_spec(tiny_model_dir, lr=1e-3, corrections=[{"name": "importance_sampling", "max": CAP}]), 1))
+def groups(ray_cluster, tiny_model_dir):
+    plain = InspectableTrainerGroup(trainer_spec(tiny_model_dir, lr=1e-3), 1)
+    tis = InspectableTrainerGroup(
+        trainer_spec(tiny_model_dir, lr=1e-3, corrections=[{"name": "importance_sampling", "max": CAP}]), 1)
     yield plain, tis
-    trainer_pool.give_back([plain, tis], healthy=request.session.testsfailed == failed_before)
+    plain.shutdown()
+    tis.shutdown()
 
 
 def _close(a: dict, b: dict) -> None:

@@ -68,21 +68,23 @@ def _engine_gap(rollout: RolloutManager, trainer: TrainerGroup) -> float:
 
 
 @pytest.mark.parametrize("arch", SERVED)
-def test_one_engine_serves_what_two_sharded_ranks_hold_through_both_transports(arch, served, tmp_path,
-                                                                               warm_trainer_groups):
+def test_one_engine_serves_what_two_sharded_ranks_hold_through_both_transports(arch, served, tmp_path):
     model_dir, _ = served(arch)
-    trainer, = warm_trainer_groups((trainer_spec(model_dir, lr=1e-2), 2))  # meta-device build, shard reads
-    with standing_rollout(f"arch-{arch}", tmp_path / "logs") as rollout:
-        assert trainer.describe()["layout"] == "FSDP2"
-        assert _engine_gap(rollout, trainer) < BOUND, arch  # the same checkpoint, read two ways
-        for version, mode in enumerate(("colocated", "disaggregated"), start=1):
-            trainer.train_step(random_sequences(version, count=16, vocab=80))
-            assert _engine_gap(rollout, trainer) > 10 * BOUND  # the engine still serves the old weights
-            topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
-            trainer.connect_engines(topology, timeout_s=60)
-            trainer.sync_weights(16 * 2**20, weight_version=version)
-            assert _engine_gap(rollout, trainer) < BOUND, f"{arch}, {mode} sync"
-            assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
+    trainer = TrainerGroup(trainer_spec(model_dir, lr=1e-2), num_ranks=2)  # meta-device build, shard reads
+    try:
+        with standing_rollout(f"arch-{arch}", tmp_path / "logs") as rollout:
+            assert trainer.describe()["layout"] == "FSDP2"
+            assert _engine_gap(rollout, trainer) < BOUND, arch  # the same checkpoint, read two ways
+            for version, mode in enumerate(("colocated", "disaggregated"), start=1):
+                trainer.train_step(random_sequences(version, count=16, vocab=80))
+                assert _engine_gap(rollout, trainer) > 10 * BOUND  # the engine still serves the old weights
+                topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
+                trainer.connect_engines(topology, timeout_s=60)
+                trainer.sync_weights(16 * 2**20, weight_version=version)
+                assert _engine_gap(rollout, trainer) < BOUND, f"{arch}, {mode} sync"
+                assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
+    finally:
+        trainer.shutdown()
 
 
 @pytest.mark.parametrize("arch", DENSE + [MOE])

@@ -6,6 +6,7 @@ The engine bound is tests/e2e/test_weight_sync.py's (fp32 on both sides, differe
 
 import hashlib
 
+from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
 from rlsys.run.verify import verify_engine_weights
 from rlsys.system.topology import Topology
@@ -33,57 +34,68 @@ def _checksums(state: dict) -> dict[str, str]:
 
 
 def test_adapters_train_the_base_stays_and_the_engine_serves_the_merged_weights(tiny_model_dir, quickstart_engines,
-                                                                                 tmp_path, warm_trainer_groups):
-    trainer, = warm_trainer_groups((trainer_spec(tiny_model_dir, lr=3e-2, use_kl_loss=True, kl_coef=0.1, lora=LORA), 2))
+                                                                                 tmp_path):
+    trainer = InspectableTrainerGroup(trainer_spec(tiny_model_dir, lr=3e-2, use_kl_loss=True, kl_coef=0.1, lora=LORA),
+                           num_ranks=2)
     fixed = [TrainSequence(tokens, prompt_len=1) for tokens in FIXED]
     # the session's engine, as the model holds it
-    with standing_rollout("quickstart", tmp_path / "logs") as rollout:
-        before = trainer.full_state_dict()
-        base = {name: t for name, t in before.items() if ".lora_" not in name}
-        adapters = [name for name in before if ".lora_" in name]
-        assert len(adapters) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 decoder layers
-        assert all(not before[name].any() for name in adapters if ".lora_B." in name)  # the policy starts as the base
-        served = rollout.score(FIXED, engine_index=0)  # the engine serves the checkpoint: the base
-        assert _gap(served, trainer.compute_log_probs(fixed)) < BOUND
+    try:
+        with standing_rollout("quickstart", tmp_path / "logs") as rollout:
+            before = trainer.full_state_dict()
+            base = {name: t for name, t in before.items() if ".lora_" not in name}
+            adapters = [name for name in before if ".lora_" in name]
+            assert len(adapters) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 decoder layers
+            assert all(not before[name].any() for name in adapters if ".lora_B." in name)  # the policy starts as the base
+            served = rollout.score(FIXED, engine_index=0)  # the engine serves the checkpoint: the base
+            assert _gap(served, trainer.compute_log_probs(fixed)) < BOUND
 
-        for version, mode in enumerate(("colocated", "disaggregated"), start=1):
-            metrics = trainer.train_step(random_sequences(version, count=16, vocab=80))
-            assert metrics["kl"] > 0 or version == 1  # the KL to the base grows once the adapters moved
-            after = trainer.full_state_dict()
-            assert _checksums({n: after[n] for n in base}) == _checksums(base), "a frozen base weight changed"
-            assert max((after[n] - before[n]).abs().max().item() for n in adapters) > 1e-3
-            # The reference is the base: it matches the engine that still holds the base (before
-            # the first sync), while the policy has moved away from it.
-            if version == 1:
-                assert _gap(served, trainer.compute_log_probs(fixed, reference=True)) < BOUND
-                assert _gap(served, trainer.compute_log_probs(fixed)) > 10 * BOUND
-            topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
-            trainer.connect_engines(topology, timeout_s=60)
-            trainer.sync_weights(16 * 2**10, weight_version=version)  # 16 KiB: buckets smaller than some weights
-            assert _gap(rollout.score(FIXED, engine_index=0), trainer.compute_log_probs(fixed)) < BOUND, mode
-            assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
+            for version, mode in enumerate(("colocated", "disaggregated"), start=1):
+                metrics = trainer.train_step(random_sequences(version, count=16, vocab=80))
+                assert metrics["kl"] > 0 or version == 1  # the KL to the base grows once the adapters moved
+                after = trainer.full_state_dict()
+                assert _checksums({n: after[n] for n in base}) == _checksums(base), "a frozen base weight changed"
+                assert max((after[n] - before[n]).abs().max().item() for n in adapters) > 1e-3
+                # The reference is the base: it matches the engine that still holds the base (before
+                # the first sync), while the policy has moved away from it.
+                if version == 1:
+                    assert _gap(served, trainer.compute_log_probs(fixed, reference=True)) < BOUND
+                    assert _gap(served, trainer.compute_log_probs(fixed)) > 10 * BOUND
+                topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
+                trainer.connect_engines(topology, timeout_s=60)
+                trainer.sync_weights(16 * 2**10, weight_version=version)  # 16 KiB: buckets smaller than some weights
+                assert _gap(rollout.score(FIXED, engine_index=0), trainer.compute_log_probs(fixed)) < BOUND, mode
+                assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
+    finally:
+        trainer.shutdown()
 
 
-def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_exactly(tiny_model_dir, tmp_path,
-                                                                                       warm_trainer_groups):
+def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_exactly(tiny_model_dir, ray_cluster,
+                                                                                       tmp_path):
     """Save after one step, load into fresh ranks: the next step gives the same metrics and weights
     as the ranks that never stopped (AdamW's moments and step count came back too), and the
     checkpoint holds no base weight."""
     from torch.distributed.checkpoint import FileSystemReader
 
     spec = trainer_spec(tiny_model_dir, lr=3e-2, use_kl_loss=True, kl_coef=0.1, lora=LORA)
-    first, second = warm_trainer_groups((spec, 2), (spec, 2))  # `second` holds nothing of `first`'s
-    first.train_step(random_sequences(1, count=16, vocab=80))
-    first.save_checkpoint(str(tmp_path / "ckpt"))
-    saved = FileSystemReader(str(tmp_path / "ckpt" / "dcp")).read_metadata().state_dict_metadata
-    model_keys = [key for key in saved if key.startswith("model.")]
-    assert model_keys and all(".lora_" in key for key in model_keys), model_keys[:5]
-    assert any(key.startswith("optim.state.") and key.endswith("exp_avg_sq") for key in saved)
-    going_on = first.train_step(random_sequences(2, count=16, vocab=80))
-    expected = first.full_state_dict()
-    second.load_checkpoint(str(tmp_path / "ckpt"))
-    resumed = second.train_step(random_sequences(2, count=16, vocab=80))
-    got = second.full_state_dict()
+    first = InspectableTrainerGroup(spec, num_ranks=2)
+    try:
+        first.train_step(random_sequences(1, count=16, vocab=80))
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = FileSystemReader(str(tmp_path / "ckpt" / "dcp")).read_metadata().state_dict_metadata
+        model_keys = [key for key in saved if key.startswith("model.")]
+        assert model_keys and all(".lora_" in key for key in model_keys), model_keys[:5]
+        assert any(key.startswith("optim.state.") and key.endswith("exp_avg_sq") for key in saved)
+        going_on = first.train_step(random_sequences(2, count=16, vocab=80))
+        expected = first.full_state_dict()
+    finally:
+        first.shutdown()
+    second = InspectableTrainerGroup(spec, num_ranks=2)
+    try:
+        second.load_checkpoint(str(tmp_path / "ckpt"))
+        resumed = second.train_step(random_sequences(2, count=16, vocab=80))
+        got = second.full_state_dict()
+    finally:
+        second.shutdown()
     for key in ("loss", "kl", "grad_norm", "clip_fraction", "lr"):
         assert resumed[key] == going_on[key], key
     assert all((got[name] == expected[name]).all() for name in expected)
