@@ -340,8 +340,47 @@ def leftovers(monkeypatch):
     return Leftovers(mark)
 
 
-# The session's engine sets: a test that asks for one shares its engines with every test of its identity.
-ENGINE_SETS = {"quickstart_engines", "disaggregated_engines", "bf16_engines"}
+# The session's engine sets, by the fixture that stands each up: the set's name (`standing_set`). A test
+# that asks for one shares its engines with every test of its identity.
+ENGINE_SETS = {"quickstart_engines": "quickstart", "disaggregated_engines": "disaggregated", "bf16_engines": "bf16"}
+
+
+class _EngineSetLives:
+    """Runs the users of each engine set but the quickstart one (whose users fill the session) one
+    after another, and stops the set after its last user: an idle set still costs ~4% of a core (its
+    SGLang scheduler, server and Ray actors), ~120 core-seconds over a session for a set whose users
+    sat in its first and last test files."""
+
+    def __init__(self):
+        self.last_user: dict[str, str] = {}  # nodeid -> the set its test is the last user of
+
+    @pytest.hookimpl(trylast=True)  # after `-m` deselected: the tests that run
+    def pytest_collection_modifyitems(self, items):
+        def set_of(item):
+            return next((ENGINE_SETS[name] for name in ENGINE_SETS
+                         if name in item.fixturenames and name != "quickstart_engines"), None)
+
+        ordered, placed = [], set()
+        for item in items:
+            name = set_of(item)
+            if name is None:
+                ordered.append(item)
+            elif name not in placed:  # all of the set's users, where its first one was
+                placed.add(name)
+                ordered += [other for other in items if set_of(other) == name]
+        items[:] = ordered
+        self.last_user = {item.nodeid: name for item in items if (name := set_of(item)) is not None}
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        yield
+        name = self.last_user.get(item.nodeid)
+        if name is not None and (nextitem is None or self.last_user.get(nextitem.nodeid) != name):
+            stop_standing_set(name)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_EngineSetLives(), "rlsys-engine-set-lives")
 
 
 def _check_trainers_only(item) -> None:
@@ -349,7 +388,7 @@ def _check_trainers_only(item) -> None:
     where no engine set stands: such a test must use the session cluster and no engine set."""
     if item.get_closest_marker("trainers_only") is None:
         return
-    sets = sorted(ENGINE_SETS.intersection(item.fixturenames))
+    sets = sorted(ENGINE_SETS.keys() & set(item.fixturenames))
     if sets or "ray_cluster" not in item.fixturenames or item.get_closest_marker("own_engines") is not None:
         why = f"uses {', '.join(sets)}" if sets else (
             "starts engines of its own (own_engines)" if "ray_cluster" in item.fixturenames else
