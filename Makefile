@@ -83,8 +83,9 @@ iptables:
 # Two streams of pytest sessions side by side (tests/e2e alone kept 1.5 of 2 cores busy: each test
 # waits on engines, Ray and subprocesses in turn). The first: the e2e tests on the session's Ray
 # cluster and engine sets (marked shared_cluster by tests/conftest.py), live on the output. The
-# second, about as long: tests/unit (start no process) on both cores, then the e2e tests that start
-# trainer ranks and no engine (trainers_only) on a Ray cluster of their session's own, then the e2e
+# second, about as long: tests/unit (start no process) on both cores, then the e2e tests on their
+# session cluster but none of its shared engine sets (second_stream: trainer tests, the architectures'
+# own engine sets) on a Ray cluster of that session's own, then the e2e
 # tests with clusters and engines of their own (own_engines, multi-node, ...); its output is kept in
 # test-artifacts/suite-own.log and printed when the first ends. Each session counts only the SGLang
 # servers and Ray clusters it started, into $(STARTS), summed at the end against the suite's budget
@@ -101,12 +102,12 @@ bytecode: install
 test: install bytecode chromium iptables
 	@mkdir -p test-artifacts; rm -f $(STARTS); export RLSYS_START_LEDGER=$(STARTS); \
 	( $(BIN)/python -m pytest -q -n 2 -m "not slow" tests; unit=$$?; \
-	  $(BIN)/python -m pytest -q --durations=15 -m "slow and trainers_only" tests; trainers=$$?; \
+	  $(BIN)/python -m pytest -q --durations=15 -m "slow and second_stream" tests; second=$$?; \
 	  $(BIN)/python -m pytest -q --durations=25 -m "slow and not shared_cluster" tests; own=$$?; \
-	  test $$unit -eq 0 -a $$trainers -eq 0 -a $$own -eq 0 ) > $(OWN_LOG) 2>&1 & second=$$!; \
-	$(BIN)/python -m pytest -q --durations=25 -m "slow and shared_cluster and not trainers_only" tests; shared=$$?; \
+	  test $$unit -eq 0 -a $$second -eq 0 -a $$own -eq 0 ) > $(OWN_LOG) 2>&1 & second=$$!; \
+	$(BIN)/python -m pytest -q --durations=25 -m "slow and shared_cluster and not second_stream" tests; shared=$$?; \
 	wait $$second; own=$$?; \
-	echo "==== tests/unit, the trainers_only e2e tests, then those with clusters and engines of their own ($(OWN_LOG)) ===="; \
+	echo "==== tests/unit, the second_stream e2e tests, then those with clusters and engines of their own ($(OWN_LOG)) ===="; \
 	cat $(OWN_LOG); \
 	$(BIN)/python -m tests.start_ledger $(STARTS); \
 	test $$shared -eq 0 -a $$own -eq 0

@@ -383,18 +383,18 @@ def pytest_configure(config):
     config.pluginmanager.register(_EngineSetLives(), "rlsys-engine-set-lives")
 
 
-def _check_trainers_only(item) -> None:
-    """`trainers_only` tests run in make test's second session, on a Ray cluster of that session's own
-    where no engine set stands: such a test must use the session cluster and no engine set."""
-    if item.get_closest_marker("trainers_only") is None:
+def _check_second_stream(item) -> None:
+    """`second_stream` tests run in make test's second stream, on a Ray cluster of that session's own
+    where none of the shared engine sets stands: such a test must use the session cluster and no set."""
+    if item.get_closest_marker("second_stream") is None:
         return
     sets = sorted(ENGINE_SETS.keys() & set(item.fixturenames))
     if sets or "ray_cluster" not in item.fixturenames or item.get_closest_marker("own_engines") is not None:
         why = f"uses {', '.join(sets)}" if sets else (
             "starts engines of its own (own_engines)" if "ray_cluster" in item.fixturenames else
             "does not use the session's Ray cluster")
-        raise pytest.UsageError(f"{item.nodeid} is marked trainers_only but {why}: trainers_only is for tests that "
-                                "start trainer ranks on the session cluster and no engine")
+        raise pytest.UsageError(f"{item.nodeid} is marked second_stream but {why}: second_stream is for tests on "
+                                "the session cluster that use none of its shared engine sets")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
@@ -414,7 +414,7 @@ def pytest_collection_modifyitems(config, items):
             # every engine set and trainer group of the session stands on its cluster (fixture closure)
             if "ray_cluster" in item.fixturenames:
                 item.add_marker(pytest.mark.shared_cluster)
-            _check_trainers_only(item)
+            _check_second_stream(item)
         elif path.is_relative_to(tests / "unit"):
             uses = sorted(ray_fixtures.intersection(item.fixturenames))
             if item.get_closest_marker("slow") is not None or uses:

@@ -1,4 +1,4 @@
-"""Trainer groups kept warm for the trainers_only tests (tests/conftest.py: `trainer_pool`,
+"""Trainer groups kept warm for the trainer tests of make test's second stream (tests/conftest.py: `trainer_pool`,
 `warm_trainer_groups`).
 
 A rank's start is a process importing torch and transformers, ~10 CPU-seconds on these machines,

@@ -25,6 +25,8 @@ from rlsys.system.topology import Topology
 from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 from tests.helpers import REPO, random_sequences, standing_rollout, train_command, trainer_spec
 
+pytestmark = pytest.mark.second_stream  # engine sets of its own, no shared one (Makefile: test)
+
 # Qwen2, the default, goes through every other test: both transports in tests/e2e/test_weight_sync.py,
 # learning in tests/e2e/test_quickstart.py, export in tests/e2e/test_resume.py.
 DENSE = ["qwen3", "llama"]

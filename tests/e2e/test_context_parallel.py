@@ -18,7 +18,7 @@ import pytest
 from rlsys.actors.group import weighed
 from tests.helpers import random_sequences, trainer_spec
 
-pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
+pytestmark = pytest.mark.second_stream  # trainer ranks, no engine set: on the second stream's cluster (Makefile: test)
 
 GRADIENT_RTOL = 1e-4
 LOGPROB_ATOL = 1e-5

@@ -25,7 +25,7 @@ from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_spec
 
-pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
+pytestmark = pytest.mark.second_stream  # trainer ranks, no engine set: on the second stream's cluster (Makefile: test)
 
 GRADIENT_RTOL = 1e-4  # of the gradient's scale (max |g| over the model); see the module docstring
 METRIC_ATOL = 1e-4  # token means of O(1) values, from states equal up to Adam's noise steps

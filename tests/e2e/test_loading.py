@@ -11,7 +11,7 @@ from rlsys.tools.tiny_model import write_random_checkpoint
 from tests.helpers import trainer_spec
 from tests.unit.test_loading import _write_model
 
-pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
+pytestmark = pytest.mark.second_stream  # trainer ranks, no engine set: on the second stream's cluster (Makefile: test)
 
 
 def test_two_ranks_hold_exactly_the_checkpoint_between_them(ray_cluster, tmp_path):

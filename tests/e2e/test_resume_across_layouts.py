@@ -22,7 +22,7 @@ from rlsys.actors.inspectable_group import InspectableTrainerGroup
 from rlsys.records import TrainSequence
 from tests.helpers import random_sequences, trainer_spec
 
-pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
+pytestmark = pytest.mark.second_stream  # trainer ranks, no engine set: on the second stream's cluster (Makefile: test)
 
 METRIC_ATOL = 1e-4  # as tests/e2e/test_fsdp_equivalence.py: token means of O(1) values from one state
 

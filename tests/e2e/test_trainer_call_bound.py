@@ -10,7 +10,7 @@ import ray
 
 from rlsys.actors.group import TrainerGroup, TrainerHang
 
-pytestmark = pytest.mark.trainers_only  # trainer ranks on the session cluster, no engine (Makefile: test)
+pytestmark = pytest.mark.second_stream  # trainer ranks, no engine set: on the second stream's cluster (Makefile: test)
 
 
 @ray.remote(num_cpus=0)
