@@ -12,14 +12,19 @@ from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO
 
 
-def test_ray_job_submit_runs_the_quickstart_to_success(ray_dashboard, quickstart_engines, tiny_model_dir, tmp_path):
+def test_ray_job_submit_runs_the_quickstart_to_success(ray_cluster, ray_dashboard, quickstart_engines, tiny_model_dir,
+                                                       tmp_path):
     address = ray_dashboard
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     run_dir = tmp_path / "run"
     submit = subprocess.run(
         [str(REPO / "deploy/submit.sh"), "--address", address, "configs/quickstart.yaml",
          f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "trainer.total_steps=6", "eval.interval=3",
-         "status.port=0", "logging.progress_bar=false", quickstart_engines],
+         "status.port=0", "logging.progress_bar=false", quickstart_engines,
+         # named: the job's driver was given the newest cluster on this machine (/tmp/ray/ray_current_cluster),
+         # and make test's other stream starts clusters of its own beside this one (one did, at 16:28:40 in a
+         # fresh-clone run, and the run failed on that cluster's token); a real head runs one cluster
+         f"placement.ray_address={ray_cluster}"],
         env=env, capture_output=True, text=True, timeout=900, cwd=REPO,
     )
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
