@@ -12,7 +12,7 @@ from rlsys.observability.metrics import read_metrics
 from tests.helpers import REPO
 
 
-def test_ray_job_submit_runs_the_quickstart_to_success(ray_cluster, ray_dashboard, quickstart_engines, tiny_model_dir,
+def test_ray_job_submit_runs_the_quickstart_to_success(ray_address, ray_dashboard, quickstart_engines, tiny_model_dir,
                                                        tmp_path):
     address = ray_dashboard
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -24,7 +24,7 @@ def test_ray_job_submit_runs_the_quickstart_to_success(ray_cluster, ray_dashboar
          # named: the job's driver was given the newest cluster on this machine (/tmp/ray/ray_current_cluster),
          # and make test's other stream starts clusters of its own beside this one (one did, at 16:28:40 in a
          # fresh-clone run, and the run failed on that cluster's token); a real head runs one cluster
-         f"placement.ray_address={ray_cluster}"],
+         ray_address],
         env=env, capture_output=True, text=True, timeout=900, cwd=REPO,
     )
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
