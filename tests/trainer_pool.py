@@ -28,8 +28,6 @@ class TrainerPool:
     def __init__(self, max_idle_ranks: int = MAX_IDLE_RANKS):
         self.max_idle_ranks = max_idle_ranks
         self.idle: list[InspectableTrainerGroup] = []
-        self.started_ranks = 0  # ranks this pool started (the rest of what it handed out were rebuilt)
-        self.rebuilt_ranks = 0
 
     def take(self, *wanted: tuple[TrainerSpec, int]) -> list[InspectableTrainerGroup]:
         """Groups for (spec, num_ranks) pairs, all made at once: an idle group of that many ranks
@@ -50,11 +48,6 @@ class TrainerPool:
             for group in made + [idle for _, _, idle in plan if idle is not None and idle not in made]:
                 group.shutdown()
             raise failed[0]
-        for _, num_ranks, idle in plan:
-            if idle is None:
-                self.started_ranks += num_ranks
-            else:
-                self.rebuilt_ranks += num_ranks
         return made
 
     def give_back(self, groups: list[InspectableTrainerGroup], healthy: bool) -> None:
