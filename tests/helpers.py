@@ -194,6 +194,8 @@ def started_run(config: str, model_dir: Path, run_dir: Path, *overrides: str, ow
 
 
 RUN_SHM_PREFIXES = ("torch_", "sglang_", "sgl_shm", "sem.mp-")
+# How long a leftover file must stay unowned (a resource tracker unlinks a dead process's semaphore within it).
+SHM_SETTLE_S = 1.0
 
 
 # The environment variable that marks the processes a leftovers check watches (see Leftovers).
@@ -237,6 +239,17 @@ class Leftovers:
         return found
 
     def shm_files(self) -> list[str]:
+        """New run files whose creator or holder is the test's or gone, seen so twice `SHM_SETTLE_S`
+        apart: a semaphore another pytest session's process just created or released (its resource
+        tracker unlinks it a moment later) is not a leftover, and a leftover stays."""
+        found = self._unowned_shm_files()
+        if found:
+            time.sleep(SHM_SETTLE_S)
+            again = set(self._unowned_shm_files())
+            found = [name for name in found if name in again]
+        return found
+
+    def _unowned_shm_files(self) -> list[str]:
         from rlsys.system.shm_sweep import creator_pid, holders
 
         new = sorted(n for n in set(os.listdir("/dev/shm")) - self._shm if n.startswith(RUN_SHM_PREFIXES))
@@ -247,7 +260,7 @@ class Leftovers:
             owners = [pid] if pid is not None else held.get(f"/dev/shm/{name}", set())
             if not any(self._someone_elses(owner) for owner in owners):
                 found.append(name)
-        return found
+        return [name for name in found if os.path.exists(f"/dev/shm/{name}")]
 
     def new_pids(self, substring: str) -> list:
         """The test's new processes whose command line contains `substring` (e.g. to kill one)."""
