@@ -106,8 +106,9 @@ def test_an_orphan_of_another_pytest_session_is_not_the_tests(leftovers, process
 def test_files_of_dead_or_own_creators_count_and_live_foreign_ones_do_not(leftovers, processes):
     ours = _sleeper("creator", leftovers.mark, processes)
     someone_elses = _unmarked_child_of(None, "creator", processes)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    # A creator that is gone: a pid no process can have (one that ended may be reused meanwhile, as pids wrap
+    # at pid_max: 32768 on these machines, which a loaded CI machine goes round in minutes)
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
     held = SHM / "sem.mp-rlsys-test-held"
     names = [f"torch_{ours.pid}_1_0", f"torch_{someone_elses.pid}_2_0", f"torch_{dead}_3_0", held.name,
              "sem.mp-rlsys-test-unheld"]

@@ -130,6 +130,7 @@ def test_where_py_spy_cannot_read_a_rank_the_rank_is_asked_for_its_stacks(tmp_pa
                                                         answers_signal=True)])
         (unasked,) = stacks.dump_on_this_node([ProcessRef("engine-0", rank.pid, "n", "127.0.0.1")])
         os.kill(rank.pid, signal.SIGSTOP)
+        _wait_until_stopped(rank.pid)  # a loaded machine takes a moment to stop it
         (stopped,) = stacks.dump_on_this_node([ProcessRef("trainer rank 0", rank.pid, "n", "127.0.0.1",
                                                           answers_signal=True)])
         assert rank.poll() is None  # the signal asked, it did not end the process
