@@ -36,6 +36,9 @@ class EncodedPrompt:
 
     record: PromptRecord
     token_ids: list[int]
+    # This draw's sampling seed (rollout/seeds.py: the data sampler's position, or the eval set's
+    # prompt number); its samples' seeds derive from it. None: the engines draw at random.
+    seed: int | None = None
 
     @property
     def text(self) -> str:

@@ -83,21 +83,21 @@ class Dispatcher:
 class RequestBatcher:
     """Engine calls made within `window_s` of each other, to the same engine with the same
     sampling parameters, travel as one request (one Ray call, one HTTP request, one batch in the
-    server) instead of one each: many concurrent trajectories cost a few requests per turn.
-    Used only from the loop's thread."""
+    server) instead of one each: many concurrent trajectories cost a few requests per turn. Each
+    call keeps its own sampling seed in the batch. Used only from the loop's thread."""
 
-    def __init__(self, send: Callable[[int, list[list[int]], SamplingParams], Awaitable[list]],
+    def __init__(self, send: Callable[[int, list[list[int]], SamplingParams, list[int | None]], Awaitable[list]],
                  window_s: float = 0.002):
         self.send = send
         self.window_s = window_s
         self.requests_sent = 0
-        self._queues: dict[tuple[int, str], list[tuple[list[int], asyncio.Future]]] = {}
+        self._queues: dict[tuple[int, str], list[tuple[list[int], int | None, asyncio.Future]]] = {}
 
-    async def generate(self, index: int, input_ids: list[int], params: SamplingParams):
+    async def generate(self, index: int, input_ids: list[int], params: SamplingParams, seed: int | None = None):
         key = (index, json.dumps(params.as_sglang(), sort_keys=True))
         queue = self._queues.setdefault(key, [])
         future = asyncio.get_running_loop().create_future()
-        queue.append((input_ids, future))
+        queue.append((input_ids, seed, future))
         if len(queue) == 1:
             asyncio.ensure_future(self._flush(key, params))
         return await future
@@ -107,12 +107,12 @@ class RequestBatcher:
         batch = self._queues.pop(key)
         self.requests_sent += 1
         try:
-            answers = await self.send(key[0], [ids for ids, _ in batch], params)
+            answers = await self.send(key[0], [ids for ids, _, _ in batch], params, [seed for _, seed, _ in batch])
         except BaseException as error:  # noqa: BLE001 - every caller gets the request's failure
-            for _, future in batch:
+            for _, _, future in batch:
                 if not future.done():
                     future.set_exception(error)
             return
-        for (_, future), answer in zip(batch, answers, strict=True):
+        for (_, _, future), answer in zip(batch, answers, strict=True):
             if not future.done():
                 future.set_result(answer)

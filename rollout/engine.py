@@ -147,16 +147,18 @@ class RolloutEngine:
             raise
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1,
-                 images: list[tuple[bytes, ...]] | None = None) -> list[Generation]:
+                 images: list[tuple[bytes, ...]] | None = None,
+                 seeds: list[int | None] | None = None) -> list[Generation]:
         """`n` samples for every prompt, grouped prompt by prompt (len = n * len(prompts)).
         `images`: a vision-language model's, per prompt (its token ids hold one placeholder per
-        image); each Generation's prompt_ids are then the engine's, with the placeholders expanded."""
+        image); each Generation's prompt_ids are then the engine's, with the placeholders expanded.
+        `seeds`: each sample's sampling seed, in the answers' order (rollout/seeds.py; None: drawn)."""
         if not prompts:
             return []
         batch = [list(p) for p in prompts for _ in range(n)]
         answers = self._call(lambda: self.client.generate({
             "input_ids": batch,
-            "sampling_params": sampling.as_sglang(),
+            "sampling_params": seeded(sampling.as_sglang(), seeds, len(batch)),
             "return_logprob": True,
             **self._routes_asked(),
             **_images_asked(images, n),
@@ -166,14 +168,16 @@ class RolloutEngine:
     def _routes_asked(self) -> dict:
         return {"return_routed_experts": True} if self.route_shape is not None else {}
 
-    def generate_each(self, inputs: list[list[int]], sampling: list[SamplingParams]) -> list[Generation]:
+    def generate_each(self, inputs: list[list[int]], sampling: list[SamplingParams],
+                      seeds: list[int | None] | None = None) -> list[Generation]:
         """One sample per input, each with its own sampling parameters (a partial rollout's
-        continuations: each has its own tokens left), in one request."""
+        continuations: each has its own tokens left) and seed, in one request."""
         if not inputs:
             return []
+        seeds = seeds or [None] * len(inputs)
         answers = self._call(lambda: self.client.generate({
             "input_ids": [list(ids) for ids in inputs],
-            "sampling_params": [params.as_sglang() for params in sampling],
+            "sampling_params": [with_seed(params.as_sglang(), seed) for params, seed in zip(sampling, seeds, strict=True)],
             "return_logprob": True,
             **self._routes_asked(),
         }))
@@ -341,6 +345,20 @@ class RolloutEngine:
         self._watching.clear()
         self.server.stop()
         stop_reaper(self._reaper)
+
+
+def seeded(params: dict, seeds: list[int | None] | None, count: int) -> dict | list[dict]:
+    """SGLang's `sampling_params` for `count` samples: `params` as they are without seeds, else one
+    copy per sample with its `sampling_seed` (SGLang would give every copy of one dict the same seed)."""
+    if seeds is None or all(seed is None for seed in seeds):
+        return params
+    if len(seeds) != count:
+        raise ValueError(f"{len(seeds)} sampling seeds for {count} samples")
+    return [with_seed(params, seed) for seed in seeds]
+
+
+def with_seed(params: dict, seed: int | None) -> dict:
+    return params if seed is None else {**params, "sampling_seed": seed}
 
 
 def _images_asked(images: list[tuple[bytes, ...]] | None, n: int) -> dict:

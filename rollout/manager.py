@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import traceback
@@ -20,6 +21,7 @@ from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rollout.dispatch import Dispatcher, LoopThread, RequestBatcher
 from rlsys.rollout.engine import RolloutEngine
 from rlsys.rollout.partial import GroupInFlight, continuation, settle, stitch
+from rlsys.rollout.seeds import call_seed, sample_seeds
 from rlsys.rollout.sglang.client import EngineAddress, EngineDied
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.rollout.standing import StandingRecord, StandingSetGone, engine_handle, launch_engine, set_stands
@@ -127,8 +129,9 @@ class RolloutManager:
         self.dispatcher = Dispatcher(num_engines)
         self.batcher = RequestBatcher(self._send)
 
-    async def _send(self, index: int, prompts: list[list[int]], sampling: SamplingParams) -> list[Generation]:
-        return await self.engines[index].generate.remote(prompts, sampling, 1)
+    async def _send(self, index: int, prompts: list[list[int]], sampling: SamplingParams,
+                    seeds: list[int | None]) -> list[Generation]:
+        return await self.engines[index].generate.remote(prompts, sampling, 1, None, seeds)
 
     def _launch(self, index: int):
         if self.standing is not None:
@@ -143,11 +146,14 @@ class RolloutManager:
         return self.addresses
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
-                 recover: bool = True, images: list[tuple[bytes, ...]] | None = None) -> list[Generation]:
+                 recover: bool = True, images: list[tuple[bytes, ...]] | None = None,
+                 seeds: list[int | None] | None = None) -> list[Generation]:
         """n samples per prompt, grouped prompt by prompt in the caller's order. Runs of prompts
         go to the least busy engine; a run whose engine dies is issued again once the engine has
         been restarted (with `recover`; otherwise the EngineCallFailed is raised). `images`: per
-        prompt, a vision-language model's (rollout/engine.py `generate`)."""
+        prompt, a vision-language model's (rollout/engine.py `generate`). `seeds`: per prompt, the
+        seed its samples' seeds derive from (rollout/seeds.py; None: the engines draw)."""
+        sample_seeds_of = [sample_seeds(seed, n) for seed in (seeds or [None] * len(prompts))]
         for number, prompt in enumerate(prompts):
             self._refuse_out_of_vocabulary(prompt, f"prompt {number} of the batch")
         chunks = split_into_chunks(len(prompts), len(self.engines))
@@ -158,7 +164,8 @@ class RolloutManager:
         self._answer_all(
             list(range(len(chunks))),
             lambda keys: _gather([self._generate_run([prompts[p] for p in chunks[c]], sampling, n, limit,
-                                                     None if images is None else [images[p] for p in chunks[c]])
+                                                     None if images is None else [images[p] for p in chunks[c]],
+                                                     [seed for p in chunks[c] for seed in sample_seeds_of[p]])
                                   for c in keys]),
             answers.__setitem__,
             lambda c: (f"prompts {chunks[c].start}..{chunks[c].stop - 1} of the batch (the first's token ids begin "
@@ -168,10 +175,10 @@ class RolloutManager:
 
     async def _generate_run(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
                             limit: int | None, images: list[tuple[bytes, ...]] | None = None,
-                            ) -> list[Generation] | EngineCallFailed:
+                            seeds: list[int | None] | None = None) -> list[Generation] | EngineCallFailed:
         async with self.dispatcher.engine(len(prompts) * n, limit) as index:
             try:
-                return await self.engines[index].generate.remote(prompts, sampling, n, images)
+                return await self.engines[index].generate.remote(prompts, sampling, n, images, seeds)
             except (RayActorError, RayTaskError) as error:
                 return EngineCallFailed(index, error)
 
@@ -237,6 +244,7 @@ class RolloutManager:
         async def one(i: int):
             nonlocal finished, aborted
             group = groups[i]
+            seeds = sample_seeds(group.prompt.seed, len(group.samples))  # a continuation keeps its sample's seed
             positions, inputs, params = [], [], []
             for k in group.unfinished():
                 if group.samples[k] is not None:  # (a checkpoint's samples from before `settle`)
@@ -250,7 +258,8 @@ class RolloutManager:
             if positions:
                 async with self.dispatcher.engine(len(positions)) as index:
                     try:
-                        answers = await self.engines[index].generate_each.remote(inputs, params)
+                        answers = await self.engines[index].generate_each.remote(inputs, params,
+                                                                                 [seeds[k] for k in positions])
                     except (RayActorError, RayTaskError) as error:
                         return EngineCallFailed(index, error)
                 refused = next((a for a in answers if a.aborted and not aborting), None)
@@ -307,18 +316,22 @@ class RolloutManager:
 
         self._answer_all(
             list(range(len(samples))),
-            lambda keys: _gather([self._trajectory(samples[i], function, sampling, tokenizer, tool_timeout_s)
+            lambda keys: _gather([self._trajectory(samples[i], function, sampling, tokenizer, tool_timeout_s,
+                                                   sample_seeds(samples[i].seed, n)[i % n])
                                   for i in keys]),
             take, lambda i: f"a trajectory of prompt {samples[i].text!r}", recover)
         return [answers[i] for i in range(len(samples))]
 
     async def _trajectory(self, prompt: EncodedPrompt, function: GenerateFunction, sampling: SamplingParams,
-                          tokenizer, tool_timeout_s: float) -> Generation | EngineCallFailed:
+                          tokenizer, tool_timeout_s: float, seed: int | None = None) -> Generation | EngineCallFailed:
+        calls = itertools.count()  # the trajectory's engine calls, each with its own seed (run again: the same)
+
         async def engine_call(input_ids: list[int], params: SamplingParams) -> Generation:
             check_token_ids(input_ids, self.vocab_size)
+            call = call_seed(seed, next(calls))
             async with self.dispatcher.engine() as index:
                 try:
-                    return await self.batcher.generate(index, input_ids, params)
+                    return await self.batcher.generate(index, input_ids, params, call)
                 except (RayActorError, RayTaskError) as error:
                     raise EngineCallFailed(index, error) from error
 

@@ -117,7 +117,7 @@ def settle(sample: Generation, sampling: SamplingParams) -> Generation:
 def group_to_json(group: GroupInFlight) -> dict:
     record = asdict(group.prompt.record)
     record["images"] = [base64.b64encode(image).decode() for image in record["images"]]  # bytes: not JSON
-    return {"prompt": record, "token_ids": list(group.prompt.token_ids),
+    return {"prompt": record, "token_ids": list(group.prompt.token_ids), "seed": group.prompt.seed,
             "samples": [None if s is None else _sample_to_json(s) for s in group.samples]}
 
 
@@ -129,7 +129,7 @@ def group_from_json(data: dict) -> GroupInFlight:
     import numpy as np
 
     record = {**data["prompt"], "images": tuple(base64.b64decode(image) for image in data["prompt"].get("images", ()))}
-    prompt = EncodedPrompt(PromptRecord(**record), list(data["token_ids"]))
+    prompt = EncodedPrompt(PromptRecord(**record), list(data["token_ids"]), data.get("seed"))  # (older: no seed)
     samples = [None if s is None else Generation(**{**s, "routes": None if s.get("routes") is None else
                                                     np.asarray(s["routes"], dtype=np.int16)})
                for s in data["samples"]]

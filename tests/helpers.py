@@ -306,6 +306,24 @@ def _mark_of(proc, name: str = LEFTOVERS_MARK) -> str | None:
         return None
 
 
+# Metrics that time a step, not what it computed: they differ between two runs of the same steps.
+TIMING_METRICS = frozenset({"timestamp", "tokens_per_s", "sync_gbps"})
+
+
+def differing_metrics(rows: list[dict], expected: list[dict], ignore: frozenset[str] = frozenset()) -> list[tuple]:
+    """(step, metric, got, expected) wherever two runs' metric rows differ, timing aside (a name in
+    TIMING_METRICS or ending in _s) and `ignore`d metrics aside: [] when they computed the same."""
+    differing = [(None, "steps", [r["step"] for r in rows], [r["step"] for r in expected])] \
+        if [r["step"] for r in rows] != [r["step"] for r in expected] else []
+    for got, want in zip(rows, expected, strict=False):
+        for name in sorted(set(got) | set(want)):
+            if name in TIMING_METRICS or name.endswith("_s") or name in ignore:
+                continue
+            if got.get(name) != want.get(name):
+                differing.append((got["step"], name, got.get(name), want.get(name)))
+    return differing
+
+
 def write_config(path: Path, model_dir: Path, **sections) -> Path:
     """A small valid config file; keyword arguments replace whole sections."""
     import yaml

@@ -21,14 +21,15 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlsys.config import DataConfig
 from rlsys.data.tasks import generate_task
 from rlsys.errors import UserError
 from rlsys.multimodal.images import ImageError, read_images
-from rlsys.records import PromptRecord
+from rlsys.records import EncodedPrompt, PromptRecord
+from rlsys.rollout.seeds import train_prompt_seed
 
 
 class DatasetError(UserError):
@@ -341,7 +342,7 @@ def load_splits(config: DataConfig, seed: int) -> PromptSplits:
 class PromptSampler:
     """Deterministic epoch-shuffled batches; its position is the (epoch, index) pair."""
 
-    def __init__(self, records: list[PromptRecord], batch_size: int, seed: int):
+    def __init__(self, records: list[EncodedPrompt], batch_size: int, seed: int):
         self.records = records
         self.batch_size = batch_size
         self.seed = seed
@@ -359,10 +360,10 @@ class PromptSampler:
         self.epoch, self.index = epoch, index
         self._order = self._shuffled_order()
 
-    def next_batch(self) -> list[PromptRecord]:
+    def next_batch(self) -> list[EncodedPrompt]:
         return self.next_prompts(self.batch_size)
 
-    def next_prompts(self, count: int) -> list[PromptRecord]:
+    def next_prompts(self, count: int) -> list[EncodedPrompt]:
         """The next `count` prompts (partial rollouts draw only what their groups in flight lack)."""
         batch = []
         while len(batch) < count:
@@ -370,7 +371,9 @@ class PromptSampler:
                 self.epoch += 1
                 self.index = 0
                 self._order = self._shuffled_order()
-            batch.append(self.records[self._order[self.index]])
+            # each draw with its own sampling seed, from where it stands (restored on resume)
+            batch.append(replace(self.records[self._order[self.index]],
+                                 seed=train_prompt_seed(self.seed, self.epoch, self.index)))
             self.index += 1
         return batch
 

@@ -4,7 +4,7 @@ eval` runs them all once, on a checkpoint or a model, with no trainer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import comb
 
 from rlsys.algorithms.samples import Scorer, generation_text, reward_call
@@ -13,6 +13,7 @@ from rlsys.observability.samples import shown_samples
 from rlsys.records import EncodedPrompt, SamplingParams
 from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import RolloutManager
+from rlsys.rollout.seeds import eval_prompt_seed
 from rlsys.run.assets import RunAssets
 from rlsys.run.generation import SampleMaker, sampling_params
 
@@ -51,15 +52,21 @@ def eval_sets(config: RunConfig, assets: RunAssets) -> list[EvalSet]:
     """The run's eval sets: the data section's eval prompts (one answer each at eval.temperature),
     then eval.datasets in order."""
     default_prompts = assets.eval[: config.eval.max_prompts] if config.eval.max_prompts else assets.eval
-    sets = [EvalSet(None, default_prompts, sampling_params(config, assets, config.eval.temperature, 1.0), 1,
-                    config.eval.interval)]
+    sets = [EvalSet(None, _seeded(default_prompts, config.seed, None),
+                    sampling_params(config, assets, config.eval.temperature, 1.0), 1, config.eval.interval)]
     for loaded in assets.eval_sets:
         c = loaded.config
-        sets.append(EvalSet(c.name, loaded.prompts,
+        sets.append(EvalSet(c.name, _seeded(loaded.prompts, config.seed, c.name),
                             sampling_params(config, assets, c.temperature, c.top_p, c.max_new_tokens), c.n_samples,
                             c.interval or config.eval.interval, c.reward_function, tuple(c.pass_k),
                             c.success_threshold))
     return sets
+
+
+def _seeded(prompts: list[EncodedPrompt], run_seed: int, name: str | None) -> list[EncodedPrompt]:
+    """The set's prompts with their sampling seeds (rollout/seeds.py): the same at every eval of the
+    run and in `rlsys eval`, so that two evals differ by the weights, not by the draw."""
+    return [replace(prompt, seed=eval_prompt_seed(run_seed, name, number)) for number, prompt in enumerate(prompts)]
 
 
 def set_metrics(eval_set: EvalSet, generations, rewards: list[float], errors: int) -> dict[str, float]:

@@ -58,7 +58,7 @@ class SampleMaker:
         if self.function is None:
             images = [p.record.images for p in prompts]
             return rollout.generate([p.token_ids for p in prompts], sampling, n, recover=recover,
-                                    images=images if any(images) else None)
+                                    images=images if any(images) else None, seeds=[p.seed for p in prompts])
         return rollout.trajectories(prompts, self.function, sampling,
                                     n, self.tokenizer, self.tool_timeout_s, recover=recover, function_path=self.path)
 

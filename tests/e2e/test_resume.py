@@ -1,4 +1,5 @@
-"""A killed run resumes from its last checkpoint: same data order, engine on the resumed weights."""
+"""A killed run resumes from its last checkpoint: same data order, engine on the resumed weights, and
+the same samples and metrics as the run that was never killed."""
 
 import json
 import subprocess
@@ -10,7 +11,7 @@ import torch
 
 from rlsys.observability.metrics import read_metrics
 from rlsys.system.run_lock import owner_is_alive
-from tests.helpers import REPO
+from tests.helpers import REPO, differing_metrics
 
 
 def _command(run_dir, model_dir, *extra):
@@ -61,6 +62,14 @@ def test_a_killed_driver_leaves_nothing_and_the_run_resumes_where_its_checkpoint
     assert rows[4]["weight_version"] == 4
     assert rows[4]["logprob_mismatch"] < 1e-3
     assert rows[0]["kl"] == 0.0 and rows[5]["kl"] > 0.0
+    # ... and it computed what the uninterrupted run computes, metric for metric, exactly: each sample's
+    # seed comes from the data position the checkpoint restored (rollout/seeds.py), so the resumed steps
+    # drew the tokens the uninterrupted run draws, though steps 0-3 ran on an engine of their own and
+    # 4-5 on the session's
+    uninterrupted = subprocess.run(_command(tmp_path / "uninterrupted", tiny_model_dir, ray_address, quickstart_engines),
+                                   cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    assert differing_metrics(rows, read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")) == []
 
     export = subprocess.run(
         [sys.executable, "-m", "rlsys.cli", "export", str(run_dir), str(tmp_path / "hf"), "--step", "6"],

@@ -17,7 +17,7 @@ import pytest
 from rlsys.algorithms.samples import ScoredBatch
 from rlsys.algorithms.shaping import drop_stale_groups
 from rlsys.data.datasets import PromptSampler
-from rlsys.records import Generation, PromptRecord, Sample
+from rlsys.records import EncodedPrompt, Generation, PromptRecord, Sample
 from rlsys.rollout.manager import EngineCallFailed
 from rlsys.run import batches
 from rlsys.run.batches import BatchesAhead, StepBatch
@@ -56,7 +56,7 @@ def _run(total_steps: int) -> SimpleNamespace:
     def phase(row, state, timing):
         yield
 
-    records = [PromptRecord(f"p{i}", "l") for i in range(10)]
+    records = [EncodedPrompt(PromptRecord(f"p{i}", "l"), [i]) for i in range(10)]
     config = SimpleNamespace(trainer=SimpleNamespace(total_steps=total_steps),
                              rollout=SimpleNamespace(n_samples_per_prompt=GROUP))
     return SimpleNamespace(config=config, sampler=PromptSampler(records, 2, seed=0), phase=phase)

@@ -11,7 +11,7 @@ from rlsys.data.datasets import DatasetError, PromptSampler, load_splits, read_j
 from rlsys.data.tasks import generate_task
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.plugins import PluginError
-from rlsys.records import Generation, PromptRecord, RewardCall
+from rlsys.records import EncodedPrompt, Generation, PromptRecord, RewardCall
 from rlsys.rewards.builtin import exact_match, last_number_match
 from rlsys.rewards.loading import load_reward_function
 from rlsys.rewards.pool import score_calls
@@ -102,11 +102,11 @@ def test_synthetic_task_too_large_for_its_digit_space_is_rejected():
 
 
 def test_sampler_is_deterministic_and_covers_an_epoch_once():
-    records = list(range(10))
+    records = [EncodedPrompt(PromptRecord(f"p{i}", "l"), [i]) for i in range(10)]
     a, b = PromptSampler(records, 5, seed=3), PromptSampler(records, 5, seed=3)
     first = a.next_batch() + a.next_batch()
     assert first == b.next_batch() + b.next_batch()
-    assert sorted(first) == records
+    assert sorted(p.token_ids for p in first) == [r.token_ids for r in records]
 
 
 def test_tokenizer_round_trips_text(tiny_model_dir):
@@ -235,9 +235,9 @@ def test_a_failed_reward_is_shown_once_and_each_steps_first_is_kept_in_the_run_d
 
 def test_more_prompts_per_step_than_train_prompts_is_said_at_start():
     """The sampler goes round the data within a step; the start-up note says so, with the numbers."""
-    records = [PromptRecord(f"p{i}", "0") for i in range(3)]
+    records = [EncodedPrompt(PromptRecord(f"p{i}", "0"), [i]) for i in range(3)]
     batch = PromptSampler(records, batch_size=7, seed=0).next_batch()
-    assert len(batch) == 7 and len({r.prompt for r in batch}) == 3  # the same prompts, several times
+    assert len(batch) == 7 and len({r.text for r in batch}) == 3  # the same prompts, several times
     assert repeated_prompts_note(7, 3) == (
         "data.prompts_per_step (7) is more than the 3 train prompts: each step trains each prompt 2.3 times on "
         "average (lower data.prompts_per_step to at most 3 to see each prompt at most once per step)")

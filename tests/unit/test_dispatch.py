@@ -100,8 +100,8 @@ def test_calls_made_together_travel_as_one_request_and_each_gets_its_own_answer(
 
     sent = []
 
-    async def send(index, prompts, params):
-        sent.append((index, [list(p) for p in prompts], params.max_new_tokens))
+    async def send(index, prompts, params, seeds):
+        sent.append((index, [list(p) for p in prompts], params.max_new_tokens, seeds))
         if prompts[0] == [666]:
             raise RuntimeError("engine down")
         return [f"answer to {p}" for p in prompts]
@@ -110,7 +110,7 @@ def test_calls_made_together_travel_as_one_request_and_each_gets_its_own_answer(
         batcher = RequestBatcher(send)
         short, long = SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=4)
         answers = await asyncio.gather(
-            batcher.generate(0, [1], short), batcher.generate(0, [2], short), batcher.generate(1, [3], short),
+            batcher.generate(0, [1], short, 11), batcher.generate(0, [2], short), batcher.generate(1, [3], short),
             batcher.generate(0, [4], long), batcher.generate(2, [666], short), return_exceptions=True)
         later = await batcher.generate(0, [5], short)
         return answers, later, batcher.requests_sent
@@ -119,6 +119,7 @@ def test_calls_made_together_travel_as_one_request_and_each_gets_its_own_answer(
     assert answers[:4] == ["answer to [1]", "answer to [2]", "answer to [3]", "answer to [4]"]
     assert isinstance(answers[4], RuntimeError)
     assert later == "answer to [5]"
-    # same engine and parameters together; another engine or other parameters apart
-    assert sorted(sent) == sorted([(0, [[1], [2]], 1), (1, [[3]], 1), (0, [[4]], 4), (2, [[666]], 1), (0, [[5]], 1)])
+    # same engine and parameters together, each call with its own seed; another engine or other parameters apart
+    assert sorted(sent, key=repr) == sorted([(0, [[1], [2]], 1, [11, None]), (1, [[3]], 1, [None]), (0, [[4]], 4, [None]),
+                                             (2, [[666]], 1, [None]), (0, [[5]], 1, [None])], key=repr)
     assert requests == 5

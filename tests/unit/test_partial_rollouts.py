@@ -56,11 +56,13 @@ class StandInEngine:
     async def _abort_all(self):
         self.world["aborts"] += 1
 
-    async def _generate_each(self, inputs: list[list[int]], params: list[SamplingParams]) -> list[Generation]:
+    async def _generate_each(self, inputs: list[list[int]], params: list[SamplingParams],
+                             seeds: list[int | None]) -> list[Generation]:
         if self.dead:
             raise RayActorError()
         aborts_at_start, version = self.world["aborts"], self.world["version"]
         self.world["requests"] += 1
+        self.world["seeds"] += [(ids[0], len(ids) - 1, seed) for ids, seed in zip(inputs, seeds, strict=True)]
         answers = []
         for ids, sampling in zip(inputs, params, strict=True):
             prompt_id, done = ids[0], len(ids) - 1  # the prompt is one token; the rest were made before
@@ -131,7 +133,7 @@ def _check_samples(trained):
 
 
 def _world():
-    return {"version": 0, "aborts": 0, "requests": 0}
+    return {"version": 0, "aborts": 0, "requests": 0, "seeds": []}  # seeds: (prompt id, tokens before, seed)
 
 
 def test_a_step_trains_the_groups_finished_first_and_carries_the_rest_with_their_tokens():
@@ -153,6 +155,12 @@ def test_a_step_trains_the_groups_finished_first_and_carries_the_rest_with_their
     assert sum(m["aborted_samples"] for m in metrics) > 0 and sum(m["partial_samples_continued"] for m in metrics) > 0
     assert all(m["partial_tokens_discarded"] == 0 for m in metrics)  # no age bound: nothing is thrown away
     assert [m["partial_groups_carried_in"] for m in metrics] == [0] + [OVERSAMPLE] * 11
+    # each sample has its own seed (rollout/seeds.py), and a continuation keeps the one it started with
+    starts = {(prompt_id, seed) for prompt_id, before, seed in world["seeds"] if before == 0}
+    assert all(seed is not None for _, _, seed in world["seeds"])
+    assert {(prompt_id, seed) for prompt_id, before, seed in world["seeds"] if before > 0} <= starts
+    for prompt_id in set(ids):
+        assert len({seed for p, seed in starts if p == prompt_id}) == GROUP
 
 
 def test_the_groups_in_flight_survive_a_checkpoint_and_no_prompt_is_trained_twice_or_lost():
@@ -166,6 +174,8 @@ def test_the_groups_in_flight_survive_a_checkpoint_and_no_prompt_is_trained_twic
     resumed.restore(saved)
     resumed_sampler.restore(*position)
     assert [g.prompt.token_ids for g in resumed.groups] == [g.prompt.token_ids for g in partials.groups]
+    assert [g.prompt.seed for g in resumed.groups] == [g.prompt.seed for g in partials.groups]
+    assert all(g.prompt.seed is not None for g in resumed.groups)  # the samples' seeds travel with their groups
     assert [[s and s.response_ids for s in g.samples] for g in resumed.groups] == \
         [[s and s.response_ids for s in g.samples] for g in partials.groups]
     after = _steps(resumed, manager, resumed_sampler, world, 5, 10)
@@ -256,7 +266,7 @@ def test_an_abort_landing_on_a_responses_last_token_ends_it_instead_of_continuin
         async def _abort_all(self):
             self.aborted.set()
 
-        async def _generate_each(self, inputs, params):
+        async def _generate_each(self, inputs, params, seeds):
             self.calls.append(inputs)
             if inputs[0][0] == 4:
                 return [Generation(ids, [5, 0], [-0.1] * 2, "stop", 3) for ids in inputs]

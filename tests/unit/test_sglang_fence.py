@@ -25,6 +25,7 @@ sys.path.insert(0, str(CPU_COMPAT_SITE))
 import rlsys_batched_decode  # noqa: E402 - lives in the server's compatibility layer
 import rlsys_fence  # noqa: E402
 import rlsys_prompt_shutdown  # noqa: E402
+import rlsys_seeded_sampling  # noqa: E402
 
 sys.path.remove(str(CPU_COMPAT_SITE))
 
@@ -222,3 +223,32 @@ def test_the_speedups_can_be_switched_off_and_the_required_patches_stay(speedups
     assert lines[1] == ("rlsys_lazy_compile" if on else "torch")
     assert lines[2] == str(on)
     assert lines[3] == "synchronized"
+
+
+SEEDED_PROBE = """
+from sglang.srt.layers import sampler
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+print(sampler.multinomial_with_seed.__module__, sampler.top_k_top_p_min_p_sampling_from_probs_torch.__module__)
+print(SamplingBatchInfo.from_schedule_batch.__func__.__module__)
+"""
+
+
+@pytest.mark.parametrize("speedups", ["1", "0"])
+def test_per_request_seeds_are_in_with_or_without_the_speedups(speedups):
+    """(2c): the pinned SGLang's sampler and batch info take rlsys's seeded draw, whose parameters
+    match them (a mismatch would refuse the server's start); required, so the speed-ups' switch
+    leaves it in."""
+    lines = _with_layer(SEEDED_PROBE, {rlsys_fence.SPEEDUPS_ENV: speedups})
+    assert lines[0] == "rlsys_seeded_sampling rlsys_seeded_sampling"
+    assert lines[1] == "rlsys_seeded_sampling"
+
+
+def test_a_required_patch_refused_does_not_suggest_switching_the_speedups_off():
+    def changed(logprobs, seed, positions, generator=None):
+        """SGLang's seeded draw as a release might change it."""
+
+    with pytest.raises(rlsys_fence.SGLangMismatch) as refused:
+        rlsys_fence.check_signature("multinomial_with_seed", changed, rlsys_seeded_sampling.multinomial_with_seed,
+                                    speedup=False)
+    assert "has (logprobs, seed, positions, generator=None)" in str(refused.value)
+    assert rlsys_fence.SPEEDUPS_ENV not in str(refused.value)

@@ -84,15 +84,17 @@ def parameters(function) -> str:
     return ("async " if inspect.iscoroutinefunction(function) else "") + str(bare)
 
 
-def check_signature(name: str, original, replacement) -> None:
+def check_signature(name: str, original, replacement, speedup: bool = True) -> None:
     """The SGLang method `name` has the parameters its replacement was written with (each
-    replacement keeps the exact parameters of the method it replaces)."""
+    replacement keeps the exact parameters of the method it replaces). `speedup`: the replacement
+    is one of the speed-ups, which SPEEDUPS_ENV=0 leaves out (the message then says so)."""
     expected, found = parameters(replacement), parameters(original)
     if expected != found:
         raise SGLangMismatch(
             f"rlsys's CPU layer replaces SGLang's {name}, written for sglang=={SGLANG_VERSION} where it is "
             f"{expected}; the installed sglang {installed_sglang_version()} has {found}. "
-            f"Install sglang=={SGLANG_VERSION}, or set {SPEEDUPS_ENV}=0 to run without the CPU speed-ups."
+            f"Install sglang=={SGLANG_VERSION}"
+            + (f", or set {SPEEDUPS_ENV}=0 to run without the CPU speed-ups." if speedup else ".")
         )
 
 

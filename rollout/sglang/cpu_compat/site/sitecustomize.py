@@ -22,6 +22,11 @@ patches the server needs to run with `--device cpu` at all:
    models/qwen3_5.py, which the Qwen-VL image processor imports). `torch.ops.sgl_kernel` becomes a
    stand-in that has those names, each raising if called, and otherwise answers as the real
    namespace does (no op registered: AttributeError, so SGLang's AMX checks stay false).
+2c. Per-request sampling seeds (`rlsys_seeded_sampling`): SGLang samples with a request's
+   `sampling_seed` only under --enable-deterministic-inference, which refuses the CPU's attention
+   backend, and hashes through a kernel op CPU installs lack; every batch gets its seed tensor, the
+   hash is plain torch (bit for bit SGLang's), and the filtered path's noise is indexed by token id.
+   Required, not a speed-up: rlsys's samples depend on it (rollout/seeds.py).
 2b. SGLang allocates host buffers (the routed-experts capturer's, which routing replay's
    `--enable-return-routed-experts` turns on) pinned and registered with cudaHostRegister
    (`mem_cache/pool_host/common.py` `alloc_with_host_register`), which initialises CUDA and dies
@@ -253,6 +258,50 @@ class _UnpinnedHostMemory(importlib.abc.MetaPathFinder):
             fullname, path, lambda module: module.ALLOC_MEMORY_FUNCS.__setitem__("cpu", _unpinned_host_memory))
 
 
+def _seed_every_batch(module) -> None:
+    import rlsys_seeded_sampling
+
+    owner = module.SamplingBatchInfo
+    original = owner.from_schedule_batch.__func__
+    replacement = rlsys_seeded_sampling.always_seeded(original)
+    rlsys_fence.check_signature("SamplingBatchInfo.from_schedule_batch", original, replacement, speedup=False)
+    owner.from_schedule_batch = classmethod(replacement)
+
+
+def _hash_in_torch(module) -> None:
+    import rlsys_seeded_sampling
+
+    replacements = {
+        "multinomial_with_seed": rlsys_seeded_sampling.multinomial_with_seed,
+        "top_k_top_p_min_p_sampling_from_probs_torch":
+            rlsys_seeded_sampling.seeded_filtered_sampling(module.top_k_top_p_min_p_sampling_from_probs_torch),
+    }
+    for name, replacement in replacements.items():
+        rlsys_fence.check_signature(f"{module.__name__}.{name}", getattr(module, name), replacement, speedup=False)
+        setattr(module, name, replacement)
+
+
+_SEEDED_SAMPLING = {  # (2c): module -> its patch
+    "sglang.srt.sampling.sampling_batch_info": _seed_every_batch,
+    "sglang.srt.layers.sampler": _hash_in_torch,
+}
+
+
+class _SeededSampling(importlib.abc.MetaPathFinder):
+    """Finds a module of `_SEEDED_SAMPLING` as usual, then patches it once it has executed (2c)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _SEEDED_SAMPLING:
+            return None
+        def patch_or_refuse(module):
+            try:
+                _SEEDED_SAMPLING[fullname](module)
+            except rlsys_fence.SGLangMismatch as error:
+                rlsys_fence.refuse(error)
+
+        return _spec_patched_after_exec(fullname, path, patch_or_refuse)
+
+
 class _StandInOps:
     """(1b): `torch.ops.sgl_kernel` with the ops `rlsys_fence.SGL_KERNEL_OPS_READ_AT_IMPORT` names."""
 
@@ -266,12 +315,13 @@ class _StandInOps:
 
 
 def _install_required(torch):
-    """(1), (1b), (2) and (2b): what the server needs to run without a GPU at all."""
+    """(1), (1b), (2), (2b) and (2c): what the server needs to run without a GPU at all."""
     sys.meta_path.insert(0, _StandInFinder())
     if torch is not None and not torch.cuda.is_available():
         torch.ops.sgl_kernel = _StandInOps(torch.ops.sgl_kernel)
         torch.cuda.synchronize = lambda *args, **kwargs: None
         sys.meta_path.insert(0, _UnpinnedHostMemory())
+        sys.meta_path.insert(0, _SeededSampling())
 
 
 def _install_speedups(torch):
