@@ -14,10 +14,12 @@ from tests.helpers import REPO, train_command
 
 def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir, ray_address, quickstart_engines):
     run_dir = tmp_path / "run"
-    # eval 0.9 by ~step 160 of the example's 200. On the session's quickstart engines (the example's
-    # layout): an attached run restarts the engine's random stream at its seed, so it samples as on a
-    # fresh engine of its own whatever the tests before drew from it.
-    result = subprocess.run(train_command("examples/calculator.yaml", tiny_model_dir, run_dir, "eval.stop_at_reward=0.9",
+    # The target is what only reading the tool's output reaches: a digit after a call scores 0.2, and a
+    # model that calls and then guesses a digit scores 0.2 + 0.8 / 10 = 0.28 on average; 0.5 needs the
+    # right digit on over a third of the eval prompts. (Greedy eval climbs in steps as digits are learned:
+    # one sampling seed measured 0.27 at step 50, 0.51 at 90, 0.62 at 110, 0.94 at 160; another 0.24 at
+    # 50 and 0.76 at 200, so 0.9 within the example's 200 steps depends on the draw.)
+    result = subprocess.run(train_command("examples/calculator.yaml", tiny_model_dir, run_dir, "eval.stop_at_reward=0.5",
                                           ray_address, quickstart_engines),
                             cwd=REPO,
                             capture_output=True, text=True, timeout=1800)
@@ -25,7 +27,7 @@ def test_the_calculator_example_learns_to_call_its_tool(tmp_path, tiny_model_dir
     rows = read_metrics(run_dir / "metrics.jsonl")
     evals = [r["eval_reward_mean"] for r in rows if "eval_reward_mean" in r]
     assert evals[0] <= 0.2, evals  # untrained: hardly ever calls, answers at chance
-    assert evals[-1] >= 0.9, evals
+    assert evals[-1] >= 0.5, evals
     assert rows[0]["tool_calls_mean"] < 0.2 and rows[-1]["tool_calls_mean"] >= 0.9
     # after a call, the tool's value (4 tokens) sits between two policy tokens
     assert rows[-1]["policy_tokens_fraction"] < 0.5 and rows[-1]["turns_mean"] >= 1.9
