@@ -31,13 +31,32 @@ class TrainerHang(Exception):
 class TrainerGroup:
     def __init__(self, spec: TrainerSpec, num_ranks: int, actor_options: list[dict] | None = None,
                  env_vars: dict[str, str] | None = None, worker_cls: type = TrainerWorker,
-                 judge_model: Callable[[ModelShape], None] | None = None):
+                 judge_model: Callable[[ModelShape], None] | None = None, warm: list | None = None,
+                 keep: Callable[[], bool] | None = None):
         """`judge_model`: called with the model's shapes rank 0 reports (`TrainerWorker.model_report`)
         before any rank builds its model (the run's memory plan); what it raises, or rank 0's refusal
-        of the model (a ConfigError), stops the ranks and is raised here."""
+        of the model (a ConfigError), stops the ranks and is raised here. `warm`: running ranks of a
+        process group (a standing set's, rlsys/run/warm_ranks.py) that take `spec` instead of new
+        ones. `keep`: whether `shutdown` leaves the ranks up, released, asked then (never after a call
+        to them failed); None: they are stopped."""
         self.spec = spec
         self.num_ranks = num_ranks
         self.asleep = False
+        self.keep = keep
+        # Called with (what, ranks that did not answer) when a call passes trainer.call_timeout_s, before
+        # TrainerHang is raised; returns where each rank was (the coordinator collects the stacks).
+        self.on_hang: Callable[[str, list[int]], str] | None = None
+        self.hung = False
+        self.failed = False  # a call to the ranks raised: they may be anywhere in a collective
+        if warm is not None:
+            self.workers = list(warm)
+            self.processes = ray.get([worker.process.remote() for worker in self.workers])
+            self.nodes = [address for _, _, address in self.processes]
+            self._on_every_rank("respec", replace(spec), bounded=False)
+            if judge_model is not None:
+                self._judge_model(judge_model)
+            self._wait([worker.build.remote() for worker in self.workers], "build")
+            return
         options = actor_options or [{"num_cpus": 1}] * num_ranks
         runtime_env = {"env_vars": env_vars or {}}
         remote_cls = ray.remote(worker_cls)
@@ -47,10 +66,6 @@ class TrainerGroup:
             )
             for rank in range(num_ranks)
         ]
-        # Called with (what, ranks that did not answer) when a call passes trainer.call_timeout_s, before
-        # TrainerHang is raised; returns where each rank was (the coordinator collects the stacks).
-        self.on_hang: Callable[[str, list[int]], str] | None = None
-        self.hung = False
         address, port = ray.get(self.workers[0].rendezvous_address.remote())
         self.processes = ray.get([worker.process.remote() for worker in self.workers])  # rank -> (pid, node id, address)
         self.nodes = [address for _, _, address in self.processes]  # rank -> node address
@@ -73,6 +88,13 @@ class TrainerGroup:
     def _wait(self, calls: list, what: str) -> list:
         """The ranks' answers to one call each, within trainer.call_timeout_s (TrainerHang past it; a
         rank that failed meanwhile raises its error, as ray.get would)."""
+        try:
+            return self._answers(calls, what)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _answers(self, calls: list, what: str) -> list:
         timeout_s = self.spec.trainer.call_timeout_s
         if timeout_s is None:
             return ray.get(calls)
@@ -95,7 +117,13 @@ class TrainerGroup:
         within trainer.call_timeout_s, stacks collected on a hang (`_wait`); else as long as it takes
         (quick bookkeeping calls, and connect_engines, which has its own timeout)."""
         calls = [getattr(worker, method).remote(*args) for worker in self.workers]
-        return self._wait(calls, method) if bounded else ray.get(calls)
+        if bounded:
+            return self._wait(calls, method)
+        try:
+            return ray.get(calls)
+        except BaseException:
+            self.failed = True
+            raise
 
     @property
     def _context_parallel_size(self) -> int:
@@ -199,6 +227,15 @@ class TrainerGroup:
         return ray.get(self.workers[0].vocab_size.remote())
 
     def shutdown(self) -> None:
+        """Stop the ranks; a group kept (`keep`) whose calls all succeeded is released instead, its
+        processes left up for the next run."""
+        if self.keep is not None and not (self.hung or self.failed) and self.keep():
+            try:
+                ray.get([w.release.remote() for w in self.workers], timeout=30)
+                self.workers = []
+                return
+            except Exception:  # noqa: BLE001 - a rank that cannot be released is stopped with the rest
+                pass
         try:
             if not self.hung:
                 ray.get([w.shutdown.remote() for w in self.workers], timeout=30)

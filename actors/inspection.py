@@ -7,8 +7,6 @@ kit builds one in its own process). Its Ray group: inspectable_group.py."""
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker
@@ -36,16 +34,14 @@ class InspectableTrainerWorker(TrainerWorker):
         the full model's fp32 bytes."""
         return dict(self.load_memory)
 
+    def built(self) -> bool:
+        """Whether this rank holds a model (built, and not released since)."""
+        return self.model is not None
+
     def rebuild(self, spec: TrainerSpec) -> None:
-        """This rank anew for `spec`, as a new rank of the same group would start: its models,
-        optimizer, schedule, context-parallel groups, transports and seeded RNG are all the new spec's;
-        only the process, its imports and the process group it joined stay. Collective (every rank
-        of the group rebuilds with the same spec). A process's peak resident memory is not reset:
-        a test that measures a load's peak needs a new group."""
-        if spec.has_gpu != self.spec.has_gpu:
-            raise ValueError("a rank rebuilds for a spec of its own device kind only")
-        self._close_transport()
-        self._reset(spec)  # drops the old models, optimizer and offloaded state with their references
-        gc.collect()
-        self._build()
+        """This rank anew for `spec`, as a new rank of the same group would start (`respec`, then
+        `build`). Collective (every rank of the group rebuilds with the same spec). A process's peak
+        resident memory is not reset: a test that measures a load's peak needs a new group."""
+        self.respec(spec)
+        self.build()
 

@@ -8,8 +8,10 @@ algorithm.loss_agg_mode), so any split over ranks and micro-batches gives the sa
 
 from __future__ import annotations
 
+import gc
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -237,6 +239,7 @@ class TrainerWorker:
         bind_gloo_to_node_address(node_address())  # its groups may span nodes (rlsys/system/node.py)
         self._reaper = start_actor_reaper()  # if this rank is killed: its staging buffer in this node's /dev/shm
         answer_stack_signal()  # its stacks on a hang where py-spy cannot read it (rlsys/system/stacks.py)
+        self.holder: tuple[int, float] | None = None  # a warm rank's run's driver (`serve`)
         self._reset(spec)
 
     def _reset(self, spec: TrainerSpec) -> None:
@@ -702,6 +705,66 @@ class TrainerWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         stop_reaper(self._reaper)
+
+    # ---- a warm rank: kept between runs by a standing set (rlsys/run/warm_ranks.py) ---------------
+    def respec(self, spec: TrainerSpec) -> None:
+        """Drop what this rank built for its last spec (models, optimizer, transport, seeded RNG) and
+        take `spec`, whose models `build` makes: a new rank of the same process group but for the
+        process, its imports (a rank's start is ~10 CPU-seconds of them) and the group it joined."""
+        if spec.has_gpu != self.spec.has_gpu:
+            raise ValueError("a rank takes a spec of its own device kind only")
+        self._close_transport()
+        self._reset(spec)  # drops the old models, optimizer and offloaded state with their references
+        gc.collect()
+        self.backend.empty_device_cache()
+
+    def build(self) -> None:
+        """The models, optimizer and schedule of the spec `respec` gave. Collective."""
+        self._build()
+
+    def keep_warm(self, identity: tuple) -> None:
+        """Mark this rank as a standing set's warm rank, started as `identity` says (WarmIdentity)."""
+        self.warm_identity = identity
+
+    def started_as(self) -> tuple | None:
+        return getattr(self, "warm_identity", None)
+
+    def serve(self, driver_pid: int, driver_started: float) -> None:
+        """The run whose driver is process `driver_pid` (started at `driver_started`, on this node)
+        holds this warm rank: should the driver die without releasing it (killed), the rank releases
+        itself, so its model and shared-memory staging do not outlive the run. A driver on another
+        node is not watched (`driver_pid` 0): the next run's `respec` drops what it left."""
+        self.holder = (driver_pid, driver_started) if driver_pid else None
+        if getattr(self, "_holder_watch", None) is None:
+            self._holder_watch = threading.Thread(target=self._watch_holder, name="warm-rank-holder", daemon=True)
+            self._holder_watch.start()
+
+    def release(self) -> None:
+        """The run is done with this warm rank: what it built is dropped; the process stays, idle."""
+        self.holder = None
+        self.respec(self.spec)
+
+    def _watch_holder(self) -> None:
+        import psutil
+        import ray
+
+        while True:
+            time.sleep(HOLDER_POLL_S)
+            holder = getattr(self, "holder", None)
+            if holder is None:
+                continue
+            try:
+                alive = psutil.Process(holder[0]).create_time() == holder[1]
+            except psutil.Error:
+                alive = False
+            if not alive and self.holder == holder:
+                self.holder = None
+                # queued behind whatever the dead driver left running on this rank
+                ray.get_runtime_context().current_actor.release.remote()
+
+
+# How often a warm rank looks for the driver that holds it (TrainerWorker.serve).
+HOLDER_POLL_S = 1.0
 
 
 def _resident_bytes() -> int:

@@ -9,7 +9,9 @@ machines drift in speed within an hour), as `rlsys train configs/quickstart.yaml
 Both join one Ray cluster that this script starts first (`ray start --head`, as `rlsys engines up`
 on a machine with none does), so a run's own Ray start is not what is compared; `own_ray_cluster`
 adds one run that starts its own local cluster, as a plain `rlsys train` does. The standing set is
-started once, before the rounds (`engines_up_s`).
+started once, before the rounds (`engines_up_s`), and one run attaches to it before the rounds
+(`attached_first_run`): it starts the trainer ranks the set then keeps (rlsys/run/warm_ranks.py), so
+the rounds' attached runs build their model in warm ranks.
 
 Per run: `to_training_s`, the seconds from the command to its "training (started in ...)" line
 (the first step begins right after); and the time of each start-up line (driver ready, Ray, trainer
@@ -38,7 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 RLSYS = REPO / ".venv" / "bin" / "rlsys"
 MARKS = {  # start-up line -> its name in the timeline
     "run directory": "driver_ready", "Ray cluster up": "ray", "attached to standing engines": "attached",
-    "memory plan": "memory_plan", "trainer:": "trainer_ranks_ready", "SGLang engine(s) ready": "engines_ready",
+    "memory plan": "memory_plan", "warm rank(s)": "warm_ranks_taken", " ranks on ": "trainer_ranks_ready",
+    "SGLang engine(s) ready": "engines_ready",
     "engines hold the trainer's weights": "weights_pushed", "training (started": "training",
 }
 
@@ -115,6 +118,7 @@ def main() -> None:
                             f"model.path={model}", "--name", "bench", "--log-dir", str(scratch / "engines")],
                            check=True)
             engines_up_s = round(time.monotonic() - began, 2)
+            attached_first = timed_run(model, scratch / "attached-first", address, "rollout.attach=bench")
             own, attached = [], []
             for round_ in range(args.rounds):
                 order = ("own", "attached") if round_ % 2 == 0 else ("attached", "own")
@@ -138,7 +142,9 @@ def main() -> None:
         "rounds": args.rounds, "engines_up_s": engines_up_s,
         "own_engines_to_training_s_median": median(own), "attached_to_training_s_median": median(attached),
         "attached_over_own": round(median(attached) / median(own), 3),
-        "own_engines": own, "attached": attached, "own_ray_cluster_and_engines": own_cluster,
+        "attached_first_run_to_training_s": attached_first["to_training_s"],
+        "own_engines": own, "attached": attached, "attached_first_run": attached_first,
+        "own_ray_cluster_and_engines": own_cluster,
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -153,7 +153,8 @@ def _engines(args: argparse.Namespace) -> int:
 
             config = load_config(args.config, list(args.overrides))
             log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "engines" / args.name
-            record = standing_engines.engines_up(config, args.name, log_dir, args.address)
+            record = standing_engines.engines_up(config, args.name, log_dir, args.address,
+                                                 warm_trainers=args.warm_trainers)
             logger.info("standing engines %r serve %s; attach a run with rollout.attach=%s (`rlsys engines down "
                         "--name %s` stops them)", record.name, record.model_path, record.name, record.name)
         elif args.action == "status":
@@ -438,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "them running")
     up.add_argument("config", help="the YAML config of the runs that will attach")
     up.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_engines=2")
+    up.add_argument("--no-warm-trainers", dest="warm_trainers", action="store_false",
+                    help="keep no trainer ranks between the runs that attach (by default the set keeps the last "
+                    "run's, released, and the next run's model is built in them: no rank start-up)")
     down = actions.add_parser("down", help="stop standing engines (their servers, /dev/shm files, placement)")
     down.add_argument("--all", action="store_true", help="every standing set of the cluster")
     down.add_argument("--force", action="store_true", help="even while a run holds their lease")

@@ -31,6 +31,7 @@ from rlsys.run.placement_checks import (
 )
 from rlsys.run.standing_engines import attach, server_spec
 from rlsys.run.verify import ImageProbe, model_depth, verify_engine_weights
+from rlsys.run.warm_ranks import warm_trainer_group
 from rlsys.system.cluster import ACTOR_ENV
 from rlsys.system.topology import Topology
 
@@ -98,8 +99,13 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
 def _trainer_group(config: RunConfig, parts: Components,
                    judge_model: Callable[[ModelShape], None] | None = None) -> TrainerGroup:
     spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
-    group = TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(), env_vars=trainer_env(config),
-                         judge_model=judge_model)
+    standing = parts.rollout.standing if parts.rollout is not None else None
+    if standing is not None and standing.warm_trainers:  # the ranks the set keeps (rlsys/run/warm_ranks.py)
+        group = warm_trainer_group(standing.name, spec, parts.topology.num_ranks, parts.placement.trainer_options(),
+                                   trainer_env(config), judge_model)
+    else:
+        group = TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(),
+                             env_vars=trainer_env(config), judge_model=judge_model)
     if parts.hangs is not None:
         group.on_hang = parts.hangs.on_trainer_hang
     return group

@@ -115,8 +115,10 @@ def server_spec(config: RunConfig, topology: Topology, cpu_sharers: int) -> Serv
 
 # ---- up / status / down -------------------------------------------------------------------
 
-def engines_up(config: RunConfig, name: str, log_dir: Path, address: str | None = None) -> StandingRecord:
-    """Start `config`'s engines as standing set `name` and return once every engine answers."""
+def engines_up(config: RunConfig, name: str, log_dir: Path, address: str | None = None,
+               warm_trainers: bool = True) -> StandingRecord:
+    """Start `config`'s engines as standing set `name` and return once every engine answers.
+    `warm_trainers`: the set keeps the trainer ranks of the runs that attach (rlsys/run/warm_ranks.py)."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from rlsys.system.model_source import resolve_model_paths
@@ -150,7 +152,8 @@ def engines_up(config: RunConfig, name: str, log_dir: Path, address: str | None 
                 name=name, identity=EngineIdentity.of(spec, topology), spec=spec, topology=topology,
                 placement_group=group, log_dir=str(log_dir), model_path=config.model.path, started_at=time.time(),
                 started_by=f"{socket.gethostname()} pid {os.getpid()}",
-                engine_options=tuple(placement.engine_options()), ray_started_here=started_here)
+                engine_options=tuple(placement.engine_options()), ray_started_here=started_here,
+                warm_trainers=warm_trainers)
             # The record first: a set that fails to come up is still found, and stopped, by name.
             keeper = ray.remote(EngineService).options(name=name, namespace=SERVICE_NAMESPACE, lifetime="detached",
                                                        num_cpus=0).remote(record)
@@ -244,7 +247,7 @@ def engines_down(name: str | None, force: bool = False, address: str | None = No
             if lease is not None:
                 forced.append(lease)
             record: StandingRecord = ray.get(keeper.record.remote())
-            _stop_set(each, record.placement_group)
+            _stop_set(each, record.placement_group, ranks_in_use=lease is not None)
             stop_head = stop_head or record.ray_started_here
             logger.info("standing engines %r stopped%s", each,
                         f" under {lease['description']}, which now fails at its next engine call" if lease else "")
@@ -281,14 +284,18 @@ def _runs_ended(leases: list[dict]) -> bool:
     return True
 
 
-def _stop_set(name: str, group) -> None:
-    """The record first (a run attached to the set then sees it gone, once its engine dies, and
-    does not restart it), then the engines (their servers stopped by themselves: processes and
-    /dev/shm files), then the placement group."""
+def _stop_set(name: str, group, ranks_in_use: bool = False) -> None:
+    """The trainer ranks the set keeps, the record (a run attached to the set then sees it gone, once
+    its engine dies, and does not restart it), then the engines (their servers stopped by themselves:
+    processes and /dev/shm files), then the placement group. Ranks a run holds (`ranks_in_use`) are
+    left to it: when it fails it stops them, keeping none for a set that is gone."""
     from ray.util.placement_group import remove_placement_group
 
     from rlsys.rollout.manager import RolloutManager
+    from rlsys.run.warm_ranks import stop_warm_ranks
 
+    if not ranks_in_use:
+        stop_warm_ranks(name)
     try:
         keeper = service(name)
         record: StandingRecord = ray.get(keeper.record.remote())

@@ -34,6 +34,20 @@ def _lease(name: str = "quickstart"):
     return ray.get(service(name).lease.remote())
 
 
+def _kept_rank_pids(name: str = "quickstart") -> list[int]:
+    """The processes of the trainer ranks standing set `name` keeps, by rank."""
+    from rlsys.rollout.standing import SERVICE_NAMESPACE
+    from rlsys.run.warm_ranks import rank_name
+
+    pids = []
+    for rank in range(2):
+        try:
+            pids.append(ray.get(ray.get_actor(rank_name(name, rank), namespace=SERVICE_NAMESPACE).process.remote())[0])
+        except ValueError:
+            break
+    return pids
+
+
 def _someone_elses(shm_file: str) -> bool:
     """Whether a live process made or holds this /dev/shm file (once the set's processes are gone)."""
     from rlsys.system.shm_sweep import creator_pid, holders
@@ -59,8 +73,16 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
     learning rate, profiling steps 1-2); the second's step-0 eval (greedy, before it trains) equals the first's step-0
     eval, its step-0 samples are the first's (same seed: the engine's random stream restarts at the
     run's seed, it does not go on from where the first run left it), and its weight versions are its
-    own from 0, with verify on (engine == trainer)."""
+    own from 0, with verify on (engine == trainer).
+
+    The set keeps the trainer ranks between runs (rlsys/run/warm_ranks.py): the first run starts them
+    (none are kept when it starts), the second builds its model in the same processes, and the bits
+    equal above say they hold nothing of the first run's (weights, optimizer, RNG, profiler)."""
+    from rlsys.run.warm_ranks import stop_warm_ranks
+
+    stop_warm_ranks("quickstart")
     first, second = tmp_path / "first", tmp_path / "second"
+    kept = []
     for run_dir, steps, lr, profile in ((first, 4, "0.01", "[1, 2]"), (second, 1, "0.0005", "null")):
         result = subprocess.run(
             train_command("quickstart.yaml", tiny_model_dir, run_dir, f"trainer.total_steps={steps}",
@@ -69,6 +91,10 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
             capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "attached to standing engines 'quickstart'" in result.stdout
+        kept.append(_kept_rank_pids())
+        took_warm = "trainer: the 2 warm rank(s) standing engines 'quickstart' keep take this run's model"
+        assert (took_warm in result.stdout) == (run_dir == second), result.stdout[-3000:]
+    assert len(kept[0]) == 2 and kept[1] == kept[0]  # the second run's ranks are the first's processes
     rows_first, rows_second = _rows(first), _rows(second)
     evals_first = [r["eval_reward_mean"] for r in rows_first if "eval_reward_mean" in r]
     assert len(evals_first) == 2 and evals_first[1] != evals_first[0]  # the first run left other weights

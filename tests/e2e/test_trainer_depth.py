@@ -36,8 +36,9 @@ def test_training_after_sleep_and_wake_up_is_bit_identical(warm_trainer_groups, 
 
 
 def test_a_rebuilt_group_trains_bit_for_bit_as_a_new_one(warm_trainer_groups, tiny_model_dir):
-    """What the warm groups of these tests rest on (tests/trainer_pool.py): a group rebuilt for a spec
-    after training another (a reference, optimizer state, left asleep) trains as one started for it."""
+    """What the warm groups of these tests (tests/trainer_pool.py) and the trainer ranks a standing set
+    keeps between runs (rlsys/run/warm_ranks.py) rest on: a group rebuilt for a spec (`respec`, then
+    `build`) after training another (a reference, optimizer state, left asleep) trains as one started for it."""
     used, = warm_trainer_groups((_spec(tiny_model_dir, use_kl_loss=True, kl_coef=0.1, warmup_steps=3), 2))
     used.train_step(_batch(0))
     used.sleep()
@@ -52,6 +53,36 @@ def test_a_rebuilt_group_trains_bit_for_bit_as_a_new_one(warm_trainer_groups, ti
         assert _identical(used.full_state_dict(), new.full_state_dict())
     finally:
         new.shutdown()
+
+
+def test_a_kept_rank_whose_run_was_killed_releases_itself(warm_trainer_groups, tiny_model_dir):
+    """A standing set's kept rank watches the driver of the run that holds it (`TrainerWorker.serve`):
+    while it lives the rank keeps what it built; once it is killed (no `release` from it) the rank
+    drops its model, optimizer and transport by itself, and builds the next spec as before."""
+    import subprocess
+    import time
+
+    import psutil
+    import ray
+
+    from rlsys.actors.trainer import HOLDER_POLL_S
+
+    group, = warm_trainer_groups((_spec(tiny_model_dir), 1))
+    rank = group.workers[0]
+    driver = subprocess.Popen(["sleep", "600"])  # stands for the run's driver on this node
+    try:
+        ray.get(rank.serve.remote(driver.pid, psutil.Process(driver.pid).create_time()))
+        time.sleep(3 * HOLDER_POLL_S)
+        assert ray.get(rank.built.remote())  # its run lives
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 60
+    while ray.get(rank.built.remote()) and time.monotonic() < deadline:  # waits, never a measure
+        time.sleep(0.2)
+    assert not ray.get(rank.built.remote())
+    group.rebuild(_spec(tiny_model_dir))
+    assert group.train_step(_batch(0))["grad_norm"] > 0
 
 
 @pytest.fixture(scope="module")
