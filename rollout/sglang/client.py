@@ -62,6 +62,10 @@ def read_log_tail(log_path: str | Path, lines: int = 30) -> str:
         return ""
 
 
+# How long a release waits for the engine's scheduler to be idle (`SGLangClient.wait_idle`).
+IDLE_WAIT_S = 120.0
+
+
 class SGLangClient:
     def __init__(self, address: EngineAddress, timeout_s: float = 600.0):
         self.address = address
@@ -140,8 +144,20 @@ class SGLangClient:
     # ---- device memory (colocated hand-off) ---------------------------------------------
     def release_memory_occupation(self, tags: list[str]) -> None:
         """Give the tagged memory ("weights", "kv_cache", "cuda_graph") back to the device; with
-        --enable-memory-saver (GPU) it is really freed, elsewhere the call only pauses the region."""
+        --enable-memory-saver (GPU) it is really freed, elsewhere the call only pauses the region.
+        Once the scheduler is idle (`wait_idle`): SGLang asserts that it is, and the assertion stops
+        the server."""
+        self.wait_idle()
         self._call("/release_memory_occupation", {"tags": list(tags)})
+
+    def wait_idle(self, timeout_s: float = IDLE_WAIT_S) -> None:
+        """Until the scheduler has nothing running, waiting or left to retire: SGLang's deferred
+        `/flush_cache?timeout=` (managers/scheduler_components/flush_wrapper.py) answers once
+        `is_fully_idle()` holds, dropping the prefix cache then. A /generate can answer before the
+        scheduler has retired its batch (`last_batch` is cleared by its next loop); a release sent in
+        that window killed a CPU server under load (`release_memory_occupation should be called only
+        when server is idle`). An engine not idle within `timeout_s` is an EngineError naming it."""
+        self._call(f"/flush_cache?timeout={timeout_s:g}", {}, timeout_s=timeout_s + 30.0, json_answer=False)
 
     def resume_memory_occupation(self, tags: list[str]) -> None:
         """Take released regions back (SGLang refuses a tag that was not released)."""
