@@ -91,3 +91,20 @@ def test_a_set_name_ray_cannot_hold_is_refused(name, capsys):
         main(["engines", "up", "configs/quickstart.yaml", "--name", name])
     assert exit_.value.code == 2
     assert "--name" in capsys.readouterr().err
+
+
+def test_kept_trainer_ranks_are_reused_only_by_a_run_whose_ranks_would_start_the_same_way():
+    """rlsys/run/warm_ranks.py: a set's kept ranks are taken by a run only if its ranks would start as
+    they did (slots, device kind, environment, code); `engines up --no-warm-trainers` keeps none."""
+    from rlsys.cli import build_parser
+    from rlsys.run.warm_ranks import WarmIdentity, code_fingerprint
+
+    kept = WarmIdentity.of(2, False, {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1"})
+    assert WarmIdentity.of(2, False, {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN"}) == kept  # order is no difference
+    for other in (WarmIdentity.of(1, False, {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1"}),
+                  WarmIdentity.of(2, True, {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1"}),
+                  WarmIdentity.of(2, False, {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "1"})):
+        assert other != kept
+    assert code_fingerprint() == kept.code and len(kept.code) == 32
+    assert build_parser().parse_args(["engines", "up", "c.yaml"]).warm_trainers is True
+    assert build_parser().parse_args(["engines", "up", "c.yaml", "--no-warm-trainers"]).warm_trainers is False
