@@ -348,75 +348,82 @@ def test_a_killed_driver_leaves_nothing_on_any_node_and_the_run_resumes_as_if_un
     assert rows[resumed_from]["logprob_mismatch"] < 1e-3  # the engine restarted on the checkpointed weights
 
 
-def test_disaggregated_ranks_on_one_node_broadcast_to_an_engine_on_another_and_learn_through_their_node_lost(
+@pytest.mark.own_engines
+def test_disaggregated_ranks_broadcast_to_an_engine_on_another_node_and_learn_through_both_nodes_lost(
         cluster, tiny_model_dir, tmp_path):
-    """One run, two subjects: disaggregated ranks on a trainer node broadcast to an engine on another
-    node and learn; and when their node is lost mid-run (after the step-3 checkpoint), the trainers
-    resume from that checkpoint on the spare trainer node and the run goes on to learn."""
+    """One fault-injection run, three subjects, each asserted on its own with a message naming it:
+    disaggregated ranks on a trainer node broadcast to an engine on an engine node and learn; when the
+    engine's node is lost (during step 2), the engine is started again on the other engine node with
+    room and the run goes on with no step lost; when the trainers' node is lost after that (after the
+    step-3 checkpoint), the trainers resume from that checkpoint on the spare trainer node and the run
+    goes on to learn. (An engine's death is its subject: own_engines.)"""
     spare = cluster.nodes.get("spare") or cluster.add_node(NodeSpec("spare", 4, TRAINER_NODE))
     run_dir = tmp_path / "disaggregated"
     job = _submit(cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}",
                   "trainer.num_ranks=2", "rollout.num_engines=1", "eval.stop_at_reward=0.9",
                   "logging.backends=[tensorboard,wandb,mlflow]", "checkpoint.interval=3",
                   "checkpoint.max_auto_resumes=1", ON_TRAINER_NODES, ON_ENGINE_NODES, wait=False)
-    cluster.wait_for(lambda: (run_dir / "checkpoints" / "step_00000003").exists() or job.poll() is not None,
-                     "the step-3 checkpoint")
-    assert job.poll() is None, job.stdout.read()[-3000:]
-    lost = cluster.node_of(cluster.find("ray::TrainerWorker")[0].pid)  # node a or the spare: Ray chose
-    (other,) = {"a", spare.name} - {lost}
+    lost = {}  # fault -> the node it took
     try:
-        assert cluster.kill_node(lost) > 0
+        cluster.wait_for(lambda: _steps_done(run_dir) >= 2 or job.poll() is not None, "2 steps")
+        assert job.poll() is None, "engine node lost: the run ended before it: " + job.stdout.read()[-3000:]
+        (server,) = cluster.find("sglang.launch_server")
+        lost["engine"] = cluster.node_of(server.pid)
+        assert cluster.kill_node(lost["engine"]) > 0  # its raylet, Ray daemons, engine actor, SGLang server, reapers
+
+        def engine_back_and_checkpointed():
+            rows = read_metrics(run_dir / "metrics.jsonl") if _steps_done(run_dir) else []
+            return (any(r["engine_restarts"] >= 1 for r in rows)
+                    and (run_dir / "checkpoints" / "step_00000003" / "coordinator.json").exists())
+
+        cluster.wait_for(lambda: engine_back_and_checkpointed() or job.poll() is not None,
+                         "the engine back and the step-3 checkpoint")
+        assert job.poll() is None, "trainer node lost: the run ended before it: " + job.stdout.read()[-3000:]
+        lost["trainer"] = cluster.node_of(cluster.find("ray::TrainerWorker")[0].pid)  # node a or the spare
+        assert cluster.kill_node(lost["trainer"]) > 0
         output = job.communicate(timeout=1800)[0]
         assert job.returncode == 0, output[-4000:]
     finally:
-        cluster.start_ray(lost)  # the node comes back for the tests after this one
+        if job.poll() is None:
+            job.kill()
+        for node in lost.values():
+            cluster.start_ray(node)  # the nodes come back for the tests after this one
+    said = "\n".join(line for line in output.splitlines() if line.startswith("rlsys: "))
+    rows = read_metrics(run_dir / "metrics.jsonl")
 
     # where the parts ran: both ranks on the trainer node Ray chose, the engine on an engine node
-    trainer_nodes = {cluster.nodes[lost].address, cluster.nodes[other].address}
+    trainer_nodes = {cluster.nodes["a"].address, cluster.nodes[spare.name].address}
     engine_nodes = {cluster.nodes["b"].address, cluster.nodes["c"].address}
     nodes = dict(part.split(": ") for part in _nodes_line(output).removeprefix("rlsys: nodes: ").split("; ")[1:])
-    assert nodes[cluster.nodes[lost].address] == "trainer rank 0, trainer rank 1", nodes
+    assert nodes[cluster.nodes[lost["trainer"]].address] == "trainer rank 0, trainer rank 1", nodes
     ((engine_node, roles),) = [(node, roles) for node, roles in nodes.items() if node not in trainer_nodes]
-    assert engine_node in engine_nodes and roles == "engine-0"
+    assert engine_node == cluster.nodes[lost["engine"]].address and roles == "engine-0", nodes
 
-    # the lost node: said, and the trainers back on the other trainer node from the checkpoint
-    said = "\n".join(line for line in output.splitlines() if line.startswith("rlsys: "))
-    assert "rlsys: a trainer rank died (" in said and f"rank 0 on node {cluster.nodes[lost].address}" in said, said
-    assert f"rlsys: trainer ranks are back, on node(s) {cluster.nodes[other].address}" in said, said
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(len(rows)))  # none lost; the replayed ones logged once
-    assert rows[-1]["trainer_restarts"] == 1
+    # the engine's node lost: said, and the engine back on the other engine node, no step lost
+    survivor = ({"b", "c"} - {lost["engine"]}).pop()
+    assert f"rlsys: engine-0 died; restarting it (1 of 3): node {cluster.nodes[lost['engine']].address}" in said, \
+        "engine node lost: " + said
+    assert f"rlsys: engine-0 is back, on node {cluster.nodes[survivor].address}" in said, "engine node lost: " + said
+    assert cluster.nodes[survivor].address in engine_nodes
+    assert rows[-1]["engine_restarts"] == 1, "engine node lost: restarted more than once"
+
+    # the trainers' node lost: said, and the trainers back on the other trainer node from the checkpoint
+    (other,) = {"a", spare.name} - {lost["trainer"]}
+    assert "rlsys: a trainer rank died (" in said and f"rank 0 on node {cluster.nodes[lost['trainer']].address}" \
+        in said, "trainer node lost: " + said
+    assert f"rlsys: trainer ranks are back, on node(s) {cluster.nodes[other].address}" in said, \
+        "trainer node lost: " + said
+    assert rows[-1]["trainer_restarts"] == 1, "trainer node lost: restarted more than once"
+
+    # through both: no step lost, the replayed ones logged once, every sync verified
+    assert [r["step"] for r in rows] == list(range(len(rows)))
     assert [r["synced_weight_version"] for r in rows] == list(range(1, len(rows) + 1))
-    # weight_sync.verify (this config's): after every sync over the cross-node gloo group, the
-    # engine's log-probs on the probe sequences matched the trainer's, or the run would have failed.
+    # weight_sync.verify (this config's): after every sync over the cross-node gloo group, the restarted
+    # engine's and the resumed trainers' syncs included, the engine's log-probs on the probe sequences
+    # matched the trainer's, or the run would have failed.
     assert max(r["logprob_mismatch"] for r in rows) < 1e-3
 
     # and it learned
     assert rows[-1]["eval_reward_mean"] >= 0.9
     assert not (run_dir / "logs" / "device_handoff.jsonl").exists()  # disaggregated trainers keep their devices
     check_tracking(run_dir, rows)
-
-
-@pytest.mark.own_engines
-def test_an_engines_node_lost_mid_run_is_replaced_on_a_node_with_room(cluster, tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "engine-node-lost"
-    job = _submit(cluster, "quickstart_disaggregated.yaml", tiny_model_dir, f"run_dir={run_dir}",
-                  "trainer.num_ranks=1", "rollout.num_engines=1", "trainer.total_steps=10", "eval.interval=100",
-                  ON_TRAINER_NODES, ON_ENGINE_NODES, wait=False)
-    cluster.wait_for(lambda: _steps_done(run_dir) >= 3 or job.poll() is not None, "3 steps")
-    (server,) = cluster.find("sglang.launch_server")
-    lost = cluster.node_of(server.pid)
-    try:
-        assert cluster.kill_node(lost) > 0  # its raylet, Ray daemons, engine actor, SGLang server, reapers
-        output = job.communicate(timeout=900)[0]
-        assert job.returncode == 0, output[-4000:]
-    finally:
-        cluster.start_ray(lost)  # the node comes back for the tests after this one
-    survivor = ({"b", "c"} - {lost}).pop()
-    assert f"rlsys: engine-0 died; restarting it (1 of 3): node {cluster.nodes[lost].address}" in output
-    assert f"rlsys: engine-0 is back, on node {cluster.nodes[survivor].address}" in output
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(10))  # none lost, none trained twice
-    assert rows[-1]["engine_restarts"] == 1
-    assert [r["synced_weight_version"] for r in rows] == list(range(1, 11))
-    assert max(r["logprob_mismatch"] for r in rows) < 1e-3  # verified after every sync, the restart's too
