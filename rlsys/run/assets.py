@@ -92,6 +92,20 @@ def read_model_config(model_dir: str | Path) -> dict:
 VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
 
 
+def _text_settings(model_config: dict) -> dict:
+    """A model's text-model settings as its config.json states them: a vision-language model's
+    `text_config` where it has one (transformers 5 writes one), else the top level."""
+    text = model_config.get("text_config")
+    return {**model_config, **text} if isinstance(text, dict) else model_config
+
+
+def _refuse_untrained_vision_language(model_dir: str | Path, model_config: dict) -> None:
+    if model_config.get("model_type") not in VISION_LANGUAGE_MODEL_TYPES:
+        named = f"model type {model_config.get('model_type')!r} (architectures {model_config.get('architectures')})"
+        raise ConfigError(f"invalid config: model.path {model_dir}: {named} is a vision-language model rlsys does "
+                          f"not train; it trains {', '.join(VISION_LANGUAGE_MODEL_TYPES)} (Qwen2.5-VL) among them")
+
+
 def read_architecture(model_dir: str | Path):
     """The model's transformers config, refused with a ConfigError when transformers cannot build a
     causal LM from it (a model type it does not know, or one that is no causal LM) or it is a
@@ -115,9 +129,7 @@ def read_architecture(model_dir: str | Path):
                           f"{named}: {reason}; rlsys trains the architectures in docs/gpus-and-clusters.md "
                           "(Qwen2, Qwen3, Llama, Qwen3-MoE): point model.path at one of those") from None
     if "vision_config" in model_config:
-        if config.model_type not in VISION_LANGUAGE_MODEL_TYPES:
-            raise ConfigError(f"invalid config: model.path {model_dir}: {named} is a vision-language model rlsys does "
-                              f"not train; it trains {', '.join(VISION_LANGUAGE_MODEL_TYPES)} (Qwen2.5-VL) among them")
+        _refuse_untrained_vision_language(model_dir, {**model_config, "model_type": config.model_type})
         return config
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError(f"invalid config: model.path {model_dir}: {named} is not a causal language model "
@@ -229,14 +241,22 @@ def load_assets(config: RunConfig) -> RunAssets:
 
 
 def _check_the_model(config: RunConfig, model_dir: Path) -> None:
-    """The model directory holds a config transformers builds, weight files the trainer reads, and
-    (Ulysses context parallelism) heads that split over the CP ranks; refused with a ConfigError."""
+    """What the driver checks of the model from its config.json and file names alone: weight files
+    the trainer reads, settings the model can run (images, a vision tower, experts to replay, Ulysses
+    heads that split over the CP ranks); refused with a ConfigError.
+
+    Not transformers' config class: building it costs the driver ~1.7 CPU-seconds (its
+    @auto_docstring imports transformers' auto modeling code), the serial start of every run. What
+    only transformers can tell (a model type it does not know, one that is no causal LM, a field of
+    the wrong type) trainer rank 0 refuses before the ranks build the model, where that code is
+    imported anyway (rlsys/run/model_checks.py `model_report`, through `read_architecture`)."""
     if not (model_dir / "config.json").is_file():
         raise ConfigError(
             f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
             "(no config.json); build one with `rlsys make-tiny-model DIR` or point at a local model"
         )
-    vision_language = "vision_config" in read_model_config(model_dir)
+    model_config = read_model_config(model_dir)
+    vision_language = "vision_config" in model_config
     if config.data.has_images and not vision_language:  # the trainer and engines take images only with a vision tower
         source = (f"data.image_key={config.data.image_key}" if config.data.image_key is not None
                   else f"data.synthetic.task={config.data.synthetic.task}")
@@ -250,17 +270,20 @@ def _check_the_model(config: RunConfig, model_dir: Path) -> None:
     if config.model.freeze_vision and not vision_language:
         raise ConfigError(f"invalid config: model.freeze_vision is set but model.path {model_dir} has no vision tower "
                           "(its config.json has no vision_config)")
-    architecture = read_architecture(model_dir).get_text_config()
-    if config.rollout.routing_replay != "off" and not getattr(architecture, "num_experts_per_tok", None):
+    if vision_language:
+        _refuse_untrained_vision_language(model_dir, model_config)
+    text = _text_settings(model_config)
+    if config.rollout.routing_replay != "off" and not text.get("num_experts_per_tok"):
         raise ConfigError(f"invalid config: rollout.routing_replay={config.rollout.routing_replay} replays the experts "
                           f"the engine routed each token to, but model.path {model_dir} is not a mixture-of-experts "
                           "model (its config.json has no num_experts_per_tok); set rollout.routing_replay=off")
-    if config.trainer.context_parallel_size > 1 and config.trainer.context_parallel_style == "ulysses":
+    heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads", text.get("num_attention_heads"))
+    if (config.trainer.context_parallel_size > 1 and config.trainer.context_parallel_style == "ulysses"
+            and isinstance(heads, int) and isinstance(kv_heads, int)):  # else the memory plan's check, on rank 0's shapes
         from rlsys.actors.context_parallel import check_ulysses_heads
 
         try:
-            check_ulysses_heads(architecture.num_attention_heads, architecture.num_key_value_heads,
-                                config.trainer.context_parallel_size)
+            check_ulysses_heads(heads, kv_heads, config.trainer.context_parallel_size)
         except ValueError as error:
             raise ConfigError(f"invalid config: {error}") from None
     weights = [p.name for pattern in _WEIGHT_FILES for p in model_dir.glob(pattern)]

@@ -13,7 +13,12 @@ from rlsys.run.model_shape import ModelShape
 
 
 def model_report(model_dir: str | Path, lora: LoraConfig | None = None) -> ModelShape:
-    """The model's shapes for the memory plan, once `check_the_trainer_can_load` passes (ConfigError if not)."""
+    """The model's shapes for the memory plan, once transformers can build it (`read_architecture`:
+    a model type it knows, a causal LM, fields of the right types; the driver reads config.json alone)
+    and `check_the_trainer_can_load` passes (ConfigError if not)."""
+    from rlsys.run.assets import read_architecture
+
+    read_architecture(model_dir)
     check_the_trainer_can_load(Path(model_dir), lora)
     return ModelShape.from_model_dir(model_dir, lora)
 

@@ -178,10 +178,18 @@ def test_a_model_config_field_of_the_wrong_type_is_one_error_line_naming_the_fil
     fields = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**fields, "vocab_size": "eighty"}))
     path = write_config(tmp_path / "c.yaml", model)
-    for command in ("train", "plan"):
-        stderr = refused_by_cli(command, str(path))
-        assert f"{model / 'config.json'}: Validation error for field 'vocab_size'" in stderr, (command, stderr)
-        assert "expected int, got str (value: 'eighty')" in stderr and "Traceback" not in stderr
+    stderr = refused_by_cli("plan", str(path))
+    assert f"{model / 'config.json'}: Validation error for field 'vocab_size'" in stderr, stderr
+    assert "expected int, got str (value: 'eighty')" in stderr and "Traceback" not in stderr
+    # `rlsys train`: trainer rank 0 refuses it before the ranks build the model, the same line (its
+    # ConfigError ends the run as one `rlsys: error:` line: tests/e2e/test_lora.py); the driver reads
+    # config.json alone (rlsys/run/assets.py `_check_the_model`).
+    from rlsys.run.model_checks import model_report
+
+    with pytest.raises(ConfigError) as refused:
+        model_report(model)
+    assert f"{model / 'config.json'}: Validation error for field 'vocab_size'" in str(refused.value)
+    assert "expected int, got str (value: 'eighty')" in str(refused.value)
 
 
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json"])
@@ -383,14 +391,18 @@ def test_an_architecture_transformers_cannot_build_as_a_causal_lm_is_refused_by_
     import shutil
 
     from rlsys.run.assets import load_assets
+    from rlsys.run.model_checks import model_report
 
     model = shutil.copytree(tiny_model_dir, tmp_path / "model")
     settings = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**settings, "model_type": model_type,
                                                    "architectures": ["FooNetForCausalLM"]}))
     config = load_config(write_config(tmp_path / "c.yaml", model))
+    load_assets(config)  # the driver reads config.json alone: it cannot tell (rlsys/run/assets.py)
+    # `rlsys train`: trainer rank 0 refuses it before the ranks build the model (tests/e2e/test_lora.py:
+    # its ConfigError ends the run as one `rlsys: error:` line, exit 2)
     with pytest.raises(ConfigError, match=f"model type '{model_type}'.*{why}|{why}.*model type '{model_type}'"):
-        load_assets(config)
+        model_report(model)
     assert f"model type '{model_type}'" in refused_by_cli("plan", str(tmp_path / "c.yaml"))
 
 
