@@ -9,6 +9,7 @@ algorithm.loss_agg_mode), so any split over ranks and micro-batches gives the sa
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import threading
@@ -76,6 +77,8 @@ from rlsys.weight_sync.colocated import StagingBuffer
 from rlsys.weight_sync.shared_staging import SharedStaging
 from rlsys.weight_sync.sync import SyncPlan, WeightTransport, sync_weights
 from rlsys.weight_sync.transports import connect_transport, shared_staging_for
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -729,12 +732,15 @@ class TrainerWorker:
     def started_as(self) -> tuple | None:
         return getattr(self, "warm_identity", None)
 
-    def serve(self, driver_pid: int, driver_started: float) -> None:
+    def serve(self, driver_pid: int, driver_started: float, set_name: str | None = None) -> None:
         """The run whose driver is process `driver_pid` (started at `driver_started`, on this node)
-        holds this warm rank: should the driver die without releasing it (killed), the rank releases
-        itself, so its model and shared-memory staging do not outlive the run. A driver on another
-        node is not watched (`driver_pid` 0): the next run's `respec` drops what it left."""
+        holds this warm rank, which standing set `set_name` keeps: should the driver die without
+        releasing it (killed), the rank releases itself, so its model and shared-memory staging do not
+        outlive the run; and if the set is gone too (`rlsys engines down --force` leaves ranks in use to
+        their run, which would stop them), nobody is left to stop the rank, so it exits. A driver on
+        another node is not watched (`driver_pid` 0): the next run's `respec` drops what it left."""
         self.holder = (driver_pid, driver_started) if driver_pid else None
+        self.kept_by = set_name
         if getattr(self, "_holder_watch", None) is None:
             self._holder_watch = threading.Thread(target=self._watch_holder, name="warm-rank-holder", daemon=True)
             self._holder_watch.start()
@@ -758,9 +764,21 @@ class TrainerWorker:
             except psutil.Error:
                 alive = False
             if not alive and self.holder == holder:
+                from rlsys.rollout.standing import set_stands
+
                 self.holder = None
                 # queued behind whatever the dead driver left running on this rank
-                ray.get_runtime_context().current_actor.release.remote()
+                me = ray.get_runtime_context().current_actor
+                me.release.remote()
+                if self.kept_by is not None and not set_stands(self.kept_by):
+                    me.leave.remote()
+
+    def leave(self) -> None:
+        """Ends this rank's process (a kept rank whose run and set are both gone: TrainerWorker.serve)."""
+        import ray
+
+        logger.info("trainer rank %d: its run's driver and its standing set are gone; exiting", self.rank)
+        ray.actor.exit_actor()
 
 
 # How often a warm rank looks for the driver that holds it (TrainerWorker.serve).

@@ -166,9 +166,41 @@ class LeaseHolder:
     host: str
     pid: int
     command: str  # "train" or "eval"
+    # Which process that pid is (its start time) and in which pid namespace: a later run on the same
+    # host tells a holder that is gone (killed with SIGKILL: its lease is never released) from a live one.
+    started: float = 0.0
+    pid_namespace: int = 0
 
     def __str__(self) -> str:
         return f"`rlsys {self.command}` pid {self.pid} on {self.host} (run_dir {self.run_dir})"
+
+    @classmethod
+    def this_process(cls, run_dir: str, command: str) -> LeaseHolder:
+        import psutil
+
+        return cls(run_dir=run_dir, host=socket.gethostname(), pid=os.getpid(), command=command,
+                   started=psutil.Process().create_time(), pid_namespace=_pid_namespace())
+
+    def is_gone(self) -> bool:
+        """Whether this holder's process is known to have ended: it ran in this host's pid namespace and
+        no process with its pid and start time is there now. False when that cannot be told from here."""
+        import psutil
+
+        if self.host != socket.gethostname() or not self.pid_namespace or self.pid_namespace != _pid_namespace():
+            return False
+        try:
+            return psutil.Process(self.pid).create_time() != self.started
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:
+            return False
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 class EngineService:
@@ -196,6 +228,14 @@ class EngineService:
         now = time.monotonic()
         self._lease = (lease_id, holder, now, now + ttl_s)
         return lease_id, None
+
+    def take_over(self, holder: LeaseHolder, ttl_s: float, gone: LeaseHolder) -> tuple[str | None, dict | None]:
+        """`acquire`, replacing the lease in force if `gone` holds it: its process ended without
+        releasing it (the caller saw that, on gone's host: LeaseHolder.is_gone)."""
+        current = self._current()
+        if current is not None and current[1] == gone:
+            self._lease = None
+        return self.acquire(holder, ttl_s)
 
     def renew(self, lease_id: str, ttl_s: float) -> bool:
         current = self._current()
@@ -293,8 +333,14 @@ class Lease:
     @classmethod
     def take(cls, name: str, command: str, run_dir: str) -> Lease:
         actor = service(name)
-        holder = LeaseHolder(run_dir=run_dir, host=socket.gethostname(), pid=os.getpid(), command=command)
+        holder = LeaseHolder.this_process(run_dir, command)
         lease_id, current = ray.get(actor.acquire.remote(holder, LEASE_TTL_S))
+        if lease_id is None and (gone := LeaseHolder(**current["holder"])).is_gone():
+            # A run killed without warning (SIGKILL, OOM) never released its lease: resuming it at once
+            # must not wait LEASE_TTL_S for the lease to lapse.
+            lease_id, current = ray.get(actor.take_over.remote(holder, LEASE_TTL_S, gone))
+            if lease_id is not None:
+                logger.info("standing engines %r: took over the lease of %s, whose process is gone", name, gone)
         if lease_id is None:
             raise StandingEnginesError(
                 f"standing engines {name!r} are in use by {current['description']}, held for "

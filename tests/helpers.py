@@ -173,6 +173,29 @@ def standing_rollout(name: str, log_dir: Path):
         lease.release()
 
 
+def set_engine(name: str = "quickstart", index: int = 0) -> dict:
+    """Engine `index` of the session's standing set `name`: its health (url, alive, ...) and weight version."""
+    import ray
+
+    from rlsys.rollout.standing import engine_handle, service
+
+    record = ray.get(service(name).record.remote())
+    engine = engine_handle(record, index)
+    return {**ray.get(engine.health.remote()), "weight_version": ray.get(engine.weight_version.remote())}
+
+
+def server_listening_on(url: str):
+    """The SGLang server process that listens at `url`."""
+    import psutil
+
+    port = url.rsplit(":", 1)[1]
+    servers = [p for p in psutil.process_iter(["cmdline"])
+               if "sglang.launch_server" in " ".join(p.info["cmdline"] or [])
+               and f"--port {port}" in " ".join(p.info["cmdline"] or [])]
+    assert len(servers) == 1, servers
+    return servers[0]
+
+
 @contextmanager
 def started_run(config: str, model_dir: Path, run_dir: Path, *overrides: str, own_process_group: bool = False):
     """`rlsys train` running in the background (stdout/stderr piped); killed if still running at the end.

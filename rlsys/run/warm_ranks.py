@@ -152,6 +152,6 @@ def warm_trainer_group(set_name: str, spec: TrainerSpec, num_ranks: int, options
         group = TrainerGroup(spec, num_ranks, named, env_vars=env, judge_model=judge_model, keep=kept_while_it_stands)
         ray.get([rank.keep_warm.remote(identity) for rank in group.workers])
     here, driver = node_address(), psutil.Process()
-    ray.get([rank.serve.remote(os.getpid() if node == here else 0, driver.create_time())
+    ray.get([rank.serve.remote(os.getpid() if node == here else 0, driver.create_time(), set_name)
              for rank, node in zip(group.workers, group.nodes, strict=True)])
     return group

@@ -11,7 +11,9 @@ import torch
 
 from rlsys.observability.metrics import read_metrics
 from rlsys.system.run_lock import owner_is_alive
-from tests.helpers import REPO, differing_metrics
+from tests.conftest import DISAGGREGATED_CONTEXT
+from tests.e2e.test_faults import _wait_for_steps
+from tests.helpers import REPO, differing_metrics, server_listening_on, set_engine, started_run, train_command
 
 
 def _command(run_dir, model_dir, *extra):
@@ -83,3 +85,76 @@ def test_a_killed_driver_leaves_nothing_and_the_run_resumes_where_its_checkpoint
     changed = max((a - b).abs().max().item() for a, b in zip(
         exported.state_dict().values(), initial.state_dict().values(), strict=True))
     assert changed > 1e-4  # the export holds the trained weights
+
+
+# What a fault may change in a run's rows besides timing: the counts of what was restarted.
+RESTART_COUNTS = frozenset({"engine_restarts", "trainer_restarts"})
+
+
+def _killed_after_checkpoint(command: list[str], run_dir, step: int) -> None:
+    """Start `command`, and SIGKILL its driver once its step-`step` checkpoint is whole."""
+    crashed = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = run_dir / "checkpoints" / f"step_{step:08d}" / "coordinator.json"
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists() and time.monotonic() < deadline and crashed.poll() is None:
+        time.sleep(0.1)
+    assert checkpoint.exists() and crashed.poll() is None, f"the run never wrote its step-{step} checkpoint"
+    crashed.kill()
+    crashed.wait()
+
+
+def test_context_parallel_ranks_killed_and_resumed_compute_what_the_uninterrupted_run_does(
+        tmp_path, tiny_model_dir, ray_address, quickstart_engines):
+    """#64 item 5 with context parallelism (ring over the quickstart's 2 ranks), attached to the session's
+    engines: the driver killed with SIGKILL after its step-2 checkpoint and the run resumed (a new driver,
+    the set's kept ranks rebuilt from the checkpoint) logs every metric of
+    every step as the uninterrupted run does, timing aside."""
+    settings = ("trainer.total_steps=4", "checkpoint.interval=2", "eval.interval=100", "trainer.context_parallel_size=2",
+                ray_address, quickstart_engines)
+    run_dir = tmp_path / "run"
+    _killed_after_checkpoint(train_command("quickstart.yaml", tiny_model_dir, run_dir, *settings), run_dir, 2)
+    resumed = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, run_dir, *settings, "--resume"),
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "step_00000002" in resumed.stdout
+    uninterrupted = subprocess.run(train_command("quickstart.yaml", tiny_model_dir, tmp_path / "uninterrupted", *settings),
+                                   cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(4))
+    assert differing_metrics(rows, read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")) == []
+
+
+@pytest.mark.own_engines
+def test_one_rank_resumed_after_a_kill_then_its_engine_killed_computes_what_the_uninterrupted_run_does(
+        tmp_path, tiny_model_dir, ray_address, disaggregated_engines):
+    """#64 item 5 at one rank (the session's disaggregated set: one rank broadcasting to one engine), with
+    two faults that must not change what a run computes, each judged on the steps it alone touches:
+    the driver killed with SIGKILL after its step-2 checkpoint and the run resumed (steps 2-3 are those of
+    a new driver), then, in the resumed run, the engine's server killed once 4 steps are logged (the run
+    restarts it: steps 4-7 are drawn from a new engine, the request in flight sent again with its seed).
+    Every metric of every step is the uninterrupted run's, timing and the restart counts aside.
+    (An engine's death is a subject: own_engines; its restart is charged here.)"""
+    settings = ("trainer.num_ranks=1", "rollout.num_engines=1", f"rollout.engine.context_length={DISAGGREGATED_CONTEXT}",
+                "trainer.total_steps=8", "checkpoint.interval=2", "eval.interval=100", ray_address,
+                disaggregated_engines)
+    run_dir = tmp_path / "run"
+    _killed_after_checkpoint(train_command("quickstart_disaggregated.yaml", tiny_model_dir, run_dir, *settings),
+                             run_dir, 2)
+    with started_run("quickstart_disaggregated.yaml", tiny_model_dir, run_dir, *settings, "--resume") as run:
+        _wait_for_steps(run, run_dir, 4)
+        assert run.poll() is None
+        server_listening_on(set_engine("disaggregated")["url"]).kill()
+        stdout, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    assert "resuming from" in stdout and "step_00000002" in stdout
+    assert "engine-0 died; restarting it (1 of 3)" in stderr
+    uninterrupted = subprocess.run(train_command("quickstart_disaggregated.yaml", tiny_model_dir,
+                                                 tmp_path / "uninterrupted", *settings),
+                                   cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(8)) and rows[-1]["engine_restarts"] == 1
+    differing = differing_metrics(rows, read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl"), RESTART_COUNTS)
+    assert [d for d in differing if d[0] is not None and d[0] < 4] == [], "the run resumed after a SIGKILL differs"
+    assert [d for d in differing if d[0] is None or d[0] >= 4] == [], "the run whose engine was killed differs"

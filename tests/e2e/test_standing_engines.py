@@ -13,19 +13,11 @@ import pytest
 import ray
 
 from tests.e2e.test_faults import _wait_for_steps
-from tests.helpers import started_run, train_command
+from tests.helpers import server_listening_on, set_engine, started_run, train_command
 
 
 def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _set_engine(name: str = "quickstart", index: int = 0) -> dict:
-    from rlsys.rollout.standing import engine_handle, service
-
-    record = ray.get(service(name).record.remote())
-    engine = engine_handle(record, index)
-    return {**ray.get(engine.health.remote()), "weight_version": ray.get(engine.weight_version.remote())}
 
 
 def _lease(name: str = "quickstart"):
@@ -56,15 +48,6 @@ def _someone_elses(shm_file: str) -> bool:
     if creator is not None:
         return psutil.pid_exists(creator)
     return bool(holders().get(f"/dev/shm/{shm_file}"))
-
-
-def _server_listening_on(url: str) -> psutil.Process:
-    port = url.rsplit(":", 1)[1]
-    servers = [p for p in psutil.process_iter(["cmdline"])
-               if "sglang.launch_server" in " ".join(p.info["cmdline"] or [])
-               and f"--port {port}" in " ".join(p.info["cmdline"] or [])]
-    assert len(servers) == 1, servers
-    return servers[0]
 
 
 def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, tiny_model_dir, ray_address,
@@ -104,7 +87,7 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
     for key in ("reward_mean", "entropy", "grad_norm"):
         assert rows_second[0][key] == rows_first[0][key], key
     assert [r["weight_version"] for r in rows_second] == [0]
-    assert _set_engine()["weight_version"] == 1 and _lease() is None
+    assert set_engine()["weight_version"] == 1 and _lease() is None
     # The first run profiled steps 1-2 (profile.steps): each rank's trace holds its phases (train step,
     # backward, optimizer, weight sync) and their ops and collectives, the driver's timeline each phase
     # of those steps; the second run wrote none.
@@ -125,12 +108,12 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
 def test_an_attached_run_survives_its_engine_killed_and_ctrl_c_leaves_the_engines_up(tmp_path, tiny_model_dir,
                                                                                     ray_address, quickstart_engines):
     run_dir = tmp_path / "run"
-    before = _set_engine()
+    before = set_engine()
     with started_run("quickstart.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2000", "eval.interval=1000",
                      "checkpoint.interval=1000", ray_address, quickstart_engines) as run:
         _wait_for_steps(run, run_dir, 2)
         assert _lease()["holder"]["run_dir"] == str(run_dir)
-        _server_listening_on(before["url"]).kill()  # the standing engine's server dies without warning
+        server_listening_on(before["url"]).kill()  # the standing engine's server dies without warning
         _wait_for_steps(run, run_dir, len(_rows(run_dir)) + 3)
         run.send_signal(signal.SIGINT)  # Ctrl-C: stop after the step, with a checkpoint
         _, stderr = run.communicate(timeout=300)
@@ -140,7 +123,7 @@ def test_an_attached_run_survives_its_engine_killed_and_ctrl_c_leaves_the_engine
     assert [r["weight_version"] for r in rows] == list(range(len(rows)))  # nothing trained twice or skipped
     assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
     assert (run_dir / "checkpoints" / f"step_{len(rows):08d}").is_dir()
-    after = _set_engine()  # restarted by the run in the set's slot, left running, awake and free
+    after = set_engine()  # restarted by the run in the set's slot, left running, awake and free
     assert after["alive"] and after["url"] != before["url"]
     assert after["weight_version"] == len(rows)
     assert _lease() is None
@@ -170,7 +153,7 @@ def test_a_run_is_refused_while_another_holds_the_lease_and_when_it_does_not_mat
     assert "rollout.engine.context_length: the engines' 64, the run's 128" in result.stderr
     assert "trainer.num_ranks (the trainer bundles of the engines' placement): the engines' 2, the run's 1" \
         in result.stderr
-    assert _lease() is None and _set_engine()["alive"]
+    assert _lease() is None and set_engine()["alive"]
 
 
 @pytest.mark.own_engines
@@ -189,7 +172,7 @@ def test_engines_down_leaves_no_process_and_no_shared_memory_file(tmp_path, tiny
     engines_up(load_config(REPO / "configs" / "quickstart_disaggregated.yaml", [f"model.path={tiny_model_dir}", *shape]),
                "down-test", tmp_path / "logs")
     report = next(r for r in engines_status() if r["name"] == "down-test")
-    server = _server_listening_on(report["engines"][0]["url"])
+    server = server_listening_on(report["engines"][0]["url"])
     tree = [server, *server.children(recursive=True)]
     run_dir = tmp_path / "run"
     with started_run("quickstart_disaggregated.yaml", tiny_model_dir, run_dir, *shape, "trainer.total_steps=2000",

@@ -85,6 +85,43 @@ def test_a_kept_rank_whose_run_was_killed_releases_itself(warm_trainer_groups, t
     assert group.train_step(_batch(0))["grad_norm"] > 0
 
 
+def test_a_kept_rank_whose_run_was_killed_after_its_set_was_stopped_exits(ray_cluster, tiny_model_dir):
+    """`rlsys engines down --force` leaves the ranks a run uses to that run, which stops them when it
+    fails; should its driver be killed instead, nobody is left to stop them. The rank that sees its
+    driver gone and its set (`set_name`) gone too exits (a rank of its own: its death is the subject)."""
+    import subprocess
+    import time
+
+    import psutil
+    import ray
+
+    from rlsys.actors.trainer import HOLDER_POLL_S
+
+    group = InspectableTrainerGroup(_spec(tiny_model_dir), 1)
+    try:
+        rank = group.workers[0]
+        process = psutil.Process(ray.get(rank.process.remote())[0])  # is_running: this process, not a reused pid
+        driver = subprocess.Popen(["sleep", "600"])  # stands for the run's driver on this node
+        ray.get(rank.serve.remote(driver.pid, psutil.Process(driver.pid).create_time(), "a-set-that-is-gone"))
+        time.sleep(3 * HOLDER_POLL_S)
+        assert process.is_running()  # its run lives
+        driver.kill()
+        driver.wait()
+
+        def exited() -> bool:
+            try:
+                return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        deadline = time.monotonic() + 60
+        while not exited() and time.monotonic() < deadline:
+            time.sleep(0.2)  # waits, never a measure
+        assert exited()
+    finally:
+        group.shutdown()
+
+
 @pytest.fixture(scope="module")
 def medium_model_dir(tmp_path_factory):
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model

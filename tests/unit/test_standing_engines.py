@@ -83,6 +83,33 @@ def test_one_lease_at_a_time_and_a_lease_not_renewed_lapses(monkeypatch):
     assert third_id and not keeper.release(lease_id) and keeper.release(third_id) and keeper.lease() is None
 
 
+def test_a_lease_whose_holder_was_killed_is_taken_over_at_once_and_a_live_ones_never():
+    """A run killed with SIGKILL never releases its lease; the next run on its host sees that its
+    process is gone (pid and start time, same pid namespace) and takes the lease over, instead of
+    waiting LEASE_TTL_S for it to lapse. A holder alive, or on another host, keeps it."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    me = LeaseHolder.this_process("/runs/me", "train")
+    killed = dataclasses.replace(me, run_dir="/runs/killed", pid=ended.pid)
+    assert killed.is_gone() and not me.is_gone()
+    assert dataclasses.replace(me, started=me.started - 5).is_gone()  # the pid reused by a later process
+    assert not dataclasses.replace(killed, host="another-host").is_gone()  # cannot be told from here
+    assert not dataclasses.replace(killed, pid_namespace=me.pid_namespace + 1).is_gone()
+    assert not dataclasses.replace(killed, pid_namespace=0).is_gone()  # a holder that did not say
+
+    keeper = EngineService(record=None)
+    held, _ = keeper.acquire(killed, ttl_s=30)
+    refused, current = keeper.take_over(me, 30, gone=dataclasses.replace(killed, pid=1))  # not the holder
+    assert refused is None and current["holder"]["run_dir"] == "/runs/killed"
+    assert LeaseHolder(**current["holder"]) == killed  # what Lease.take rebuilds and hands back
+    taken, _ = keeper.take_over(me, 30, gone=killed)
+    assert taken and keeper.lease()["holder"]["run_dir"] == "/runs/me" and not keeper.renew(held, 30)
+
+
 @pytest.mark.parametrize("name", ["a/b", "-x", ""])
 def test_a_set_name_ray_cannot_hold_is_refused(name, capsys):
     from rlsys.cli import main
