@@ -15,7 +15,7 @@ from rlsys.errors import UsageError
 from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.sglang.server import ServerSpec
-from rlsys.run.assets import load_assets
+from rlsys.run.assets import load_assets, read_architecture
 from rlsys.run.evaluation import Evaluator
 from rlsys.run.generation import SampleMaker
 from rlsys.run.placement_checks import run_uses_gpus
@@ -70,6 +70,9 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
         config = config.model_copy(update={"model": config.model.model_copy(
             update={"path": str(model_dir.resolve()), "lora": None, "hub_id": None, "revision": None})})
         assets = load_assets(config)  # the eval sets' files and reward functions, checked before any engine
+        # What only transformers can tell of the model (load_assets reads config.json alone; a run's trainer
+        # rank 0 checks the rest, and eval starts no trainer rank): before any engine too.
+        read_architecture(model_dir)
         if not assets.eval and not assets.eval_sets:
             raise ConfigError("invalid config: nothing to evaluate: the config has no eval prompts (data.eval_path, "
                               "data.eval_fraction or a synthetic task's num_eval) and no eval.datasets")

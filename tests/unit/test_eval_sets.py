@@ -157,6 +157,24 @@ def test_eval_command_refuses_a_path_that_is_no_checkpoint_or_model(tmp_path, ti
     assert "one of the arguments --checkpoint --model is required" in capsys.readouterr().err
 
 
+def test_eval_refuses_a_model_transformers_cannot_build_before_any_engine(tmp_path, tiny_model_dir, capsys):
+    """The driver's input check reads config.json alone (a run's trainer rank 0 checks the rest); `rlsys
+    eval` starts no trainer rank, so it asks transformers itself, before it starts an engine."""
+    import json
+    import shutil
+
+    from rlsys.cli import main
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**settings, "model_type": "foonet"}))
+    config = write_config(tmp_path / "c.yaml", tiny_model_dir)
+    assert main(["eval", str(config), "--model", str(model), "placement.ray_address=127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "model type 'foonet'" in err and "transformers cannot read its config.json" in err, err
+    assert "Traceback" not in err
+
+
 def test_an_answer_exactly_max_new_tokens_long_that_ended_by_its_own_rule_is_not_counted_at_the_limit():
     """truncated_fraction counts answers SGLang cut at max_new_tokens ("length": no EOS or stop
     string came first); one that ends with EOS on its last allowed token finished ("stop"). rlsys
