@@ -733,7 +733,7 @@ class TrainerWorker:
         return getattr(self, "warm_identity", None)
 
     def serve(self, driver_pid: int, driver_started: float, set_name: str | None = None) -> None:
-        """The run whose driver is process `driver_pid` (started at `driver_started`, on this node)
+        """The run whose driver is process `driver_pid` (its `start_key`: driver_started, on this node)
         holds this warm rank, which standing set `set_name` keeps: should the driver die without
         releasing it (killed), the rank releases itself, so its model and shared-memory staging do not
         outlive the run; and if the set is gone too (`rlsys engines down --force` leaves ranks in use to
@@ -754,13 +754,15 @@ class TrainerWorker:
         import psutil
         import ray
 
+        from rlsys.system.process_start import start_key
+
         while True:
             time.sleep(HOLDER_POLL_S)
             holder = getattr(self, "holder", None)
             if holder is None:
                 continue
             try:
-                alive = psutil.Process(holder[0]).create_time() == holder[1]
+                alive = start_key(psutil.Process(holder[0])) == holder[1]
             except psutil.Error:
                 alive = False
             if not alive and self.holder == holder:

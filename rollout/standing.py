@@ -166,8 +166,9 @@ class LeaseHolder:
     host: str
     pid: int
     command: str  # "train" or "eval"
-    # Which process that pid is (its start time) and in which pid namespace: a later run on the same
-    # host tells a holder that is gone (killed with SIGKILL: its lease is never released) from a live one.
+    # Which process that pid is (its start_key: rlsys/system/process_start.py, not create_time, which moves
+    # with the clock) and in which pid namespace: a later run on the same host tells a holder that is gone
+    # (killed with SIGKILL: its lease is never released) from a live one.
     started: float = 0.0
     pid_namespace: int = 0
 
@@ -178,18 +179,22 @@ class LeaseHolder:
     def this_process(cls, run_dir: str, command: str) -> LeaseHolder:
         import psutil
 
+        from rlsys.system.process_start import start_key
+
         return cls(run_dir=run_dir, host=socket.gethostname(), pid=os.getpid(), command=command,
-                   started=psutil.Process().create_time(), pid_namespace=_pid_namespace())
+                   started=start_key(psutil.Process()), pid_namespace=_pid_namespace())
 
     def is_gone(self) -> bool:
         """Whether this holder's process is known to have ended: it ran in this host's pid namespace and
         no process with its pid and start time is there now. False when that cannot be told from here."""
         import psutil
 
+        from rlsys.system.process_start import start_key
+
         if self.host != socket.gethostname() or not self.pid_namespace or self.pid_namespace != _pid_namespace():
             return False
         try:
-            return psutil.Process(self.pid).create_time() != self.started
+            return start_key(psutil.Process(self.pid)) != self.started
         except psutil.NoSuchProcess:
             return True
         except psutil.Error:

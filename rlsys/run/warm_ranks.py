@@ -134,6 +134,7 @@ def warm_trainer_group(set_name: str, spec: TrainerSpec, num_ranks: int, options
     import psutil
 
     from rlsys.system.node import node_address
+    from rlsys.system.process_start import start_key
 
     if not set_stands(set_name):  # stopped under the run (`rlsys engines down --force`): nothing to keep ranks in
         raise StandingSetGone(f"the standing engines {set_name!r} this run is attached to were stopped (`rlsys "
@@ -152,6 +153,6 @@ def warm_trainer_group(set_name: str, spec: TrainerSpec, num_ranks: int, options
         group = TrainerGroup(spec, num_ranks, named, env_vars=env, judge_model=judge_model, keep=kept_while_it_stands)
         ray.get([rank.keep_warm.remote(identity) for rank in group.workers])
     here, driver = node_address(), psutil.Process()
-    ray.get([rank.serve.remote(os.getpid() if node == here else 0, driver.create_time(), set_name)
+    ray.get([rank.serve.remote(os.getpid() if node == here else 0, start_key(driver), set_name)
              for rank, node in zip(group.workers, group.nodes, strict=True)])
     return group

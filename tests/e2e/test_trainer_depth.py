@@ -66,12 +66,13 @@ def test_a_kept_rank_whose_run_was_killed_releases_itself(warm_trainer_groups, t
     import ray
 
     from rlsys.actors.trainer import HOLDER_POLL_S
+    from rlsys.system.process_start import start_key
 
     group, = warm_trainer_groups((_spec(tiny_model_dir), 1))
     rank = group.workers[0]
     driver = subprocess.Popen(["sleep", "600"])  # stands for the run's driver on this node
     try:
-        ray.get(rank.serve.remote(driver.pid, psutil.Process(driver.pid).create_time()))
+        ray.get(rank.serve.remote(driver.pid, start_key(psutil.Process(driver.pid))))
         time.sleep(3 * HOLDER_POLL_S)
         assert ray.get(rank.built.remote())  # its run lives
     finally:
@@ -96,13 +97,14 @@ def test_a_kept_rank_whose_run_was_killed_after_its_set_was_stopped_exits(ray_cl
     import ray
 
     from rlsys.actors.trainer import HOLDER_POLL_S
+    from rlsys.system.process_start import start_key
 
     group = InspectableTrainerGroup(_spec(tiny_model_dir), 1)
     try:
         rank = group.workers[0]
         process = psutil.Process(ray.get(rank.process.remote())[0])  # is_running: this process, not a reused pid
         driver = subprocess.Popen(["sleep", "600"])  # stands for the run's driver on this node
-        ray.get(rank.serve.remote(driver.pid, psutil.Process(driver.pid).create_time(), "a-set-that-is-gone"))
+        ray.get(rank.serve.remote(driver.pid, start_key(psutil.Process(driver.pid)), "a-set-that-is-gone"))
         time.sleep(3 * HOLDER_POLL_S)
         assert process.is_running()  # its run lives
         driver.kill()
