@@ -68,6 +68,10 @@ class SamplesLog:
         temporary.write_text("".join(kept))
         temporary.replace(self.path)
 
+    def holds_step(self, step: int) -> bool:
+        """Whether the file has a line of `step`."""
+        return self.path.is_file() and any(_step_of(line) == step for line in self.path.read_text().splitlines())
+
     def latest(self, limit: int) -> list[dict]:
         """The last `limit` rows (a cut-off last line, from a killed run, is passed over)."""
         if not self.path.is_file():

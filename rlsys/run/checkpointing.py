@@ -1,5 +1,7 @@
 """Run checkpoints: RUN_DIR/checkpoints/step_NNNNNNNN/ holding the trainer's DCP shards, each
-rank's scheduler and RNG state, and coordinator.json (next step, data position, weight version).
+rank's scheduler and RNG state, coordinator.json (next step, data position, weight version) and
+step_record.json (the metrics row and shown samples of the step it closes, for a run killed between
+the checkpoint and the row's append to metrics.jsonl).
 Nothing in one pins the trainer's layout: it resumes on another rank count or context-parallel
 split (actors/checkpoint.py); what coordinator.json holds is the driver's alone.
 
@@ -27,6 +29,15 @@ logger = logging.getLogger(__name__)
 
 _FINAL = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "coordinator.json"
+STEP_RECORD_FILE = "step_record.json"
+
+
+@dataclass
+class StepRecord:
+    """What a step leaves in metrics.jsonl and samples.jsonl, as it stood when its checkpoint was
+    taken (the checkpoint's own time and the whole step's time are not known yet)."""
+    row: dict
+    samples: list[dict]
 
 
 @dataclass
@@ -87,8 +98,10 @@ class CheckpointStore:
             passed_over.append((checkpoint, problem))
         return None, passed_over
 
-    def save(self, step: int, write_trainer_state: Callable[[str], None], state: CoordinatorState) -> Path:
-        """Write a checkpoint named after `step` (the number of finished steps) atomically."""
+    def save(self, step: int, write_trainer_state: Callable[[str], None], state: CoordinatorState,
+             record: StepRecord | None = None) -> Path:
+        """Write a checkpoint named after `step` (the number of finished steps) atomically, with
+        `record`, the step's metrics row and shown samples, when they are not logged yet."""
         self.root.mkdir(parents=True, exist_ok=True)
         for partial in self.root.glob("*.tmp-*"):
             shutil.rmtree(partial, ignore_errors=True)
@@ -96,6 +109,8 @@ class CheckpointStore:
         temporary.mkdir()
         try:
             write_trainer_state(str(temporary))
+            if record is not None:
+                (temporary / STEP_RECORD_FILE).write_text(json.dumps(asdict(record)))
             state_path = temporary / STATE_FILE
             with state_path.open("w") as handle:  # written last: its presence marks a whole checkpoint
                 json.dump(asdict(state), handle)
@@ -116,6 +131,15 @@ class CheckpointStore:
     @staticmethod
     def load_state(checkpoint: Path) -> CoordinatorState:
         return CoordinatorState(**json.loads((Path(checkpoint) / STATE_FILE).read_text()))
+
+    @staticmethod
+    def load_step_record(checkpoint: Path) -> StepRecord | None:
+        """The record saved with `checkpoint`; None when it has none (taken at a stop, after the
+        step was logged, or by an rlsys before 2026-12-05)."""
+        path = Path(checkpoint) / STEP_RECORD_FILE
+        if not path.is_file():
+            return None
+        return StepRecord(**json.loads(path.read_text()))
 
 
 def trainer_state_problem(checkpoint: Path) -> str | None:
@@ -190,10 +214,10 @@ class Checkpointer:
                                          or last_step)
         return bool(on_schedule or requested or stopping)
 
-    def save(self, state: CoordinatorState) -> Path:
+    def save(self, state: CoordinatorState, record: StepRecord | None = None) -> Path:
         state.python_random_state = python_random_state()
         state.partial_groups = self.partial_groups() if self.partial_groups else None
-        return self.store.save(state.next_step, self.parts.trainer.save_checkpoint, state)
+        return self.store.save(state.next_step, self.parts.trainer.save_checkpoint, state, record)
 
 
 _SHORT_WRITE_MARKS = ("inline_container.cc", "PytorchStreamWriter failed writing file")

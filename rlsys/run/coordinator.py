@@ -17,6 +17,7 @@ from rlsys.algorithms.samples import ScoredBatch, prepare, truncated_fraction
 from rlsys.config import RunConfig
 from rlsys.observability.samples import shown_samples
 from rlsys.run.batches import step_batches
+from rlsys.run.checkpointing import StepRecord
 from rlsys.run.components import sync_engines
 from rlsys.run.generation import sampling_params, trajectory_metrics
 from rlsys.run.run_state import Run
@@ -56,10 +57,14 @@ def train_loop(run: Run) -> None:
                 row.update(sync_engines(config, parts, state.weight_version + 1))
             row.update(batches.metrics(batch, state.weight_version))
             state.finish_step(step, *batch.end)  # an in-flight next batch is generated again after a resume
+            row.update(_rollout_metrics(batch.generations), synced_weight_version=state.weight_version,
+                       engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
             if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested,
                                     last_step):
                 with run.phase(row, "checkpointing", "checkpoint"):
-                    run.checkpointer.save(state)
+                    # the step's row goes into its checkpoint: a kill before the row's append below must
+                    # not leave a resumable run that lost the record of a step it will not run again
+                    run.checkpointer.save(state, StepRecord({**row, "timestamp": time.time()}, shown))
             if parts.handoff.enabled:
                 with run.phase(row, "training", "offload"):
                     parts.handoff.to_engines(row)  # the trainer sleeps, the engines take their memory back
@@ -67,8 +72,7 @@ def train_loop(run: Run) -> None:
             row["time_step_s"] = time.perf_counter() - step_start
             logger.debug("step %d: %s; the whole step %.2f s", step, _phase_seconds(row), row["time_step_s"])
             row["timestamp"] = time.time()  # wall clock when the step ended (unix seconds)
-            row.update(_rollout_metrics(batch.generations, row["time_step_s"]), synced_weight_version=state.weight_version,
-                       engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
+            row["tokens_per_s"] = _tokens(batch.generations) / row["time_step_s"]
             _record(run, row, shown, last_step=last_step)
             run.profiler.step_ended(step, last_step)
             run.nonfinite.stop_if_exceeded(step)
@@ -121,13 +125,15 @@ def _train(run: Run, step: int, scored: ScoredBatch) -> dict:
     return {**metrics, **parts.trainer.train_step(sequences)}
 
 
-def _rollout_metrics(generations: list, step_seconds: float) -> dict:
-    tokens = sum(len(g.prompt_ids) + len(g.response_ids) for g in generations)
+def _tokens(generations: list) -> int:
+    return sum(len(g.prompt_ids) + len(g.response_ids) for g in generations)
+
+
+def _rollout_metrics(generations: list) -> dict:
     return {
         "response_len_mean": sum(len(g.response_ids) for g in generations) / max(len(generations), 1),
         "truncated_fraction": truncated_fraction(generations),
         "weight_version": min((g.weight_version for g in generations), default=None),  # what sampled them
-        "tokens_per_s": tokens / step_seconds,
         **trajectory_metrics(generations),
     }
 

@@ -5,6 +5,7 @@ batch sources both import it and neither imports the other back."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,13 +25,15 @@ from rlsys.rewards.pool import RewardPool
 from rlsys.rewards.remote import RemoteReward
 from rlsys.rollout.manager import RolloutManager
 from rlsys.run.assets import RunAssets
-from rlsys.run.checkpointing import Checkpointer, CoordinatorState
+from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState
 from rlsys.run.components import Components, restore
 from rlsys.run.evaluation import Evaluator
 from rlsys.run.nonfinite import NonfiniteGuard
 from rlsys.run.profiling import StepProfiler
 from rlsys.run.reporting import HealthMonitor, ProgressLines, shows_progress_bar
 from rlsys.run.reward_errors import RewardErrorLog
+
+logger = logging.getLogger(__name__)
 
 
 class Rounds(Protocol):
@@ -113,6 +116,8 @@ class Run:
         self.log.truncate_from(self.state.next_step)  # rows of steps that will run again
         self.samples.truncate_from(self.state.next_step)
         self.trackers.rewind(self.state.next_step)
+        if checkpoint is not None:
+            log_the_step_it_closes(checkpoint, self.state.next_step, self.log, self.samples, self.trackers)
         self.status.record_samples(self.samples.latest(SHOWN_IN_STATUS))
         self.status.replace_steps(self.log.rows)
         self.sampler.restore(self.state.data_epoch, self.state.data_index)
@@ -148,3 +153,23 @@ def _wait_while_paused(status: RunStatus) -> None:
         status.save_snapshot()
         while status.pause_requested and not status.stop_requested:
             time.sleep(0.2)
+
+
+def log_the_step_it_closes(checkpoint: Path, next_step: int, log: MetricsLog, samples: SamplesLog,
+                           trackers: Trackers) -> None:
+    """The row and samples of the step `checkpoint` closes (step `next_step - 1`), logged from the
+    checkpoint where the logs lack them: the run stopped (a kill, a rank's death) after the checkpoint,
+    before their append. That step is not run again, so nothing else would bring its record back."""
+    record = CheckpointStore.load_step_record(checkpoint)
+    if record is None or record.row.get("step") != next_step - 1:
+        return
+    step = record.row["step"]
+    if not any(row.get("step") == step for row in log.rows):
+        logger.warning("step %d's metrics were not in metrics.jsonl (the run stopped between its checkpoint "
+                       "and their append); logged from %s, without the step's checkpoint and total times",
+                       step, checkpoint.name)
+        log.append(record.row)
+        trackers.log(record.row)
+    if record.samples and not samples.holds_step(step):
+        samples.append(record.samples)
+        trackers.log_samples(step, record.samples)
