@@ -23,7 +23,7 @@ import torch
 from rlsys.records import TrainSequence
 
 if TYPE_CHECKING:
-    from rlsys.actors.context_parallel import ContextParallelLayout
+    from rlsys.actors.cp_layout import ContextParallelLayout
     from rlsys.multimodal.vision_inputs import VisionInputs
 
 

@@ -12,8 +12,8 @@ from rlsys.actors.batching import balanced_partition, split_evenly
 from rlsys.actors.trainer import TrainerSpec, TrainerWorker
 from rlsys.algorithms.losses import sequence_loss_weights
 from rlsys.config import ConfigError
+from rlsys.model.shape import ModelShape
 from rlsys.records import TrainSequence
-from rlsys.run.model_shape import ModelShape
 from rlsys.system.topology import Topology
 
 

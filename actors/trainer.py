@@ -26,14 +26,8 @@ from torch.distributed.constants import default_pg_nccl_timeout, default_pg_time
 from rlsys.actors.batching import MicroBatch, build_micro_batch, split_by_token_budget, split_evenly
 from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
 from rlsys.actors.checkpoint_layout import checkpoint_pieces, released_names
-from rlsys.actors.context_parallel import (
-    CONTEXT_PARALLEL,
-    check_ulysses_heads,
-    new_context_parallel_groups,
-    padded_length,
-    shard_micro_batch,
-    unshard_values,
-)
+from rlsys.actors.context_parallel import CONTEXT_PARALLEL, shard_micro_batch, unshard_values
+from rlsys.actors.cp_layout import check_ulysses_heads, new_context_parallel_groups, padded_length
 from rlsys.actors.image_placement import ImagePlacement
 from rlsys.actors.loading import build_empty_model, fill_from_checkpoint, is_vision_parameter
 from rlsys.actors.logprob_head import install_logprob_head
@@ -63,10 +57,10 @@ from rlsys.config import (
     check_context_parallel,
     resolve_derived_settings,
 )
+from rlsys.model.checks import model_report
+from rlsys.model.shape import ModelShape
 from rlsys.multimodal.vision_inputs import VisionInputs
 from rlsys.records import TrainSequence
-from rlsys.run.model_checks import model_report
-from rlsys.run.model_shape import ModelShape
 from rlsys.system.backend import engine_dtype, make_backend
 from rlsys.system.node import bind_gloo_to_node_address, node_address
 from rlsys.system.reaper import start_actor_reaper, stop_reaper
@@ -292,7 +286,7 @@ class TrainerWorker:
     def model_report(self) -> tuple[ModelShape | None, str | None]:
         """(Before `setup`.) The model's shapes for the driver's memory plan, or why the ranks
         cannot load it (ConfigError's message): checked here, where the weights are read and where
-        transformers' modeling code is imported anyway, instead of in the driver (rlsys/run/model_checks.py)."""
+        transformers' modeling code is imported anyway, instead of in the driver (rlsys/model/checks.py)."""
         try:
             return model_report(self.spec.model.path, self.spec.model.lora), None
         except ConfigError as error:

@@ -326,8 +326,8 @@ def check_trainer_steps(proof: Proof, fields: dict) -> None:
 
 def trainer_plan(proof: Proof, phase: str) -> dict[str, int]:
     """The memory plan's terms of a trainer rank's own allocations in `phase` (train or sync)."""
+    from rlsys.model.shape import ModelShape
     from rlsys.run.memory_plan import plan_memory
-    from rlsys.run.model_shape import ModelShape
 
     config = run_config(proof)
     total = torch.cuda.get_device_properties(proof.device).total_memory if proof.gpu else 0
@@ -453,7 +453,7 @@ def check_ring_attention(proof: Proof, fields: dict) -> None:
     """Context parallelism's ring attention on this device: every CP rank's blocks computed in one
     process (rlsys's own layout, per-step segments, block function and log-sum-exp merge) against
     causal SDPA of whole sequences, bf16 inputs, within bf16's bound; and its time against SDPA's."""
-    from rlsys.actors.context_parallel import ContextParallelGroup, build_layout
+    from rlsys.actors.cp_layout import ContextParallelGroup, build_layout
     from rlsys.actors.ring_attention import attend_block, merge
 
     size, lengths = 4, ([4096, 3000, 1100] if proof.gpu else [40, 23, 9])

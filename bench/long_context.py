@@ -301,7 +301,7 @@ def run_group(model_dir: Path, cp: int, style: str, checkpointing: bool, length:
               "step_s": round(statistics.median(seconds), 2), "step_s_each": [round(s, 2) for s in seconds],
               "group_wall_s": round(time.perf_counter() - started, 1)}
     if cp > 1:
-        from rlsys.actors.context_parallel import padded_length
+        from rlsys.actors.cp_layout import padded_length
 
         result["tokens_per_rank"] = padded_length(length, cp) // cp
     if logprob_chunk_tokens != LOGPROB_CHUNK_TOKENS:

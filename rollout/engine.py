@@ -18,6 +18,9 @@ from rlsys.system.node import node_address
 from rlsys.system.reaper import start_actor_reaper, stop_reaper
 from rlsys.system.shm_sweep import sweep_shared_memory
 
+# Requests an engine actor serves at once (threads blocked on its SGLang server, which batches them).
+ENGINE_ACTOR_CONCURRENCY = 256
+
 # SGLang's answer to /end_weight_update when no session is open (scheduler weight_updater.py).
 NO_OPEN_SESSION = "no weight-update session is open"
 # The temperature of `score`'s log-probs: SGLang computes input-token log-probs as log_softmax of

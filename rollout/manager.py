@@ -19,7 +19,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from rlsys.errors import RunFailed
 from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rollout.dispatch import Dispatcher, LoopThread, RequestBatcher
-from rlsys.rollout.engine import RolloutEngine
+from rlsys.rollout.engine import ENGINE_ACTOR_CONCURRENCY, RolloutEngine
 from rlsys.rollout.partial import GroupInFlight, continuation, settle, stitch
 from rlsys.rollout.seeds import call_seed, sample_seeds
 from rlsys.rollout.sglang.client import EngineAddress, EngineDied
@@ -34,9 +34,6 @@ from rlsys.rollout.trajectory import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Requests an engine actor serves at once (threads blocked on its SGLang server, which batches them).
-ENGINE_ACTOR_CONCURRENCY = 256
 
 
 def split_into_chunks(num_prompts: int, num_engines: int) -> list[range]:

@@ -32,7 +32,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 
 from rlsys.errors import RunFailed
-from rlsys.rollout.engine import RolloutEngine
+from rlsys.rollout.engine import ENGINE_ACTOR_CONCURRENCY, RolloutEngine
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.system.topology import Topology
 
@@ -309,8 +309,6 @@ def engine_handle(record: StandingRecord, index: int):
 def launch_engine(record: StandingRecord, index: int, timeout_s: float = 30.0):
     """A fresh detached engine actor for slot `index` of the set (not started). A killed actor's name
     is freed by the GCS shortly after ray.kill returns: taken again once it is."""
-    from rlsys.rollout.manager import ENGINE_ACTOR_CONCURRENCY
-
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -10,9 +10,14 @@ from pathlib import Path
 from rlsys.config import ConfigError, EvalSetConfig, RunConfig
 from rlsys.data.datasets import Columns, DatasetError, load_splits, read_records
 from rlsys.data.tokenizer import load_tokenizer
+from rlsys.model.architecture import (
+    read_model_config,
+    refuse_untrained_vision_language,
+    text_settings,
+)
+from rlsys.model.built import trained_model
 from rlsys.records import EncodedPrompt, PromptRecord
 from rlsys.rewards.loading import load_reward_function
-from rlsys.run.model_checks import trained_model
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 
@@ -70,72 +75,6 @@ def _stop_token_ids(config: RunConfig, tokenizer) -> list[int]:
                 )
             ids.append(encoded[0])
     return ids
-
-
-def read_model_config(model_dir: str | Path) -> dict:
-    """The model's config.json, refused here (trainers, engines and `rlsys plan` all read it) when it
-    is not a JSON object."""
-    path = Path(model_dir) / "config.json"
-    try:
-        model_config = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"invalid config: model.path {model_dir}: {path} is not valid JSON ({error}); "
-                          "point model.path at a complete Hugging Face checkpoint") from None
-    if not isinstance(model_config, dict):
-        raise ConfigError(f"invalid config: model.path {model_dir}: {path} must hold a JSON object, "
-                          f"not a {type(model_config).__name__}")
-    return model_config
-
-
-# Vision-language model types rlsys trains: their multimodal rotary positions are Qwen2.5-VL's
-# (rlsys/multimodal/positions.py) and SGLang's weight names theirs (actors/checkpoint_layout.py).
-VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
-
-
-def _text_settings(model_config: dict) -> dict:
-    """A model's text-model settings as its config.json states them: a vision-language model's
-    `text_config` where it has one (transformers 5 writes one), else the top level."""
-    text = model_config.get("text_config")
-    return {**model_config, **text} if isinstance(text, dict) else model_config
-
-
-def _refuse_untrained_vision_language(model_dir: str | Path, model_config: dict) -> None:
-    if model_config.get("model_type") not in VISION_LANGUAGE_MODEL_TYPES:
-        named = f"model type {model_config.get('model_type')!r} (architectures {model_config.get('architectures')})"
-        raise ConfigError(f"invalid config: model.path {model_dir}: {named} is a vision-language model rlsys does "
-                          f"not train; it trains {', '.join(VISION_LANGUAGE_MODEL_TYPES)} (Qwen2.5-VL) among them")
-
-
-def read_architecture(model_dir: str | Path):
-    """The model's transformers config, refused with a ConfigError when transformers cannot build a
-    causal LM from it (a model type it does not know, or one that is no causal LM) or it is a
-    vision-language model of another type than VISION_LANGUAGE_MODEL_TYPES, before anything starts.
-    A vision-language model's text model is `.get_text_config()` (the text model's own config is itself)."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_config = read_model_config(model_dir)
-    named = f"model type {model_config.get('model_type')!r} (architectures {model_config.get('architectures')})"
-    try:
-        config = AutoConfig.from_pretrained(str(model_dir))
-    except (TypeError, StrictDataclassError) as error:  # a field of the wrong type ("vocab_size": "eighty")
-        reason = " ".join(str(error).split())  # huggingface_hub's is two lines: the field, then the TypeError
-        raise ConfigError(f"invalid config: model.path {model_dir}: {Path(model_dir) / 'config.json'}: {reason}; "
-                          "fix the field or point model.path at a complete Hugging Face checkpoint") from None
-    except (OSError, ValueError, KeyError) as error:  # a model_type this transformers does not know
-        reason = str(error).split(". ")[0]
-        raise ConfigError(f"invalid config: model.path {model_dir}: transformers cannot read its config.json, "
-                          f"{named}: {reason}; rlsys trains the architectures in docs/gpus-and-clusters.md "
-                          "(Qwen2, Qwen3, Llama, Qwen3-MoE): point model.path at one of those") from None
-    if "vision_config" in model_config:
-        _refuse_untrained_vision_language(model_dir, {**model_config, "model_type": config.model_type})
-        return config
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ConfigError(f"invalid config: model.path {model_dir}: {named} is not a causal language model "
-                          "transformers can build (AutoModelForCausalLM); rlsys trains the architectures in "
-                          "docs/gpus-and-clusters.md (Qwen2, Qwen3, Llama, Qwen3-MoE)")
-    return config
 
 
 # The tokenizer's own JSON files, as transformers reads them (config.json is read_model_config's).
@@ -249,7 +188,7 @@ def _check_the_model(config: RunConfig, model_dir: Path) -> None:
     @auto_docstring imports transformers' auto modeling code), the serial start of every run. What
     only transformers can tell (a model type it does not know, one that is no causal LM, a field of
     the wrong type) trainer rank 0 refuses before the ranks build the model, where that code is
-    imported anyway (rlsys/run/model_checks.py `model_report`, through `read_architecture`)."""
+    imported anyway (rlsys/model/checks.py `model_report`, through `read_architecture`)."""
     if not (model_dir / "config.json").is_file():
         raise ConfigError(
             f"invalid config: model.path {model_dir} is not a local Hugging Face checkpoint "
@@ -271,8 +210,8 @@ def _check_the_model(config: RunConfig, model_dir: Path) -> None:
         raise ConfigError(f"invalid config: model.freeze_vision is set but model.path {model_dir} has no vision tower "
                           "(its config.json has no vision_config)")
     if vision_language:
-        _refuse_untrained_vision_language(model_dir, model_config)
-    text = _text_settings(model_config)
+        refuse_untrained_vision_language(model_dir, model_config)
+    text = text_settings(model_config)
     if config.rollout.routing_replay != "off" and not text.get("num_experts_per_tok"):
         raise ConfigError(f"invalid config: rollout.routing_replay={config.rollout.routing_replay} replays the experts "
                           f"the engine routed each token to, but model.path {model_dir} is not a mixture-of-experts "
@@ -280,7 +219,7 @@ def _check_the_model(config: RunConfig, model_dir: Path) -> None:
     heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads", text.get("num_attention_heads"))
     if (config.trainer.context_parallel_size > 1 and config.trainer.context_parallel_style == "ulysses"
             and isinstance(heads, int) and isinstance(kv_heads, int)):  # else the memory plan's check, on rank 0's shapes
-        from rlsys.actors.context_parallel import check_ulysses_heads
+        from rlsys.actors.cp_layout import check_ulysses_heads
 
         try:
             check_ulysses_heads(heads, kv_heads, config.trainer.context_parallel_size)

@@ -19,11 +19,11 @@ from rlsys.actors.group import TrainerGroup
 from rlsys.actors.placement import Placement, create_placement
 from rlsys.actors.trainer import TrainerSpec
 from rlsys.config import RunConfig
+from rlsys.model.shape import ModelShape
 from rlsys.rollout.manager import RolloutManager
 from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
 from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
 from rlsys.run.hangs import HangReporter
-from rlsys.run.model_shape import ModelShape
 from rlsys.run.placement_checks import (
     judge_memory_plan,
     probe_placement_nodes,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rlsys.actors.context_parallel import padded_length
+from rlsys.actors.cp_layout import padded_length
 from rlsys.actors.ring_attention import score_chunks
 from rlsys.config import RunConfig, check_context_parallel
-from rlsys.run.model_shape import GiB, ModelShape
+from rlsys.model.shape import GiB, ModelShape
 
 
 def rank_share(length: int, cp: int) -> int:

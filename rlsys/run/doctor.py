@@ -466,7 +466,7 @@ def _weight_bytes(config: RunConfig, has_gpu: bool) -> int | None:
     """Bytes of one full weight sync: the model's parameters in the engine's dtype."""
     import torch
 
-    from rlsys.run.model_shape import ModelShape
+    from rlsys.model.shape import ModelShape
     from rlsys.system.backend import engine_dtype
 
     try:

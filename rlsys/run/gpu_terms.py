@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from rlsys.run.model_shape import GiB, ModelShape
+from rlsys.model.shape import GiB, ModelShape
 
 # Per process on a GPU and outside any tensor (torch.cuda.memory_allocated never shows them):
 # the CUDA context (kernels loaded lazily, cuBLAS workspaces) and NCCL's communicator buffers.

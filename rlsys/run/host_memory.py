@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from rlsys.config import RunConfig
-from rlsys.run.model_shape import ModelShape
+from rlsys.model.shape import ModelShape
 
 # Where each backup starts in a sleeping rank's host arena (actors/offload.py, ALIGNMENT).
 HOST_ALIGNMENT = 64

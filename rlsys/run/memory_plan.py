@@ -1,6 +1,6 @@
 """The memory plan: what each GPU will hold, per phase of a step, before anything starts.
 
-Read from the model's shapes (rlsys/run/model_shape.py: config.json alone) and the run config.
+Read from the model's shapes (rlsys/model/shape.py: config.json alone) and the run config.
 Trainer terms are per rank (FSDP2 shards the fp32 master weights, gradients and AdamW's two moments
 over `trainer.num_ranks`; one decoder layer at a time is all-gathered in the compute dtype, plus the
 next one prefetched, while the root group — embeddings, final norm, output layer — stays gathered
@@ -34,9 +34,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from rlsys.actors.context_parallel import check_ulysses_heads
+from rlsys.actors.cp_layout import check_ulysses_heads
 from rlsys.actors.parallelize import uses_fsdp
 from rlsys.config import ConfigError, RunConfig
+from rlsys.model.shape import GiB, ModelShape
 from rlsys.run.context_parallel_plan import context_parallel_terms, rank_share, rank_tokens, smallest_context_parallel
 from rlsys.run.gpu_terms import (
     CUDA_CONTEXT_BYTES,
@@ -48,7 +49,6 @@ from rlsys.run.gpu_terms import (
     staging_bytes,
 )
 from rlsys.run.host_memory import host_terms
-from rlsys.run.model_shape import GiB, ModelShape
 from rlsys.system.backend import engine_dtype
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

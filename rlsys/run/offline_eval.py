@@ -12,10 +12,11 @@ from pathlib import Path
 from rlsys.actors.placement import create_placement
 from rlsys.config import ConfigError, RunConfig
 from rlsys.errors import UsageError
+from rlsys.model.architecture import read_architecture
 from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.sglang.server import ServerSpec
-from rlsys.run.assets import load_assets, read_architecture
+from rlsys.run.assets import load_assets
 from rlsys.run.evaluation import Evaluator
 from rlsys.run.generation import SampleMaker
 from rlsys.run.placement_checks import run_uses_gpus

@@ -12,9 +12,9 @@ from pathlib import Path
 from rlsys.actors.placement import Placement
 from rlsys.config import RunConfig
 from rlsys.errors import RunFailed
+from rlsys.model.checks import model_report
+from rlsys.model.shape import ModelShape
 from rlsys.run.memory_plan import plan_for_devices
-from rlsys.run.model_checks import model_report
-from rlsys.run.model_shape import ModelShape
 from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
 from rlsys.system.node import node_address
 from rlsys.system.node_checks import (

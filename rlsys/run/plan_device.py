@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rlsys.config import ConfigError, RunConfig
-from rlsys.run.model_shape import GiB
+from rlsys.model.shape import GiB
 
 
 def plan_device(config: RunConfig, local_gpu_memory: int | None, host_memory: int,

@@ -29,8 +29,8 @@ import ray
 
 from rlsys.actors.group import TrainerGroup
 from rlsys.actors.trainer import TrainerSpec
+from rlsys.model.shape import ModelShape
 from rlsys.rollout.standing import SERVICE_NAMESPACE, StandingSetGone, set_stands
-from rlsys.run.model_shape import ModelShape
 
 logger = logging.getLogger(__name__)
 

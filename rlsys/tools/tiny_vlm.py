@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlsys.tools.tiny_model import CHAT_TOKENS, TinyModelSpec, build_tokenizer
+from rlsys.tools.tiny_parts import CHAT_TOKENS, TinyModelSpec, build_tokenizer
 
 # Qwen2.5-VL's vision markers: an image is <|vision_start|><|image_pad|><|vision_end|> in a prompt's
 # ids, the one <|image_pad|> expanded by the processor (or the engine) to one per merged patch.

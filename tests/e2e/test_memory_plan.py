@@ -4,8 +4,8 @@ cluster it is given. (The terms as hand sums from config.json shapes: tests/unit
 import pytest
 
 from rlsys.config import ConfigError, RunConfig
+from rlsys.model.shape import GiB, ModelShape
 from rlsys.run.memory_plan import memory_plan, plan_memory
-from rlsys.run.model_shape import GiB, ModelShape
 from tests.unit.test_memory_plan import _config
 
 

@@ -90,7 +90,7 @@ def test_weights_missing_a_parameter_are_refused_before_the_ranks_build_the_mode
 
     from safetensors.torch import load_file, save_file
 
-    from rlsys.run.model_checks import model_report
+    from rlsys.model.checks import model_report
 
     damaged = tmp_path / "model"
     shutil.copytree(tiny_model_dir, damaged)
@@ -107,8 +107,8 @@ def test_a_mixture_of_experts_checkpoint_is_checked_per_expert_before_the_ranks_
     passes, and one missing a single expert's tensor is named before the ranks build the model."""
     from safetensors.torch import load_file, save_file
 
-    from rlsys.run.model_checks import model_report
-    from rlsys.run.model_shape import ModelShape
+    from rlsys.model.checks import model_report
+    from rlsys.model.shape import ModelShape
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     model = make_tiny_model(tmp_path / "moe", TinyModelSpec(arch="qwen3_moe"))
@@ -184,7 +184,7 @@ def test_a_model_config_field_of_the_wrong_type_is_one_error_line_naming_the_fil
     # `rlsys train`: trainer rank 0 refuses it before the ranks build the model, the same line (its
     # ConfigError ends the run as one `rlsys: error:` line: tests/e2e/test_lora.py); the driver reads
     # config.json alone (rlsys/run/assets.py `_check_the_model`).
-    from rlsys.run.model_checks import model_report
+    from rlsys.model.checks import model_report
 
     with pytest.raises(ConfigError) as refused:
         model_report(model)
@@ -338,7 +338,7 @@ def test_lora_targets_that_match_nothing_or_reach_past_linear_layers_are_refused
     that put adapters on the stacked experts and the router, are refused by trainer rank 0 before the
     ranks build the model; the message lists the layers that can carry adapters. Attention-only LoRA
     on the MoE passes."""
-    from rlsys.run.model_checks import model_report
+    from rlsys.model.checks import model_report
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     config = load_config(write_config(tmp_path / "c.yaml", tiny_model_dir), ["model.lora.target_modules=[qkv]"])
@@ -361,9 +361,9 @@ def test_a_lora_rank_above_the_smallest_adapted_dimension_is_refused_and_the_pla
     """The tiny model's k_proj maps 64 -> 32 features: B A there has rank <= 32 whatever model.lora.rank
     says (4096 used to run, 100000 to plan as fitting). Below it, the plan's trainer terms grow with the
     adapters: gradients 4 and AdamW moments 8 bytes per adapter parameter."""
+    from rlsys.model.checks import model_report
+    from rlsys.model.shape import ModelShape
     from rlsys.run.memory_plan import plan_memory
-    from rlsys.run.model_checks import model_report
-    from rlsys.run.model_shape import ModelShape
 
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
     why = "model.lora.rank 4096 is above the smallest dimension of the layers it adapts (32: " \
@@ -390,8 +390,8 @@ def test_an_architecture_transformers_cannot_build_as_a_causal_lm_is_refused_by_
     import json
     import shutil
 
+    from rlsys.model.checks import model_report
     from rlsys.run.assets import load_assets
-    from rlsys.run.model_checks import model_report
 
     model = shutil.copytree(tiny_model_dir, tmp_path / "model")
     settings = json.loads((model / "config.json").read_text())

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlsys.actors.context_parallel import (
+from rlsys.actors.cp_layout import (
     ContextParallelGroup,
     build_layout,
     check_ulysses_heads,
@@ -67,17 +67,17 @@ def _local(full: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
 def _rank(rank: int, size: int, queue, style: str, swap_chunks: bool, results):
     join_gloo_group(rank, size, queue)
     try:
-        from rlsys.actors import context_parallel
+        from rlsys.actors import context_parallel, cp_layout
 
         if swap_chunks:  # a mutation: each rank's chunks in the wrong order (the second first)
-            original = context_parallel.zigzag_positions
+            original = cp_layout.zigzag_positions
 
             def swapped(length, cp_size, cp_rank):
                 positions = original(length, cp_size, cp_rank)
                 half = len(positions) // 2
                 return positions[half:] + positions[:half]
 
-            context_parallel.zigzag_positions = swapped
+            cp_layout.zigzag_positions = swapped
         cp = ContextParallelGroup(dist.new_group(list(range(size))), rank, size, style)
         layout = build_layout(LENGTHS, cp, torch.device("cpu"))
         q, k, v, grad = _inputs()

@@ -13,8 +13,8 @@ import pytest
 
 from rlsys.cli import main
 from rlsys.config import ConfigError, RunConfig, load_config
+from rlsys.model.shape import GiB, ModelShape
 from rlsys.run.memory_plan import memory_plan, plan_for_devices, plan_memory
-from rlsys.run.model_shape import GiB, ModelShape
 from tests.helpers import REPO
 
 QWEN = {  # published config.json values (shapes)
@@ -549,7 +549,7 @@ def test_a_ranks_largest_micro_batch_is_the_budget_or_its_share_of_the_longest_s
 
     import torch
 
-    from actors.context_parallel import ContextParallelGroup
+    from actors.cp_layout import ContextParallelGroup
     from actors.trainer import TrainerWorker
     from rlsys.records import TrainSequence
     from rlsys.run.context_parallel_plan import rank_tokens

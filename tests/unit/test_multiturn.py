@@ -20,7 +20,7 @@ from rlsys.rollout.trajectory import (
     single_turn,
 )
 from rlsys.run.generation import trajectory_metrics
-from rlsys.tools.tiny_model import build_tokenizer
+from rlsys.tools.tiny_parts import build_tokenizer
 
 
 def hand_built_trajectory() -> Trajectory:

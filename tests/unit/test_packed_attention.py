@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from rlsys.actors.packed_attention import PACKED_SDPA, register_packed_sdpa, sequence_starts
-from rlsys.tools.tiny_model import ARCHITECTURES, TinyModelSpec
+from rlsys.tools.tiny_parts import ARCHITECTURES, TinyModelSpec
 
 LENGTHS = [5, 9, 5, 1, 13, 9, 5]  # repeated lengths share one SDPA call; a one-token sequence
 

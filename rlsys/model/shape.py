@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlsys.config import ConfigError
+from rlsys.model.architecture import read_architecture
+from rlsys.model.built import trained_model
 
 GiB = 2**30  # the unit the plan reports in
 
@@ -45,7 +47,6 @@ class ModelShape:
 
         from rlsys.actors.loading import is_vision_language
         from rlsys.actors.parallelize import decoder_layers
-        from rlsys.run.assets import read_architecture
 
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"model.path {path} has no config.json (the memory plan reads the model's shapes)")
@@ -58,8 +59,6 @@ class ModelShape:
         config = architecture.get_text_config()
         adapters: dict[int, int] = {}  # id(decoder layer) -> its adapters' parameters
         if lora is not None:
-            from rlsys.run.model_checks import trained_model
-
             adapted = trained_model(Path(path), lora)
             for layer in decoder_layers(adapted):
                 adapters[id(layer)] = sum(p.numel() for n, p in layer.named_parameters() if ".lora_" in n)
