@@ -29,7 +29,7 @@ with the same reward (rlsys: its own eval; TRL: a callback that decodes greedily
 - `copy_eos` (default): the answer is the prompt's last digit ("4 7 2>" -> "2") and then the end of
   the answer. Reward: half for the right digit first, the other half only when the response is
   exactly the label (an answer that goes on past it gets at most 0.5). The quickstart's 134 k-parameter
-  model is first taught the digit and not to stop (`answer_first_token`: greedy eval 0.5 at step 0,
+  model is first taught the digit and not to stop (`teach_answers`: greedy eval 0.5 at step 0,
   EOS ~0.6% after the digit), so the run measures how fast RL learns to end an answer: greedy eval
   0.9 needs EOS to rise past every digit. lr 5e-4, at most 4 new tokens.
 - `last_digit`: the quickstart's one-token answers on its 134 k-parameter model, lr 5e-4.
@@ -66,6 +66,12 @@ def reward(prompt, response, label, metadata):
     return 1.0 if response.strip().startswith(label) else 0.0
 '''
 
+WHOLE_ANSWER_REWARD_FILE = '''
+def reward(prompt, response, label, metadata):
+    """1 only when the response is exactly the label: the answer, then its end."""
+    return 1.0 if response == label else 0.0
+'''
+
 EXACT_REWARD_FILE = '''
 def reward(prompt, response, label, metadata):
     """Half for the label's first character in place, the other half only when the response is
@@ -99,16 +105,25 @@ SHAPES = {
     # --learning --task copy_eos: 0.3 M parameters, answers that must end
     "copy_eos": Shape("copy_eos", 64, 2, 4, 2, 256, max_new_tokens=4, force_length=False, steps=400,
                       warmup_steps=0, lr=5e-4),
+    # --learning --task copy3_eos: the same model, three-token answers that count only when they end
+    # there, at the hidden task's lr
+    "copy3_eos": Shape("copy3_eos", 64, 2, 4, 2, 256, max_new_tokens=6, force_length=False, steps=400,
+                       warmup_steps=0, lr=2e-4),
 }
+TEACH_STEPS = 300
+COPY3_EOS_SHARE = 0.03
 
 
-def answer_first_token(model_dir: Path, rows: list[dict], steps: int = 150, seed: int = 0) -> None:
-    """Supervised steps that teach the answer token and not to stop after it: cross-entropy on the
-    label at the first response position, and at the second towards a distribution that gives the
-    ten digits 60% and every other token (EOS among them) an equal share of the rest (EOS ~0.6%,
-    each digit 6%). The model starts out answering the digit and going on, as a model does whose
-    answers have not yet learned to end, so what RL must learn is the end of the answer: EOS has
-    to rise from 0.6% past every digit for greedy answers to stop. Saved over the model files."""
+def teach_answers(model_dir: Path, rows: list[dict], steps: int = 150, eos_share: float | None = None,
+                  seed: int = 0) -> None:
+    """Supervised steps that teach the answer's tokens and not to stop after them: cross-entropy on
+    the label's tokens, and at the position after them towards a distribution that gives the ten
+    digits 60% together, EOS `eos_share` and every other token an equal share of the rest (None: EOS
+    one of them, 0.57% of the quickstart model's 80 tokens). The model
+    starts out answering right and going on, as a model does whose answers have not yet learned to
+    end, so what RL must learn is the end of the answer: EOS has to rise from `eos_share` past every
+    digit for greedy answers to stop. Saved over the model files. (Prompts of equal length, labels
+    of equal length.)"""
     import random
 
     import torch
@@ -120,16 +135,22 @@ def answer_first_token(model_dir: Path, rows: list[dict], steps: int = 150, seed
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     encoded = [tokenizer(r["prompt"])["input_ids"] + tokenizer(r["label"], add_special_tokens=False)["input_ids"]
                for r in rows]
+    answer_len = len(tokenizer(rows[0]["label"], add_special_tokens=False)["input_ids"])
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
     vocab = model.config.vocab_size
-    then = torch.full((vocab,), 0.4 / (vocab - 10))
+    if eos_share is None:
+        then = torch.full((vocab,), 0.4 / (vocab - 10))
+    else:
+        then = torch.full((vocab,), (0.4 - eos_share) / (vocab - 11))
+        then[tokenizer.eos_token_id] = eos_share
     then[digits] = 0.06
     rng = random.Random(seed)
     model.train()
     for _ in range(steps):
-        ids = torch.tensor(rng.sample(encoded, 64))  # equal lengths: "d d d>" and the digit
+        ids = torch.tensor(rng.sample(encoded, 64))  # equal lengths: "d d d>" and the answer
         logits = model(ids).logits
-        answer = torch.nn.functional.cross_entropy(logits[:, -2], ids[:, -1])
+        predicted = logits[:, -answer_len - 1:-1]  # each answer token from the position before it
+        answer = torch.nn.functional.cross_entropy(predicted.reshape(-1, vocab), ids[:, -answer_len:].reshape(-1))
         after = -(torch.log_softmax(logits[:, -1], -1) * then).sum(-1).mean()  # cross-entropy to `then`
         (answer + after).backward()
         optimizer.step()
@@ -137,15 +158,16 @@ def answer_first_token(model_dir: Path, rows: list[dict], steps: int = 150, seed
     model.save_pretrained(model_dir)
 
 
-def copy_eos_task(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Three-digit prompts answered by their last digit; train and eval disjoint."""
+def digits_task(num_train: int, num_eval: int, answer: str, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Three-digit prompts ("4 7 2>") answered by their last digit ("2", `answer` "last") or by all
+    three ("472", `answer` "all"); train and eval disjoint."""
     import random
 
     codes = random.Random(seed).sample(range(1000), num_train + num_eval)
     rows = []
     for code in codes:
         digits = str(code).zfill(3)
-        rows.append({"prompt": " ".join(digits) + ">", "label": digits[-1]})
+        rows.append({"prompt": " ".join(digits) + ">", "label": digits[-1] if answer == "last" else digits})
     return rows[num_eval:], rows[:num_eval]
 
 
@@ -159,8 +181,11 @@ def build_workload(shape: Shape, work_dir: Path) -> dict:
                                              num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                                              intermediate_size=shape.intermediate_size))
     if shape.name == "copy_eos":
-        train, held_out = copy_eos_task(800, EVAL_PROMPTS)
-        answer_first_token(model_dir, train)
+        train, held_out = digits_task(800, EVAL_PROMPTS, "last")
+        teach_answers(model_dir, train)
+    elif shape.name == "copy3_eos":
+        train, held_out = digits_task(800, EVAL_PROMPTS, "all")
+        teach_answers(model_dir, train, steps=TEACH_STEPS, eos_share=COPY3_EOS_SHARE)
     else:
         examples = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800,
                                                      num_eval=EVAL_PROMPTS))
@@ -169,7 +194,7 @@ def build_workload(shape: Shape, work_dir: Path) -> dict:
     for path, rows in ((prompts, train), (eval_prompts, held_out)):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     reward = work_dir / "bench_reward.py"
-    reward.write_text(EXACT_REWARD_FILE if shape.name == "copy_eos" else REWARD_FILE)
+    reward.write_text({"copy_eos": EXACT_REWARD_FILE, "copy3_eos": WHOLE_ANSWER_REWARD_FILE}.get(shape.name, REWARD_FILE))
     return {"model": str(model_dir), "prompts": str(prompts), "eval_prompts": str(eval_prompts),
             "reward": f"{reward}:reward", "seed": 0, "eval_interval": None, "target": None,
             "prompts_per_step": shape.prompts_per_step, "group_size": shape.group_size,
@@ -297,7 +322,7 @@ def bench_learning(root: Path, task: str, seeds: int, max_steps: int, target: fl
                    save_rollouts: Path | None, first_seed: int = 0, sides: tuple[str, ...] = ("trl", "rlsys"),
                    rlsys_ranks: int = 1) -> dict:
     """Steps to the target eval reward, per seed and side, on the task's shape."""
-    shape = SHAPES["copy_eos" if task == "copy_eos" else "overhead_bound"]
+    shape = SHAPES[task if task in SHAPES else "overhead_bound"]
     work_dir = root / "learning"
     work_dir.mkdir(parents=True)
     base = build_workload(shape, work_dir) | {"steps": max_steps, "eval_interval": 10, "target": target,
@@ -372,7 +397,7 @@ def main() -> None:
     parser.add_argument("--rlsys-ranks", type=int, default=1, help="--learning: rlsys's trainer.num_ranks")
     parser.add_argument("--max-steps", type=int, default=500)
     parser.add_argument("--target", type=float, default=0.9)
-    parser.add_argument("--task", choices=["copy_eos", "last_digit"], default="copy_eos")
+    parser.add_argument("--task", choices=["copy_eos", "copy3_eos", "last_digit"], default="copy_eos")
     parser.add_argument("--save-rollouts", type=Path, help="keep every learning run's batches here")
     parser.add_argument("--plot", type=Path, help="draw the learning curves here (PNG)")
     args = parser.parse_args()
