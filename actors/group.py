@@ -36,7 +36,7 @@ class TrainerGroup:
         """`judge_model`: called with the model's shapes rank 0 reports (`TrainerWorker.model_report`)
         before any rank builds its model (the run's memory plan); what it raises, or rank 0's refusal
         of the model (a ConfigError), stops the ranks and is raised here. `warm`: running ranks of a
-        process group (a standing set's, rlsys/run/warm_ranks.py) that take `spec` instead of new
+        process group (a standing set's, actors/warm_ranks.py) that take `spec` instead of new
         ones. `keep`: whether `shutdown` leaves the ranks up, released, asked then (never after a call
         to them failed); None: they are stopped."""
         self.spec = spec

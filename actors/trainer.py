@@ -703,7 +703,7 @@ class TrainerWorker:
             dist.destroy_process_group()
         stop_reaper(self._reaper)
 
-    # ---- a warm rank: kept between runs by a standing set (rlsys/run/warm_ranks.py) ---------------
+    # ---- a warm rank: kept between runs by a standing set (actors/warm_ranks.py) ---------------
     def respec(self, spec: TrainerSpec) -> None:
         """Drop what this rank built for its last spec (models, optimizer, transport, seeded RNG) and
         take `spec`, whose models `build` makes: a new rank of the same process group but for the

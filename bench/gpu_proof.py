@@ -327,7 +327,7 @@ def check_trainer_steps(proof: Proof, fields: dict) -> None:
 def trainer_plan(proof: Proof, phase: str) -> dict[str, int]:
     """The memory plan's terms of a trainer rank's own allocations in `phase` (train or sync)."""
     from rlsys.model.shape import ModelShape
-    from rlsys.run.memory_plan import plan_memory
+    from rlsys.plan.memory_plan import plan_memory
 
     config = run_config(proof)
     total = torch.cuda.get_device_properties(proof.device).total_memory if proof.gpu else 0

@@ -10,7 +10,7 @@ Both join one Ray cluster that this script starts first (`ray start --head`, as 
 on a machine with none does), so a run's own Ray start is not what is compared; `own_ray_cluster`
 adds one run that starts its own local cluster, as a plain `rlsys train` does. The standing set is
 started once, before the rounds (`engines_up_s`), and one run attaches to it before the rounds
-(`attached_first_run`): it starts the trainer ranks the set then keeps (rlsys/run/warm_ranks.py), so
+(`attached_first_run`): it starts the trainer ranks the set then keeps (actors/warm_ranks.py), so
 the rounds' attached runs build their model in warm ranks.
 
 Per run: `to_training_s`, the seconds from the command to its "training (started in ...)" line

@@ -42,7 +42,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from rlsys.config import load_config
-    from rlsys.run.memory_plan import memory_plan, print_plan
+    from rlsys.plan.memory_plan import memory_plan, print_plan
 
     if args.gpus_per_node < 1:
         raise UsageError(f"--gpus-per-node must be >= 1 (got {args.gpus_per_node})")
@@ -52,12 +52,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    """`rlsys doctor [CONFIG]` (rlsys/run/doctor.py): 1 when a check found a blocker."""
+    """`rlsys doctor [CONFIG]` (rlsys/doctor/examine.py): 1 when a check found a blocker."""
     import json
 
     from rlsys.config import load_config
+    from rlsys.doctor.examine import examine, print_report
     from rlsys.errors import RunFailed
-    from rlsys.run.doctor import examine, print_report
 
     config = load_config(args.config, list(args.overrides)) if args.config else None
     if config is None and args.overrides:
@@ -81,7 +81,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from rlsys.config import load_config
     from rlsys.errors import RunFailed
-    from rlsys.run.offline_eval import evaluate_model
+    from rlsys.eval.evaluate import evaluate_model
 
     if not 0 <= args.show <= 64:
         raise UsageError(f"--show takes 0 to 64 answers per eval set, got {args.show}")
@@ -140,12 +140,12 @@ def eval_table(metrics: dict, set_names: list[str], title: str):
 
 
 def _engines(args: argparse.Namespace) -> int:
-    """`rlsys engines up|status|down` (rlsys/run/standing_engines.py)."""
+    """`rlsys engines up|status|down` (rlsys/engines/standing_set.py)."""
     import json
     from pathlib import Path
 
+    from rlsys.engines import standing_set
     from rlsys.rollout.standing import StandingEnginesError
-    from rlsys.run import standing_engines
 
     try:
         if args.action == "up":
@@ -153,18 +153,18 @@ def _engines(args: argparse.Namespace) -> int:
 
             config = load_config(args.config, list(args.overrides))
             log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "engines" / args.name
-            record = standing_engines.engines_up(config, args.name, log_dir, args.address,
+            record = standing_set.engines_up(config, args.name, log_dir, args.address,
                                                  warm_trainers=args.warm_trainers)
             logger.info("standing engines %r serve %s; attach a run with rollout.attach=%s (`rlsys engines down "
                         "--name %s` stops them)", record.name, record.model_path, record.name, record.name)
         elif args.action == "status":
-            reports = standing_engines.engines_status(args.address)
+            reports = standing_set.engines_status(args.address)
             if args.json:
                 print(json.dumps(reports, indent=2, default=str))
             else:
-                print(standing_engines.status_table(reports))
+                print(standing_set.status_table(reports))
         else:
-            standing_engines.engines_down(None if args.all else args.name, args.force, args.address)
+            standing_set.engines_down(None if args.all else args.name, args.force, args.address)
     except StandingEnginesError as error:
         logger.error("error: %s", error)
         return 1

@@ -151,7 +151,7 @@ class StandingRecord:
     started_by: str  # host and pid of the `rlsys engines up` that started them
     engine_options: tuple[dict, ...] = ()  # Ray options of each engine's actor (its bundle)
     ray_started_here: bool = False  # `engines up` started this machine's Ray cluster: `engines down` stops it
-    # The set keeps the trainer ranks of the runs that attach to it between them (rlsys/run/warm_ranks.py).
+    # The set keeps the trainer ranks of the runs that attach to it between them (actors/warm_ranks.py).
     warm_trainers: bool = True
 
     def engine_name(self, index: int) -> str:

@@ -97,7 +97,7 @@ _STANDING: dict[str, str] = {}
 
 def _stop_standing_engines() -> None:
     if _STANDING:
-        from rlsys.run.standing_engines import engines_down
+        from rlsys.engines.standing_set import engines_down
 
         engines_down(None, force=True)
         _STANDING.clear()
@@ -108,7 +108,7 @@ def standing_set(name: str, config: str, overrides: list[str], log_dir: Path) ->
     session cluster if this session has not yet (tests of one identity share its engines)."""
     if name not in _STANDING:
         from rlsys.config import load_config
-        from rlsys.run.standing_engines import engines_up
+        from rlsys.engines.standing_set import engines_up
         from tests.helpers import REPO
 
         engines_up(load_config(REPO / "configs" / config, overrides), name, log_dir / name)
@@ -120,7 +120,7 @@ def stop_standing_set(name: str) -> None:
     """Stop standing set NAME when the tests of its identity are done (a set used by one module only
     need not hold its memory for the rest of the session)."""
     if _STANDING.pop(name, None) is not None:
-        from rlsys.run.standing_engines import engines_down
+        from rlsys.engines.standing_set import engines_down
 
         engines_down(name, force=True)
 

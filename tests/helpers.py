@@ -156,7 +156,7 @@ def standing_rollout(name: str, log_dir: Path):
 
     from rlsys.rollout.manager import RolloutManager
     from rlsys.rollout.standing import Lease, engine_handle, service
-    from rlsys.run.standing_engines import revive_dead_engines
+    from rlsys.run.attach import revive_dead_engines
 
     record = ray.get(service(name).record.remote())
     lease = Lease.take(name, "test", str(log_dir))

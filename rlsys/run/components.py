@@ -18,10 +18,13 @@ from ray.exceptions import RayError
 from rlsys.actors.group import TrainerGroup
 from rlsys.actors.placement import Placement, create_placement
 from rlsys.actors.trainer import TrainerSpec
+from rlsys.actors.warm_ranks import warm_trainer_group
 from rlsys.config import RunConfig
 from rlsys.model.shape import ModelShape
 from rlsys.rollout.manager import RolloutManager
+from rlsys.run.attach import attach
 from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
+from rlsys.run.engine_spec import server_spec
 from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
 from rlsys.run.hangs import HangReporter
 from rlsys.run.placement_checks import (
@@ -29,9 +32,7 @@ from rlsys.run.placement_checks import (
     probe_placement_nodes,
     refuse_unusable_placement_nodes,
 )
-from rlsys.run.standing_engines import attach, server_spec
 from rlsys.run.verify import ImageProbe, model_depth, verify_engine_weights
-from rlsys.run.warm_ranks import warm_trainer_group
 from rlsys.system.cluster import ACTOR_ENV
 from rlsys.system.topology import Topology
 
@@ -100,7 +101,7 @@ def _trainer_group(config: RunConfig, parts: Components,
                    judge_model: Callable[[ModelShape], None] | None = None) -> TrainerGroup:
     spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
     standing = parts.rollout.standing if parts.rollout is not None else None
-    if standing is not None and standing.warm_trainers:  # the ranks the set keeps (rlsys/run/warm_ranks.py)
+    if standing is not None and standing.warm_trainers:  # the ranks the set keeps (actors/warm_ranks.py)
         group = warm_trainer_group(standing.name, spec, parts.topology.num_ranks, parts.placement.trainer_options(),
                                    trainer_env(config), judge_model)
     else:

@@ -45,8 +45,7 @@ from rlsys.run.partial_rollouts import PartialRollouts
 from rlsys.run.placement_checks import run_uses_gpus
 from rlsys.run.reporting import HealthMonitor, new_status, status_server
 from rlsys.run.run_state import Run
-from rlsys.run.standing_engines import cluster_address
-from rlsys.system.cluster import ray_cluster
+from rlsys.system.cluster import cluster_address, ray_cluster
 from rlsys.system.model_source import resolve_model_paths
 from rlsys.system.reaper import start_reaper
 from rlsys.system.resource_tracker import start_resource_tracker

@@ -14,7 +14,7 @@ from rlsys.config import RunConfig
 from rlsys.errors import RunFailed
 from rlsys.model.checks import model_report
 from rlsys.model.shape import ModelShape
-from rlsys.run.memory_plan import plan_for_devices
+from rlsys.plan.memory_plan import plan_for_devices
 from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
 from rlsys.system.node import node_address
 from rlsys.system.node_checks import (

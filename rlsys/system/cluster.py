@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import psutil
 import ray
@@ -13,6 +14,9 @@ import ray
 from rlsys.errors import RunFailed
 from rlsys.system.interrupts import children_in_process_groups_of_their_own
 from rlsys.system.reaper import kill_and_wait
+
+if TYPE_CHECKING:
+    from rlsys.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +128,10 @@ def ray_auth_notice_quiet():
         yield
     finally:
         logger.setLevel(previous)
+
+
+def cluster_address(config: RunConfig | None = None, address: str | None = None) -> str:
+    """Where standing engines live: --address, placement.ray_address, RAY_ADDRESS, or "auto" (the
+    cluster `ray start` / `rlsys engines up` started on this machine)."""
+    return (address or (config.placement.ray_address if config is not None else None)
+            or os.environ.get("RAY_ADDRESS") or "auto")

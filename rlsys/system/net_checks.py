@@ -8,7 +8,7 @@ the weight-update group, SGLang's HTTP server), connects to the other agents' so
 clock, and joins a torch.distributed group over the backend the run uses (`make_backend`: NCCL on
 GPUs, gloo on CPUs; gloo bound to the node address's interface as the ranks bind it) for an
 all-reduce over every agent and a broadcast between every pair. `rlsys doctor` drives them
-(rlsys/run/doctor.py).
+(rlsys/doctor/examine.py).
 
 Bandwidths follow nccl-tests' definitions (its doc/PERFORMANCE.md): a broadcast's bandwidth is
 bytes / time; an all-reduce's "bus bandwidth" is bytes / time * 2 (n - 1) / n, what each link

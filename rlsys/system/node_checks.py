@@ -16,7 +16,7 @@
   (rlsys/system/backend.py: flash_attn_available; False on a node without GPUs). Never the driver's
   own devices: under `ray job submit` the driver usually sits on a head without GPUs.
 
-The same probe also reads what `rlsys doctor` (rlsys/run/doctor.py) reports beside these checks:
+The same probe also reads what `rlsys doctor` (rlsys/doctor/examine.py) reports beside these checks:
 CPUs, the size of /dev/shm, each GPU (NVML), and the versions of the packages a run imports.
 `rlsys train` only refuses on the checks above; the doctor judges the rest too.
 

@@ -5,7 +5,7 @@ import pytest
 
 from rlsys.config import ConfigError, RunConfig
 from rlsys.model.shape import GiB, ModelShape
-from rlsys.run.memory_plan import memory_plan, plan_memory
+from rlsys.plan.memory_plan import memory_plan, plan_memory
 from tests.unit.test_memory_plan import _config
 
 

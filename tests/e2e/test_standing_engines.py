@@ -28,8 +28,8 @@ def _lease(name: str = "quickstart"):
 
 def _kept_rank_pids(name: str = "quickstart") -> list[int]:
     """The processes of the trainer ranks standing set `name` keeps, by rank."""
+    from rlsys.actors.warm_ranks import rank_name
     from rlsys.rollout.standing import SERVICE_NAMESPACE
-    from rlsys.run.warm_ranks import rank_name
 
     pids = []
     for rank in range(2):
@@ -58,10 +58,10 @@ def test_a_second_run_starts_from_the_model_whatever_the_first_left(tmp_path, ti
     run's seed, it does not go on from where the first run left it), and its weight versions are its
     own from 0, with verify on (engine == trainer).
 
-    The set keeps the trainer ranks between runs (rlsys/run/warm_ranks.py): the first run starts them
+    The set keeps the trainer ranks between runs (actors/warm_ranks.py): the first run starts them
     (none are kept when it starts), the second builds its model in the same processes, and the bits
     equal above say they hold nothing of the first run's (weights, optimizer, RNG, profiler)."""
-    from rlsys.run.warm_ranks import stop_warm_ranks
+    from rlsys.actors.warm_ranks import stop_warm_ranks
 
     stop_warm_ranks("quickstart")
     first, second = tmp_path / "first", tmp_path / "second"
@@ -163,8 +163,8 @@ def test_engines_down_leaves_no_process_and_no_shared_memory_file(tmp_path, tiny
     import time
 
     from rlsys.config import load_config
+    from rlsys.engines.standing_set import engines_down, engines_status, engines_up
     from rlsys.rollout.standing import StandingEnginesError
-    from rlsys.run.standing_engines import engines_down, engines_status, engines_up
     from tests.helpers import REPO
 
     shm_before = set(os.listdir("/dev/shm"))

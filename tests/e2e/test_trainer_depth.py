@@ -37,7 +37,7 @@ def test_training_after_sleep_and_wake_up_is_bit_identical(warm_trainer_groups, 
 
 def test_a_rebuilt_group_trains_bit_for_bit_as_a_new_one(warm_trainer_groups, tiny_model_dir):
     """What the warm groups of these tests (tests/trainer_pool.py) and the trainer ranks a standing set
-    keeps between runs (rlsys/run/warm_ranks.py) rest on: a group rebuilt for a spec (`respec`, then
+    keeps between runs (actors/warm_ranks.py) rest on: a group rebuilt for a spec (`respec`, then
     `build`) after training another (a reference, optimizer state, left asleep) trains as one started for it."""
     used, = warm_trainer_groups((_spec(tiny_model_dir, use_kl_loss=True, kl_coef=0.1, warmup_steps=3), 2))
     used.train_step(_batch(0))

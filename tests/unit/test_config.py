@@ -363,7 +363,7 @@ def test_a_lora_rank_above_the_smallest_adapted_dimension_is_refused_and_the_pla
     adapters: gradients 4 and AdamW moments 8 bytes per adapter parameter."""
     from rlsys.model.checks import model_report
     from rlsys.model.shape import ModelShape
-    from rlsys.run.memory_plan import plan_memory
+    from rlsys.plan.memory_plan import plan_memory
 
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
     why = "model.lora.rank 4096 is above the smallest dimension of the layers it adapts (32: " \
@@ -480,7 +480,7 @@ def test_placement_env_reaches_the_trainer_ranks_and_the_engine_servers_and_bad_
     numbers and booleans pass as YAML spells them, and what rlsys sets per process is refused."""
     from rlsys.rollout.sglang.server import build_env
     from rlsys.run.components import trainer_env
-    from rlsys.run.standing_engines import server_spec
+    from rlsys.run.engine_spec import server_spec
     from rlsys.system.backend import make_backend
     from rlsys.system.topology import Topology
 

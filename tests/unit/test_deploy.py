@@ -62,7 +62,7 @@ def test_the_worker_pod_holds_the_plans_host_memory_per_node_with_the_headroom_i
     it for too, each with the stated headroom (4 GiB per GPU process, 8 GiB besides); the comment's
     figures are the plan's."""
     from rlsys.model.shape import ModelShape
-    from rlsys.run.memory_plan import plan_memory
+    from rlsys.plan.memory_plan import plan_memory
     from tests.unit.test_memory_plan import QWEN
 
     text = (REPO / "deploy/rayjob.yaml").read_text()

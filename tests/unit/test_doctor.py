@@ -1,4 +1,4 @@
-"""`rlsys doctor`'s judgements over node reports (rlsys/run/doctor.py) and its network probes
+"""`rlsys doctor`'s judgements over node reports (rlsys/doctor/examine.py) and its network probes
 (rlsys/system/net_checks.py); the whole command runs in tests/e2e/test_node_checks.py (this machine)
 and tests/e2e/test_multinode.py (a cluster with a broken node of each kind)."""
 
@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from rlsys.config import RunConfig
-from rlsys.run.doctor import (
+from rlsys.doctor.examine import (
     MiB,
     NodeRow,
     _scratch_directory,

@@ -14,7 +14,7 @@ import pytest
 from rlsys.cli import main
 from rlsys.config import ConfigError, RunConfig, load_config
 from rlsys.model.shape import GiB, ModelShape
-from rlsys.run.memory_plan import memory_plan, plan_for_devices, plan_memory
+from rlsys.plan.memory_plan import memory_plan, plan_for_devices, plan_memory
 from tests.helpers import REPO
 
 QWEN = {  # published config.json values (shapes)
@@ -72,7 +72,7 @@ QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", 
 
 
 def test_a_mixture_of_experts_counts_every_expert_and_routes_a_token_through_its_top_k(tmp_path):
-    from rlsys.run.gpu_terms import activation_bytes_per_token_layer
+    from rlsys.plan.gpu_terms import activation_bytes_per_token_layer
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
     shape = ModelShape.from_model_dir(tmp_path)
@@ -414,7 +414,7 @@ def _fake_cluster(gpus, memory):
     ("cpu", 94 * GiB, _fake_cluster(16.0, 80 * GiB), None, (False, 7 * GiB, "this machine's RAM")),
 ])
 def test_plan_plans_the_clusters_gpus_from_a_gpu_less_head(tmp_path, device, local, cluster, gpu_memory_gb, expected):
-    from rlsys.run.plan_device import plan_device
+    from rlsys.plan.plan_device import plan_device
 
     config = _config(tmp_path, placement={"device": device, "gpu_memory_gb": gpu_memory_gb})
     on_gpu, memory, source = plan_device(config, local, 7 * GiB, cluster)
@@ -428,7 +428,7 @@ def test_plan_plans_the_clusters_gpus_from_a_gpu_less_head(tmp_path, device, loc
     ("auto", _fake_cluster(8.0, None), "their memory could not be read .*set placement.gpu_memory_gb"),
 ])
 def test_plan_asks_for_the_gpu_memory_it_cannot_read(tmp_path, device, cluster, message):
-    from rlsys.run.plan_device import plan_device
+    from rlsys.plan.plan_device import plan_device
 
     with pytest.raises(ConfigError, match=message):
         plan_device(_config(tmp_path, placement={"device": device}), None, 7 * GiB, cluster)
@@ -551,8 +551,8 @@ def test_a_ranks_largest_micro_batch_is_the_budget_or_its_share_of_the_longest_s
 
     from actors.cp_layout import ContextParallelGroup
     from actors.trainer import TrainerWorker
+    from rlsys.plan.context_parallel_plan import rank_tokens
     from rlsys.records import TrainSequence
-    from rlsys.run.context_parallel_plan import rank_tokens
 
     lengths = [8192] * 8 + [32769, 700, 3000]  # the 8,192s' shares fill each budget below exactly
     sequences = [TrainSequence(token_ids=[1] * n, prompt_len=n - 1) for n in lengths]

@@ -121,10 +121,10 @@ def test_a_set_name_ray_cannot_hold_is_refused(name, capsys):
 
 
 def test_kept_trainer_ranks_are_reused_only_by_a_run_whose_ranks_would_start_the_same_way():
-    """rlsys/run/warm_ranks.py: a set's kept ranks are taken by a run only if its ranks would start as
+    """actors/warm_ranks.py: a set's kept ranks are taken by a run only if its ranks would start as
     they did (slots, device kind, environment, code); `engines up --no-warm-trainers` keeps none."""
+    from rlsys.actors.warm_ranks import WarmIdentity, code_fingerprint
     from rlsys.cli import build_parser
-    from rlsys.run.warm_ranks import WarmIdentity, code_fingerprint
 
     kept = WarmIdentity.of(2, False, {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1"})
     assert WarmIdentity.of(2, False, {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN"}) == kept  # order is no difference

@@ -1,9 +1,6 @@
-"""`rlsys engines up|status|down` and a run's attachment to standing engines (rollout.attach).
-
-The set itself (its actors, record and lease) is rollout/standing.py; this module starts it as a
-run would start its own engines (the same placement, node checks and server spec), finds and
-checks it for a run, and stops it.
-"""
+"""`rlsys engines up|status|down`: a standing set started as a run would start its own engines
+(the same placement, node checks and server spec: rlsys/run/engine_spec.py), listed, and stopped
+with the trainer ranks it keeps."""
 
 from __future__ import annotations
 
@@ -15,19 +12,16 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 
 from rlsys.actors.placement import Placement
 from rlsys.config import RunConfig
-from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.rollout.standing import (
     SERVICE_NAMESPACE,
     EngineIdentity,
     EngineService,
-    Lease,
     StandingEnginesError,
     StandingRecord,
     engine_handle,
@@ -36,8 +30,9 @@ from rlsys.rollout.standing import (
     standing_names,
 )
 from rlsys.run.absolute_paths import with_absolute_paths
+from rlsys.run.engine_spec import server_spec
 from rlsys.run.placement_checks import check_placement_nodes, run_uses_gpus
-from rlsys.system.cluster import ACTOR_ENV, ray_auth_notice_quiet
+from rlsys.system.cluster import ACTOR_ENV, cluster_address, ray_auth_notice_quiet
 from rlsys.system.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -46,13 +41,6 @@ logger = logging.getLogger(__name__)
 # for standing sets and the runs that attach to them (each takes CPUS_PER_ACTOR per actor), not cores.
 LOCAL_HEAD_CPUS = 64
 PLACEMENT_TIMEOUT_S = 120.0
-
-
-def cluster_address(config: RunConfig | None = None, address: str | None = None) -> str:
-    """Where standing engines live: --address, placement.ray_address, RAY_ADDRESS, or "auto" (the
-    cluster `ray start` / `rlsys engines up` started on this machine)."""
-    return (address or (config.placement.ray_address if config is not None else None)
-            or os.environ.get("RAY_ADDRESS") or "auto")
 
 
 @contextmanager
@@ -104,21 +92,12 @@ def _layout(config: RunConfig) -> Topology:
     return Topology.from_config(config, run_uses_gpus(config, Topology.from_config(config, has_gpu=False)))
 
 
-def server_spec(config: RunConfig, topology: Topology, cpu_sharers: int) -> ServerSpec:
-    """The engines' launch spec, as a run with its own engines builds it."""
-    return ServerSpec(config.model, config.rollout.engine, config.seed, has_gpu=topology.has_gpu,
-                      memory_saver=topology.trainers_sleep, cpu_sharers=cpu_sharers,
-                      radix_cache=config.rollout.uses_radix_cache(topology.has_gpu),
-                      pipelined_sync=config.weight_sync.pipelined, env=dict(config.placement.env),
-                      return_routes=config.rollout.routing_replay == "rollout")
-
-
 # ---- up / status / down -------------------------------------------------------------------
 
 def engines_up(config: RunConfig, name: str, log_dir: Path, address: str | None = None,
                warm_trainers: bool = True) -> StandingRecord:
     """Start `config`'s engines as standing set `name` and return once every engine answers.
-    `warm_trainers`: the set keeps the trainer ranks of the runs that attach (rlsys/run/warm_ranks.py)."""
+    `warm_trainers`: the set keeps the trainer ranks of the runs that attach (actors/warm_ranks.py)."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from rlsys.system.model_source import resolve_model_paths
@@ -291,8 +270,8 @@ def _stop_set(name: str, group, ranks_in_use: bool = False) -> None:
     left to it: when it fails it stops them, keeping none for a set that is gone."""
     from ray.util.placement_group import remove_placement_group
 
+    from rlsys.actors.warm_ranks import stop_warm_ranks
     from rlsys.rollout.manager import RolloutManager
-    from rlsys.run.warm_ranks import stop_warm_ranks
 
     if not ranks_in_use:
         stop_warm_ranks(name)
@@ -310,69 +289,3 @@ def _stop_set(name: str, group, ranks_in_use: bool = False) -> None:
             continue  # dead, or never launched
         RolloutManager.stop_engine(engine)
     remove_placement_group(group)
-
-
-# ---- a run attaches -------------------------------------------------------------------------
-
-@dataclass
-class Attached:
-    """A run's standing engines: their record, the run's lease and the placement it uses."""
-
-    record: StandingRecord
-    lease: Lease
-    placement: Placement
-
-
-def attach(config: RunConfig, topology: Topology, run_dir: Path, command: str) -> Attached:
-    """Standing set rollout.attach, checked against the run (StandingEnginesError naming each
-    difference), leased to it, every engine alive (a dead one started again in its slot) and
-    ready (nothing in flight, no update session open, memory taken back). `rlsys eval` (command
-    "eval", no trainer) is checked on what the engines compute only, not on their placement."""
-    name = config.rollout.attach
-    record: StandingRecord = ray.get(service(name).record.remote())
-    wanted = EngineIdentity.of(server_spec(config, topology, 1), topology)
-    differences = record.identity.differences(wanted, placement=command != "eval")
-    if differences:
-        raise StandingEnginesError(
-            f"rollout.attach={name}: the standing engines do not match this run:\n  - " + "\n  - ".join(differences)
-            + "\nstart a set for this config (`rlsys engines up CONFIG --name OTHER`) or attach to a matching one")
-    if record.spec.env != config.placement.env:
-        logger.warning("placement.env differs from the standing engines' (%s): their servers keep the env of `rlsys "
-                       "engines up`; this run's trainer ranks get %s", _env_text(record.spec.env),
-                       _env_text(config.placement.env))
-    lease = Lease.take(name, command, str(run_dir))
-    try:
-        revived = revive_dead_engines(record)
-        states = ray.get([engine_handle(record, index).make_ready.remote()
-                          for index in range(record.topology.num_engines)])
-    except BaseException:
-        lease.release()
-        raise
-    tidied = [f"engine-{i}: {', '.join(k for k, v in s.items() if v)}" for i, s in enumerate(states) if any(s.values())]
-    logger.info("attached to standing engines %r (%d engine(s), logs in %s)%s%s", name, record.topology.num_engines,
-                record.log_dir, f"; restarted {', '.join(f'engine-{i}' for i in revived)}" if revived else "",
-                f"; left by the last run: {'; '.join(tidied)}" if tidied else "")
-    return Attached(record, lease, Placement(record.placement_group, topology, owned=False))
-
-
-def _env_text(env: dict[str, str]) -> str:
-    return " ".join(f"{name}={value}" for name, value in sorted(env.items())) or "none"
-
-
-def revive_dead_engines(record: StandingRecord) -> list[int]:
-    """Start again, in its slot, each engine of the set whose actor or server is gone."""
-    from rlsys.rollout.manager import RolloutManager
-
-    revived = []
-    for index in range(record.topology.num_engines):
-        try:
-            engine = engine_handle(record, index)
-            if ray.get(engine.health.remote(), timeout=30)["alive"]:
-                continue
-            RolloutManager.stop_engine(engine)
-        except Exception:  # noqa: BLE001 - no actor by that name, or one that does not answer
-            pass
-        logger.warning("standing engine-%d of %r is not running; starting it again", index, record.name)
-        ray.get(launch_engine(record, index).start.remote(record.spec.startup_timeout_s))
-        revived.append(index)
-    return revived

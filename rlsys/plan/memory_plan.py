@@ -7,7 +7,7 @@ next one prefetched, while the root group — embeddings, final norm, output lay
 through forward and backward; none of that when one fp32 rank trains the model whole, `uses_fsdp`).
 Backward adds the larger of its transients, the weight sync its staging buffers, and every process
 on a GPU a CUDA context and NCCL buffers (two processes per GPU colocated): each sized in
-rlsys/run/gpu_terms.py. Engine terms follow SGLang's sizing: its static pool is
+rlsys/plan/gpu_terms.py. Engine terms follow SGLang's sizing: its static pool is
 `mem_fraction_static` of the GPU, the weights come out of it and the rest is KV cache (capped by
 `max_total_tokens`; sglang/srt/model_executor/model_runner.py, profile_max_num_token); outside it an
 engine keeps `engine_unreleased`, and a disaggregated one receives each broadcast bucket into a new
@@ -22,11 +22,11 @@ memory. Activations are an estimate (what a Qwen2/Llama decoder layer saves for 
 rest is exact arithmetic.
 
 Context parallelism (CP): a rank's micro-batch is its share of each sequence, and the CP attention
-adds its own terms (rlsys/run/context_parallel_plan.py); a config whose longest sequence does not
+adds its own terms (rlsys/plan/context_parallel_plan.py); a config whose longest sequence does not
 fit a rank even alone is refused, naming the smallest CP that fits (`plan_memory`).
 
 Host memory, per trainer rank and per node, is what the device plan does not already count
-(rlsys/run/host_memory.py).
+(rlsys/plan/host_memory.py).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from rlsys.actors.cp_layout import check_ulysses_heads
 from rlsys.actors.parallelize import uses_fsdp
 from rlsys.config import ConfigError, RunConfig
 from rlsys.model.shape import GiB, ModelShape
-from rlsys.run.context_parallel_plan import context_parallel_terms, rank_share, rank_tokens, smallest_context_parallel
-from rlsys.run.gpu_terms import (
+from rlsys.plan.context_parallel_plan import context_parallel_terms, rank_share, rank_tokens, smallest_context_parallel
+from rlsys.plan.gpu_terms import (
     CUDA_CONTEXT_BYTES,
     NCCL_BUFFER_BYTES,
     activation_bytes_per_token_layer,
@@ -48,7 +48,7 @@ from rlsys.run.gpu_terms import (
     logprob_head_backward_bytes,
     staging_bytes,
 )
-from rlsys.run.host_memory import host_terms
+from rlsys.plan.host_memory import host_terms
 from rlsys.system.backend import engine_dtype
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -327,7 +327,7 @@ def memory_plan(config: RunConfig, gpus_per_node: int = 8) -> MemoryPlan:
     import psutil
     import torch
 
-    from rlsys.run.plan_device import cluster_gpus_and_memory, plan_device
+    from rlsys.plan.plan_device import cluster_gpus_and_memory, plan_device
     from rlsys.system.backend import choose_attention, flash_attn_available
     from rlsys.system.model_source import resolve_model_paths
 

@@ -119,7 +119,8 @@ def _evaluate_on_standing_engines(config: RunConfig, assets, maker: SampleMaker,
     weights from disk (version 0), left ready for the next run."""
     import ray
 
-    from rlsys.run.standing_engines import attach, cluster_address
+    from rlsys.run.attach import attach
+    from rlsys.system.cluster import cluster_address
 
     with ExitStack() as stack:
         stack.enter_context(ray_cluster(cluster_address(config), 1))
