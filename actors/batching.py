@@ -112,6 +112,29 @@ def _check(seq: TrainSequence) -> None:
                          "fewer, MoE layers, top_k])")
 
 
+def _rows(sequences: list[TrainSequence], packed: bool) -> tuple[list[list[TrainSequence]], int]:
+    """The sequences (each checked) as rows: one packed row, or one row each; and the rows' width."""
+    for seq in sequences:
+        _check(seq)
+    if packed:
+        return [list(sequences)], sum(len(s.token_ids) for s in sequences)
+    return [[seq] for seq in sequences], max(len(s.token_ids) for s in sequences)
+
+
+def _vision_tensors(sequences: list[TrainSequence], rows: list[list[TrainSequence]], width: int,
+                    position_ids: np.ndarray, vision: VisionInputs, image_dummy: bool, packed: bool,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, torch.Tensor]:
+    """A vision-language batch's pixel values, image grids, 3-row positions and prompt image-token
+    mask; `image_dummy`: the last sequence is the one-token dummy image of a batch without one."""
+    encoded = [vision.encode(seq.images) for seq in sequences[:-1] if image_dummy] + [vision.dummy()] \
+        if image_dummy else [vision.encode(seq.images) for seq in sequences]
+    pixel_values = torch.cat([e.pixel_values for e in encoded]).to(device)
+    image_grid_thw = torch.tensor([grid for e in encoded for grid in e.grids], dtype=torch.long, device=device)
+    positions = _multimodal_positions(rows, width, position_ids, [e.grids for e in encoded], vision, packed)
+    image_mask = torch.from_numpy(_prompt_image_tokens(rows, width, vision.image_token_id)).to(device)
+    return pixel_values, image_grid_thw, positions, image_mask
+
+
 def build_micro_batch(
     sequences: list[TrainSequence], indices: list[int], pad_id: int, device: torch.device, packed: bool,
     vision: VisionInputs | None = None,
@@ -130,14 +153,7 @@ def build_micro_batch(
     image_dummy = vision is not None and not any(seq.images for seq in sequences)
     if image_dummy:
         sequences = [*sequences, TrainSequence(token_ids=[vision.image_token_id], prompt_len=1, loss_weight=0.0)]
-    for seq in sequences:
-        _check(seq)
-    if packed:
-        rows = [[seq for seq in sequences]]
-        width = sum(len(s.token_ids) for s in sequences)
-    else:
-        rows = [[seq] for seq in sequences]
-        width = max(len(s.token_ids) for s in sequences)
+    rows, width = _rows(sequences, packed)
     input_ids, position_ids, attention_mask, per_token, spans = _laid_out(rows, width, pad_id)
     routes = _laid_out_routes(rows, width)
     if is_dummy:
@@ -154,12 +170,8 @@ def build_micro_batch(
                    if packed and vision is None else None)
     pixel_values = image_grid_thw = image_mask = None
     if vision is not None:
-        encoded = [vision.encode(seq.images) for seq in sequences[:-1] if image_dummy] + [vision.dummy()] \
-            if image_dummy else [vision.encode(seq.images) for seq in sequences]
-        pixel_values = torch.cat([e.pixel_values for e in encoded]).to(device)
-        image_grid_thw = torch.tensor([grid for e in encoded for grid in e.grids], dtype=torch.long, device=device)
-        position_ids = _multimodal_positions(rows, width, position_ids, [e.grids for e in encoded], vision, packed)
-        image_mask = torch.from_numpy(_prompt_image_tokens(rows, width, vision.image_token_id)).to(device)
+        pixel_values, image_grid_thw, position_ids, image_mask = _vision_tensors(
+            sequences, rows, width, position_ids, vision, image_dummy, packed, device)
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)

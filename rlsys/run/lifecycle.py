@@ -270,11 +270,10 @@ def run(config: RunConfig) -> Path:
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack)
-        run = None
-        _report_hangs(parts, status, stack, next_step=lambda: run.state.next_step if run is not None else 0)
         evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
         stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own
         run = _new_run(config, assets, parts, status, log, store, evaluator, rewards, trackers, maker)
+        _report_hangs(parts, status, stack, next_step=lambda: run.state.next_step)
         parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.trainer_version)
         sync_start = time.perf_counter()
         run.continue_from(checkpoint)
