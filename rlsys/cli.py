@@ -424,7 +424,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlsys", description="GRPO post-training on Ray + FSDP2 + SGLang")
     _add_verbosity(parser, logging.INFO)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_train_command(commands)
+    _add_engines_command(commands)
+    _add_export_command(commands)
+    _add_serve_command(commands)
+    _add_status_command(commands)
+    _add_stacks_command(commands)
+    _add_runs_command(commands)
+    _add_compare_command(commands)
+    _add_eval_command(commands)
+    _add_plan_command(commands)
+    _add_doctor_command(commands)
+    _add_make_tiny_model_command(commands)
+    for command in commands.choices.values():
+        _add_verbosity(command, argparse.SUPPRESS)
+    return parser
 
+
+def _add_train_command(commands) -> None:
     train = commands.add_parser("train", help="run a GRPO job from a YAML config")
     train.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
@@ -432,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the latest checkpoint in run_dir (same as checkpoint.resume=auto)")
     train.set_defaults(handler=_train)
 
+
+def _add_engines_command(commands) -> None:
     engines = commands.add_parser("engines", help="standing SGLang engines that outlive a run: up, status, down "
                                   "(a run uses them with rollout.attach=NAME)")
     actions = engines.add_subparsers(dest="action", required=True)
@@ -459,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     for action in actions.choices.values():
         _add_verbosity(action, argparse.SUPPRESS)
 
+
+def _add_export_command(commands) -> None:
     export = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face model")
     export.add_argument("run_dir")
     export.add_argument("out_dir")
@@ -469,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replace what OUT_DIR holds (default: a directory with files in it is refused)")
     export.set_defaults(handler=_export)
 
+
+def _add_serve_command(commands) -> None:
     serve = commands.add_parser("serve", help="serve the dashboard and API over a finished run directory")
     serve.add_argument("run_dir")
     serve.add_argument("--host", default="127.0.0.1")
@@ -477,10 +500,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve beyond loopback without a token ($RLSYS_STATUS_TOKEN)")
     serve.set_defaults(handler=_serve)
 
+
+def _add_status_command(commands) -> None:
     status = commands.add_parser("status", help="print a running (or served) run's status as a table")
     status.add_argument("url", nargs="?", default="http://127.0.0.1:8470")
     status.set_defaults(handler=_status)
 
+
+def _add_stacks_command(commands) -> None:
     stacks = commands.add_parser("stacks", help="every process's Python stacks of a live run (driver, trainer ranks, "
                                  "engine servers), through its status API (needs status.token)")
     stacks.add_argument("target", metavar="RUN_DIR|URL", help="the run's directory (its status.json names the server) "
@@ -490,10 +517,14 @@ def build_parser() -> argparse.ArgumentParser:
     stacks.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the dump (default 120)")
     stacks.set_defaults(handler=_stacks)
 
+
+def _add_runs_command(commands) -> None:
     runs = commands.add_parser("runs", help="a table of the runs under a directory (state, steps, last rewards)")
     runs.add_argument("dir", nargs="?", default="runs")
     runs.set_defaults(handler=_runs)
 
+
+def _add_compare_command(commands) -> None:
     compare = commands.add_parser("compare", help="runs' metric curves side by side (and as a plot): two or more, "
                                   "e.g. a sweep's runs/lr-*")
     compare.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (two or more)")
@@ -502,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--plot", metavar="PNG", default=None, help="also write the curves to this PNG file")
     compare.set_defaults(handler=_compare)
 
+
+def _add_eval_command(commands) -> None:
     evaluate = commands.add_parser("eval", help="run a config's eval sets against a checkpoint or a model, "
                                    "on real engines (no trainer)")
     evaluate.add_argument("config", help="YAML config whose eval sets (data's eval prompts, eval.datasets) to run")
@@ -514,6 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="also print N answers of each eval set: prompt, response, reward, finish reason")
     evaluate.set_defaults(handler=_eval)
 
+
+def _add_plan_command(commands) -> None:
     plan = commands.add_parser("plan", help="print the memory each GPU will hold, per phase, and whether it fits; "
                                "and the host memory per trainer rank and per node")
     plan.add_argument("config", help="YAML config, e.g. configs/gpu_colocated.yaml")
@@ -524,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="GPUs of a node, for the host memory per node (default 8)")
     plan.set_defaults(handler=_plan)
 
+
+def _add_doctor_command(commands) -> None:
     doctor = commands.add_parser("doctor", help="check the nodes a config's run would use before a job: resources, "
                                  "/dev/shm, GPUs, versions, run_dir and model, ports, clocks, a collective test")
     doctor.add_argument("config", nargs="?", help="YAML config (without one: every node of the cluster, without the "
@@ -534,6 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="one JSON object (ok, nodes, collectives, problems, env)")
     doctor.set_defaults(handler=_doctor)
 
+
+def _add_make_tiny_model_command(commands) -> None:
     tiny = commands.add_parser(
         "make-tiny-model", help="build a local random-init model + tokenizer",
         description="Write a random-init causal LM (fp32, safetensors, config.json, generation_config.json) and "
@@ -553,9 +592,6 @@ def build_parser() -> argparse.ArgumentParser:
                       "the vision markers in the tokenizer and a chat template that renders images)")
     tiny.add_argument("--chat", action="store_true", help="a tokenizer with a Qwen-style chat template")
     tiny.set_defaults(handler=_make_tiny_model)
-    for command in commands.choices.values():
-        _add_verbosity(command, argparse.SUPPRESS)
-    return parser
 
 
 def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
