@@ -178,6 +178,21 @@ def build_app(status: RunStatus, token: str | None, read_token: str | None = Non
 
     reads = [Depends(require_read)]
 
+    _add_reads(app, status, cache, reads)
+    _add_controls(app, status, [Depends(require_token)], reads)
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def dashboard() -> str:
+        return (STATIC_DIR / "dashboard.html").read_text()
+
+    return app
+
+
+def _add_reads(app: FastAPI, status: RunStatus, cache: _PerVersion, reads: list) -> None:
+    """The run's state, metrics, samples, actors, health and Prometheus text, each read cached per
+    status version."""
     def _status_body() -> bytes:
         summary = status.summary()
         if summary["last_metrics"]:
@@ -214,6 +229,10 @@ def build_app(status: RunStatus, token: str | None, read_token: str | None = Non
     async def prometheus() -> Response:
         return PlainTextResponse(cache.get("prometheus", lambda: prometheus_text(status).encode()))
 
+
+def _add_controls(app: FastAPI, status: RunStatus, controls: list, reads: list) -> None:
+    """pause, resume, checkpoint and stop (requests the loop acts on), and the processes' stacks:
+    taken now (a control call) or the latest dump (a read)."""
     def control(what: str):
         def handler() -> ControlResponse:
             if status.state in ("finished", "stopped", "failed"):
@@ -225,9 +244,9 @@ def build_app(status: RunStatus, token: str | None, read_token: str | None = Non
         return handler
 
     for what in ("pause", "resume", "checkpoint", "stop"):
-        app.post(f"/api/v1/{what}", response_model=ControlResponse, dependencies=[Depends(require_token)])(control(what))
+        app.post(f"/api/v1/{what}", response_model=ControlResponse, dependencies=controls)(control(what))
 
-    @app.post("/api/v1/stacks", response_model=StacksResponse, dependencies=[Depends(require_token)])
+    @app.post("/api/v1/stacks", response_model=StacksResponse, dependencies=controls)
     def post_stacks() -> StacksResponse:
         """Every process's stacks, read now (seconds: py-spy on each node); a plain def runs in a worker thread."""
         provider = status.stacks_provider
@@ -247,14 +266,6 @@ def build_app(status: RunStatus, token: str | None, read_token: str | None = Non
         except (OSError, ValueError) as error:
             raise HTTPException(status_code=404, detail=f"{directory}: {error}") from None
         return StacksResponse(directory=directory, processes=processes)
-
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def dashboard() -> str:
-        return (STATIC_DIR / "dashboard.html").read_text()
-
-    return app
 
 
 # Every read waits this long before it is answered, without using CPU: a client polling in a tight
