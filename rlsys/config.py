@@ -145,6 +145,12 @@ class RewardConfig(_Section):
         description="'package.module:function' or 'path/to/file.py:function' (relative to the working "
         "directory) of fn(prompt, response, label, metadata) -> float.",
     )
+    skip_special_tokens: bool = Field(
+        True, description="The response the reward (and each eval set's) reads: decoded up to the first EOS "
+        "without special tokens (a pad, unk or BOS token, a stop token other than the tokenizer's EOS), as TRL, "
+        "verl and slime decode it; false: with them, so a stray <pad> inside an answer makes it another answer. "
+        "A multi-turn trajectory is read whole with its special tokens (they mark its turns) either way.",
+    )
     max_error_fraction: float = Field(
         0.5, ge=0.0, le=1.0,
         description="Fail the run when more than this fraction of a step's rewards fail.",

@@ -55,20 +55,22 @@ class ScoredBatch:
         return metrics
 
 
-def response_text(tokenizer, response_ids: list[int]) -> str:
-    """Decode up to (not including) the first end-of-sequence token, special tokens kept."""
+def response_text(tokenizer, response_ids: list[int], skip_special_tokens: bool = True) -> str:
+    """Decode up to (not including) the first end-of-sequence token, without special tokens (as
+    TRL, verl and slime give a reward function its completion) or, `skip_special_tokens` false,
+    with them (a <pad> inside the answer stays in its text)."""
     eos = tokenizer.eos_token_id
     if eos in response_ids:
         response_ids = response_ids[: response_ids.index(eos)]
-    return tokenizer.decode(response_ids, skip_special_tokens=False)
+    return tokenizer.decode(response_ids, skip_special_tokens=skip_special_tokens)
 
 
-def generation_text(tokenizer, generation: Generation) -> str:
-    """What the reward reads: a single response up to its end-of-sequence token; a multi-turn
-    trajectory whole (each turn may end with one), special tokens kept."""
+def generation_text(tokenizer, generation: Generation, skip_special_tokens: bool = True) -> str:
+    """What the reward reads (reward.skip_special_tokens): a single response up to its end-of-sequence
+    token; a multi-turn trajectory whole with its special tokens (each turn may end with one)."""
     if generation.multi_turn:
         return tokenizer.decode(generation.response_ids, skip_special_tokens=False)
-    return response_text(tokenizer, generation.response_ids)
+    return response_text(tokenizer, generation.response_ids, skip_special_tokens)
 
 
 def reward_call(record: PromptRecord, generation: Generation, text: str) -> RewardCall:
@@ -82,11 +84,11 @@ Scorer = Callable[[list[RewardCall]], list[RewardOutcome]]  # e.g. RewardPool.sc
 
 def score_groups(
     records: list[PromptRecord], generations: list[Generation], group_size: int, tokenizer, scorer: Scorer,
-    overlong: OverlongPenaltyConfig | None = None, max_new_tokens: int = 0,
+    overlong: OverlongPenaltyConfig | None = None, max_new_tokens: int = 0, skip_special_tokens: bool = True,
 ) -> ScoredBatch:
     """Reward every sample (plus DAPO's overlong penalty when configured); a group with any
-    failing reward is dropped (and counted)."""
-    texts = [generation_text(tokenizer, g) for g in generations]
+    failing reward is dropped (and counted). `skip_special_tokens`: reward.skip_special_tokens."""
+    texts = [generation_text(tokenizer, g, skip_special_tokens) for g in generations]
     calls = [reward_call(records[i // group_size], g, text)
              for i, (g, text) in enumerate(zip(generations, texts, strict=True))]
     outcomes = scorer(calls)

@@ -4,8 +4,9 @@ The one signature every reward function has:
 
     def reward(prompt: str, response: str, label: str, metadata: dict) -> float
 
-`response` is the generated text decoded with special tokens kept and cut at the first
-end-of-sequence token (so an `<eos>` sampled mid-answer is not silently dropped). Functions are
+`response` is the generated text cut at the first end-of-sequence token and decoded without
+special tokens (reward.skip_special_tokens, as TRL, verl and slime decode a completion for their
+reward functions; false keeps them, so a `<pad>` sampled mid-answer stays in the text). Functions are
 named in config by import path, `package.module:function` (importable, or in the working
 directory), or by file, `path/to/file.py:function`. A function that raises, or returns
 something that is not a finite number, makes that sample's group a counted skip.

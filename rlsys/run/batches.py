@@ -90,7 +90,8 @@ def collect_step_batch(run: Run, sampling: SamplingParams, step: int, recover: b
                                                   wanted - len(batch.samples) // group_size, recover)
         reward_start = time.perf_counter()
         scored = score_groups([p.record for p in prompts], round_generations, group_size, run.assets.tokenizer,
-                              run.rewards.score, algorithm.overlong_penalty, config.rollout.max_new_tokens)
+                              run.rewards.score, algorithm.overlong_penalty, config.rollout.max_new_tokens,
+                              config.reward.skip_special_tokens)
         reward_seconds += time.perf_counter() - reward_start
         run.reward_error_log.note(step, scored)
         check_reward_errors(scored, config.reward.max_error_fraction, step)

@@ -135,7 +135,7 @@ class Evaluator:
         The first answers of the first prompts are kept to show (`samples`)."""
         generations = self.maker.samples(self.rollout, eval_set.prompts, eval_set.sampling, n=eval_set.n_samples)
         records = [p.record for p in eval_set.prompts for _ in range(eval_set.n_samples)]
-        calls = [reward_call(r, g, generation_text(self.tokenizer, g))
+        calls = [reward_call(r, g, generation_text(self.tokenizer, g, self._reward_config.skip_special_tokens))
                  for r, g in zip(records, generations, strict=True)]
         outcomes = self._scorer_for(eval_set.reward_function)(calls)
         rewards = [o.value if o.error is None else 0.0 for o in outcomes]

@@ -115,10 +115,14 @@ def test_tokenizer_round_trips_text(tiny_model_dir):
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
 
 
-def test_response_is_cut_at_eos_with_special_tokens_kept(tiny_model_dir):
+def test_response_is_cut_at_eos_and_read_without_special_tokens_unless_asked(tiny_model_dir):
+    """reward.skip_special_tokens: by default the reward reads what TRL's reward functions read (a
+    stray <pad> dropped); false keeps it. Either way nothing after the first EOS."""
     tokenizer = load_tokenizer(tiny_model_dir)
     ids = tokenizer("7")["input_ids"] + [tokenizer.pad_token_id, tokenizer.eos_token_id] + tokenizer("3")["input_ids"]
-    assert response_text(tokenizer, ids) == "7<pad>"
+    assert response_text(tokenizer, ids) == "7"
+    assert response_text(tokenizer, ids, skip_special_tokens=False) == "7<pad>"
+    assert tokenizer.batch_decode([ids[: ids.index(tokenizer.eos_token_id) + 1]], skip_special_tokens=True) == ["7"]
 
 
 def test_reward_function_paths_are_checked():
