@@ -1,7 +1,8 @@
-"""rlsys's modules import in layers: no module of rlsys/, actors/, rollout/ or weight_sync/ imports
-one that imports it back, directly or around a circle, counting imports inside functions and under
-TYPE_CHECKING (a circle hidden in a function is still two modules that cannot be read, moved or
-tested one without the other)."""
+"""What keeps rlsys's code readable, checked on every module of rlsys/, actors/, rollout/ and
+weight_sync/: modules import in layers (none imports one that imports it back, directly or around a
+circle, counting imports inside functions and under TYPE_CHECKING: a circle hidden in a function is
+still two modules that cannot be read, moved or tested one without the other), and no function is
+longer than a screen (MAX_FUNCTION_LINES)."""
 
 import ast
 from graphlib import CycleError, TopologicalSorter
@@ -9,6 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("rlsys", "actors", "rollout", "weight_sync")  # the last three are rlsys.<folder> when imported
+MAX_FUNCTION_LINES = 60  # a def's first line to its last, docstring and comments included
 
 
 def _modules() -> dict[str, Path]:
@@ -71,3 +73,14 @@ def test_a_circle_is_found():
         assert set(error.args[1]) == {"a", "b", "c"}
     else:
         raise AssertionError("the circle a -> b -> c -> a was not found")
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == [], f"split these (at most {MAX_FUNCTION_LINES} lines each): {long}"
