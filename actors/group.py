@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
 import ray
 
@@ -20,7 +21,7 @@ from rlsys.system.topology import Topology
 class TrainerHang(Exception):
     """Trainer ranks that did not answer a call within trainer.call_timeout_s (a rank stopped or
     deadlocked, the others waiting for it in a collective). `detail`: where each rank was
-    (rlsys/system/stacks.py), when the group's `on_hang` collected it."""
+    (rlsys/system/stacks.py), when the group's `events` collected it."""
 
     def __init__(self, what: str, ranks: list[int], timeout_s: float, detail: str = ""):
         self.what, self.ranks, self.timeout_s, self.detail = what, ranks, timeout_s, detail
@@ -28,24 +29,30 @@ class TrainerHang(Exception):
                          f"(trainer.call_timeout_s){': ' + detail if detail else ''}")
 
 
+class TrainerEvents(Protocol):
+    """What a TrainerGroup reports while it runs (a run's answers: rlsys/run/events.py)."""
+
+    def trainer_hung(self, what: str, ranks: list[int]) -> str:
+        """`ranks` did not finish `what` within trainer.call_timeout_s, before TrainerHang is raised;
+        returns where each rank was (the run collects every process's stacks)."""
+
+
 class TrainerGroup:
     def __init__(self, spec: TrainerSpec, num_ranks: int, actor_options: list[dict] | None = None,
                  env_vars: dict[str, str] | None = None, worker_cls: type = TrainerWorker,
                  judge_model: Callable[[ModelShape], None] | None = None, warm: list | None = None,
-                 keep: Callable[[], bool] | None = None):
+                 keep: Callable[[], bool] | None = None, events: TrainerEvents | None = None):
         """`judge_model`: called with the model's shapes rank 0 reports (`TrainerWorker.model_report`)
         before any rank builds its model (the run's memory plan); what it raises, or rank 0's refusal
         of the model (a ConfigError), stops the ranks and is raised here. `warm`: running ranks of a
         process group (a standing set's, actors/warm_ranks.py) that take `spec` instead of new
         ones. `keep`: whether `shutdown` leaves the ranks up, released, asked then (never after a call
-        to them failed); None: they are stopped."""
+        to them failed); None: they are stopped. `events`: told of a hang (`TrainerEvents`)."""
         self.spec = spec
         self.num_ranks = num_ranks
         self.asleep = False
         self.keep = keep
-        # Called with (what, ranks that did not answer) when a call passes trainer.call_timeout_s, before
-        # TrainerHang is raised; returns where each rank was (the coordinator collects the stacks).
-        self.on_hang: Callable[[str, list[int]], str] | None = None
+        self.events = events
         self.hung = False
         self.failed = False  # a call to the ranks raised: they may be anywhere in a collective
         if warm is not None:
@@ -108,7 +115,7 @@ class TrainerGroup:
         if pending:
             ranks = [calls.index(call) for call in pending]
             self.hung = True  # its ranks will not answer a shutdown either
-            detail = self.on_hang(what, ranks) if self.on_hang is not None else ""
+            detail = self.events.trainer_hung(what, ranks) if self.events is not None else ""
             raise TrainerHang(what, ranks, timeout_s, detail)
         return ray.get(calls)
 

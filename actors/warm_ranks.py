@@ -27,7 +27,7 @@ from pathlib import Path
 
 import ray
 
-from rlsys.actors.group import TrainerGroup
+from rlsys.actors.group import TrainerEvents, TrainerGroup
 from rlsys.actors.trainer import TrainerSpec
 from rlsys.model.shape import ModelShape
 from rlsys.rollout.standing import SERVICE_NAMESPACE, StandingSetGone, set_stands
@@ -128,7 +128,8 @@ def _kept_ranks(set_name: str, identity: WarmIdentity) -> list | None:
 
 
 def warm_trainer_group(set_name: str, spec: TrainerSpec, num_ranks: int, options: list[dict], env: dict[str, str],
-                       judge_model: Callable[[ModelShape], None] | None) -> TrainerGroup:
+                       judge_model: Callable[[ModelShape], None] | None,
+                       events: TrainerEvents | None = None) -> TrainerGroup:
     """The run's trainer group on the ranks standing set `set_name` keeps (started, and kept, if it
     keeps none that fit): released again, not stopped, when the run ends well."""
     import psutil
@@ -145,12 +146,14 @@ def warm_trainer_group(set_name: str, spec: TrainerSpec, num_ranks: int, options
     kept_while_it_stands = partial(set_stands, set_name)
     kept = _kept_ranks(set_name, identity)
     if kept is not None:
-        group = TrainerGroup(spec, num_ranks, warm=kept, judge_model=judge_model, keep=kept_while_it_stands)
+        group = TrainerGroup(spec, num_ranks, warm=kept, judge_model=judge_model, keep=kept_while_it_stands,
+                             events=events)
         logger.info("trainer: the %d warm rank(s) standing engines %r keep take this run's model", num_ranks, set_name)
     else:
         named = [{**options[rank], "name": rank_name(set_name, rank), "namespace": SERVICE_NAMESPACE,
                   "lifetime": "detached"} for rank in range(num_ranks)]
-        group = TrainerGroup(spec, num_ranks, named, env_vars=env, judge_model=judge_model, keep=kept_while_it_stands)
+        group = TrainerGroup(spec, num_ranks, named, env_vars=env, judge_model=judge_model, keep=kept_while_it_stands,
+                             events=events)
         ray.get([rank.keep_warm.remote(identity) for rank in group.workers])
     here, driver = node_address(), psutil.Process()
     ray.get([rank.serve.remote(os.getpid() if node == here else 0, start_key(driver), set_name)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Coroutine
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -93,13 +93,24 @@ def is_engine_death(error: BaseException) -> bool:
 RELAUNCHES_PER_RESTART = 3
 
 
+class EngineEvents(Protocol):
+    """What a RolloutManager reports while it runs (a run's answers: rlsys/run/events.py)."""
+
+    def engine_silent(self, index: int, why: str) -> None:
+        """Engine `index` stopped answering (`why`), before it is replaced."""
+
+    def engine_restarted(self, index: int) -> None:
+        """Engine `index` is back: bring it to the current weights and version before its
+        unfinished requests are issued again."""
+
+
 class RolloutManager:
     """The engines behind one call. A dead engine is restarted in its placement slot (at most
-    `max_restarts` times over the run); `on_restart(index)`, set by the coordinator, brings it to
-    the current weights and version before its unfinished requests are issued again."""
+    `max_restarts` times over the run) and reported to `events` (`EngineEvents`)."""
 
     def __init__(self, spec: ServerSpec, num_engines: int, log_dir: str, actor_options: list[dict],
-                 standing: StandingRecord | None = None, hangs_dir: str | None = None):
+                 standing: StandingRecord | None = None, hangs_dir: str | None = None,
+                 events: EngineEvents | None = None):
         self.spec = spec
         self.log_dir = log_dir
         self.hangs_dir = hangs_dir  # a silent engine's stacks go there before it is stopped
@@ -110,10 +121,7 @@ class RolloutManager:
         self.restarts = 0
         self.launched_after = [0] * num_engines  # per slot: self.restarts when its engine was started
         self.vocab_size = model_vocab_size(spec.model.path)
-        self.on_restart: Callable[[int], None] | None = None
-        # Called with (index, why) before an engine that stopped answering is replaced (the
-        # coordinator reads the other processes' stacks then: rlsys/run/hangs.py).
-        self.on_silent: Callable[[int, str], None] | None = None
+        self.events = events
         if standing is None:
             self.engines = [self._launch(index) for index in range(num_engines)]
             # Servers start in the background; call wait_ready() before using them.
@@ -405,7 +413,7 @@ class RolloutManager:
         self.restart(index, f"{getattr(error, 'cause', None) or error}")
 
     def restart(self, index: int, reason: str) -> None:
-        """A fresh engine in the dead one's slot, then `on_restart(index)`."""
+        """A fresh engine in the dead one's slot, then `events.engine_restarted(index)`."""
         if self.standing is not None and not set_stands(self.standing.name):
             raise self._set_gone(index)  # `rlsys engines down --force` under this run: nothing to restart in
         if self.restarts >= self.max_restarts:
@@ -417,15 +425,15 @@ class RolloutManager:
         silent = self._silence(index)
         logger.warning("engine-%d died; restarting it (%d of %d): %s%s", index, self.restarts + 1, self.max_restarts,
                        node, f"stopped after {silent}" if silent else reason.splitlines()[0] if reason else "")
-        if silent and self.on_silent is not None:
-            self.on_silent(index, silent)
+        if silent and self.events is not None:
+            self.events.engine_silent(index, silent)
         self.restarts += 1
         self.launched_after[index] = self.restarts
         self.stop_engine(self.engines[index])
         self.addresses[index] = self._relaunch(index)
         logger.info("engine-%d is back, on node %s", index, self.addresses[index].host)
-        if self.on_restart is not None:
-            self.on_restart(index)
+        if self.events is not None:
+            self.events.engine_restarted(index)
 
     def _silence(self, index: int) -> str | None:
         """Why engine `index`'s watchdog stopped its server (it stopped answering), if it did."""
@@ -521,7 +529,7 @@ class RolloutManager:
 
     def _on_every_engine(self, method: str, *args) -> list:
         """`method` on every engine; an engine found dead is restarted (brought up to date by
-        `on_restart`) and asked again."""
+        `events.engine_restarted`) and asked again."""
         calls = [getattr(engine, method).remote(*args) for engine in self.engines]
         answers = []
         for index, call in enumerate(calls):

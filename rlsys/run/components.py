@@ -25,8 +25,8 @@ from rlsys.rollout.manager import RolloutManager
 from rlsys.run.attach import attach
 from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
 from rlsys.run.engine_spec import server_spec
+from rlsys.run.events import RunEvents
 from rlsys.run.handoff import ALL_REGIONS, DeviceHandoff
-from rlsys.run.hangs import HangReporter
 from rlsys.run.placement_checks import (
     judge_memory_plan,
     probe_placement_nodes,
@@ -47,7 +47,7 @@ class Components:
     trainer: TrainerGroup | None = None
     handoff: DeviceHandoff | None = None
     cpu_sharers: tuple[int, int] = (1, 1)  # (trainer, engine): Topology.cpu_sharers on this placement
-    hangs: HangReporter | None = None  # set by the coordinator: stacks of every process on a hang
+    events: RunEvents | None = None  # what the components report to (hangs, restarts), given to each at construction
 
     def shutdown(self) -> None:
         """Stop whatever has started: engines, then trainer ranks, then the placement group."""
@@ -58,16 +58,17 @@ class Components:
         self.placement.remove()
 
 
-def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack: ExitStack) -> Components:
+def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack: ExitStack,
+                     events: RunEvents | None = None) -> Components:
     """Engines start in the background while the trainer ranks build their models (on GPUs,
     colocated, the engines first: `Topology.engines_start_first`); then each rank is connected to
-    the engine(s) it feeds. `stack` stops them, whatever happens."""
+    the engine(s) it feeds. `stack` stops them, whatever happens. `events`: what they report to."""
     start = time.perf_counter()
     attached = None
     if config.rollout.attach:  # standing engines: checked and leased before any trainer starts
         attached = attach(config, topology, run_dir, "train")
         stack.callback(attached.lease.release)  # after the components stop (the engines are left ready first)
-    parts = Components(topology, attached.placement if attached else create_placement(topology))
+    parts = Components(topology, attached.placement if attached else create_placement(topology), events=events)
     stack.callback(parts.shutdown)
     # Before any trainer or engine starts; the memory plan, on rank 0's reading of the model, before
     # the ranks build it (`_trainer_group`).
@@ -80,7 +81,7 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     server = server_spec(config, topology, parts.cpu_sharers[1])
     parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
                                    parts.placement.engine_options(), standing=attached.record if attached else None,
-                                   hangs_dir=str(run_dir / "hangs"))
+                                   hangs_dir=str(run_dir / "hangs"), events=events)
     if topology.engines_start_first:
         parts.rollout.wait_ready()
     parts.trainer = _trainer_group(config, parts, partial(judge_memory_plan, config, topology, nodes))
@@ -102,14 +103,10 @@ def _trainer_group(config: RunConfig, parts: Components,
     spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
     standing = parts.rollout.standing if parts.rollout is not None else None
     if standing is not None and standing.warm_trainers:  # the ranks the set keeps (actors/warm_ranks.py)
-        group = warm_trainer_group(standing.name, spec, parts.topology.num_ranks, parts.placement.trainer_options(),
-                                   trainer_env(config), judge_model)
-    else:
-        group = TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(),
-                             env_vars=trainer_env(config), judge_model=judge_model)
-    if parts.hangs is not None:
-        group.on_hang = parts.hangs.on_trainer_hang
-    return group
+        return warm_trainer_group(standing.name, spec, parts.topology.num_ranks, parts.placement.trainer_options(),
+                                  trainer_env(config), judge_model, parts.events)
+    return TrainerGroup(spec, parts.topology.num_ranks, parts.placement.trainer_options(),
+                        env_vars=trainer_env(config), judge_model=judge_model, events=parts.events)
 
 
 def trainer_env(config: RunConfig) -> dict[str, str]:
@@ -143,10 +140,10 @@ def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> d
     try:
         return push_weights(config, parts, weight_version)
     except RayError as error:
-        if parts.hangs is not None:  # where every process was, before a stuck engine is stopped and restarted
+        if parts.events is not None:  # where every process was, before a stuck engine is stopped and restarted
             cause = str(getattr(error, "cause", None) or error).strip().splitlines()
-            parts.hangs.collect_safely(f"weight sync to version {weight_version} failed: "
-                                       f"{cause[-1] if cause else error}")
+            parts.events.collect_stacks(f"weight sync to version {weight_version} failed: "
+                                        f"{cause[-1] if cause else error}")
         dead = parts.rollout.dead_engines()
         if not dead:
             raise

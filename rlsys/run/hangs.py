@@ -70,7 +70,7 @@ class HangReporter:
                 "processes": [{**asdict(s), "summary": s.describe()} for s in found]}
 
     def on_trainer_hang(self, what: str, ranks: list[int]) -> str:
-        """TrainerGroup.on_hang: dump, then say where each rank is (the failure line's detail)."""
+        """A trainer hang (RunEvents.trainer_hung): dump, then say where each rank is (the failure line's detail)."""
         try:
             out, found = self.collect(f"trainer rank(s) {', '.join(map(str, ranks))} did not finish {what}")
         except Exception as error:  # noqa: BLE001 - the dump must never hide the hang itself

@@ -39,6 +39,7 @@ from rlsys.run.components import (
 )
 from rlsys.run.coordinator import train_loop
 from rlsys.run.evaluation import Evaluator
+from rlsys.run.events import RunEvents
 from rlsys.run.generation import SampleMaker
 from rlsys.run.hangs import HangReporter
 from rlsys.run.partial_rollouts import PartialRollouts
@@ -195,14 +196,14 @@ def _open_run_dir(config: RunConfig, run_dir: Path, resuming: bool) -> tuple[Run
         raise
 
 
-def _report_hangs(parts: Components, status: RunStatus, stack: ExitStack, next_step) -> None:
-    """Every process's stacks (rlsys/run/hangs.py) on a trainer hang, a silent engine, or a request
-    through the status API (until the processes it reads stop)."""
-    parts.hangs = HangReporter(Path(status.run_dir), parts, next_step, status)
-    parts.trainer.on_hang = parts.hangs.on_trainer_hang
-    status.stacks_provider = parts.hangs.on_request
-    parts.rollout.on_silent = lambda index, why: parts.hangs.collect_safely(f"engine-{index} stopped after {why}")
-    stack.callback(setattr, status, "stacks_provider", None)
+def _answer_events(config: RunConfig, run: Run, events: RunEvents, stack: ExitStack) -> None:
+    """What the components report, answered by the run: every process's stacks (rlsys/run/hangs.py)
+    on a trainer hang, a silent engine or a failed sync, and on a request through the status API
+    (until the processes it reads stop); a restarted engine brought to the trainer's weights."""
+    hangs = HangReporter(Path(run.status.run_dir), run.parts, lambda: run.state.next_step, run.status)
+    events.follow(hangs, lambda index: bring_engines_up_to_date(config, run.parts, run.trainer_version))
+    run.status.stacks_provider = hangs.on_request
+    stack.callback(setattr, run.status, "stacks_provider", None)
 
 
 def _join_ray_cluster(config: RunConfig, layout: Topology, stack: ExitStack) -> None:
@@ -269,12 +270,12 @@ def run(config: RunConfig) -> Path:
         logger.info("rewards from %s", _describe_rewards(config))
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
-        parts = start_components(config, topology, run_dir, stack)
+        events = RunEvents()
+        parts = start_components(config, topology, run_dir, stack, events)
         evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
         stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own
         run = _new_run(config, assets, parts, status, log, store, evaluator, rewards, trackers, maker)
-        _report_hangs(parts, status, stack, next_step=lambda: run.state.next_step)
-        parts.rollout.on_restart = lambda index: bring_engines_up_to_date(config, parts, run.trainer_version)
+        _answer_events(config, run, events, stack)
         sync_start = time.perf_counter()
         run.continue_from(checkpoint)
         logger.info("engines hold the trainer's weights (version %d) after %.1f s", run.state.weight_version,

@@ -32,7 +32,7 @@ def _started(count: int) -> list:
 def _group(timeout_s):
     group = TrainerGroup.__new__(TrainerGroup)  # the bound's logic alone: no model, no process group
     group.spec = SimpleNamespace(trainer=SimpleNamespace(call_timeout_s=timeout_s))
-    group.on_hang, group.hung, group.workers = None, False, []
+    group.events, group.hung, group.workers = None, False, []
     return group
 
 
@@ -40,7 +40,7 @@ def test_ranks_past_the_bound_are_named_after_the_hang_hook_ran(ray_cluster):
     ranks = _started(3)
     group = _group(2.0)  # a started rank answers `answer(0)` in milliseconds
     seen = []
-    group.on_hang = lambda what, stuck: seen.append((what, stuck)) or "rank 2 stopped"
+    group.events = SimpleNamespace(trainer_hung=lambda what, stuck: seen.append((what, stuck)) or "rank 2 stopped")
     with pytest.raises(TrainerHang) as caught:
         group._wait([ranks[0].answer.remote(0), ranks[1].answer.remote(60), ranks[2].answer.remote(60)], "train_step")
     assert seen == [("train_step", [1, 2])] and caught.value.ranks == [1, 2] and group.hung
@@ -53,7 +53,7 @@ def test_ranks_past_the_bound_are_named_after_the_hang_hook_ran(ray_cluster):
 def test_a_failed_rank_is_its_own_error_not_a_hang(ray_cluster):
     ranks = _started(2)
     group = _group(600.0)
-    group.on_hang = lambda what, stuck: pytest.fail("a failure is not a hang")
+    group.events = SimpleNamespace(trainer_hung=lambda what, stuck: pytest.fail("a failure is not a hang"))
     with pytest.raises(ray.exceptions.RayTaskError, match="this rank's own error"):
         group._wait([ranks[0].answer.remote(600), ranks[1].answer.remote(0, fail=True)], "train_step")
     assert not group.hung

@@ -89,7 +89,7 @@ def _manager(engines: list[StandInEngine]) -> RolloutManager:
     manager = object.__new__(RolloutManager)
     manager.engines, manager.vocab_size = engines, 1000
     manager.max_restarts, manager.restarts, manager.launched_after = 2, 0, [0] * len(engines)
-    manager.addresses, manager.on_restart = [], None
+    manager.addresses, manager.events = [], None
     manager._loop, manager.dispatcher = LoopThread(), Dispatcher(len(engines))
     return manager
 
