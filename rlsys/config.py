@@ -104,7 +104,8 @@ class DataConfig(_Section):
     eval_path: str | None = Field(
         None, description="Held-out eval prompts, in train_path's formats (their prompts are removed from train).",
     )
-    prompt_key: str = Field("prompt", description="The field (column) holding the prompt text.")
+    prompt_key: str = Field("prompt", description="The field (column) holding the prompt: text, or a list of chat "
+                            "messages (docs/bring-your-own-task.md, conversational prompts).")
     label_key: str = Field("label", description="The field holding the label the reward function gets.")
     metadata_keys: list[str] = Field(default_factory=list, description="Fields passed to the reward as metadata.")
     image_key: str | None = Field(

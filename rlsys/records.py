@@ -27,6 +27,10 @@ class PromptRecord:
     metadata: dict = field(default_factory=dict)
     # A vision-language prompt's images, as stored (PNG, JPEG, ... bytes: rlsys/multimodal/images.py)
     images: tuple[bytes, ...] = ()
+    # A conversational prompt's messages (rlsys/data/conversations.py), rendered by the chat template,
+    # each image part {"type": "image"} where it stands (its bytes in `images`, in order); `prompt` is
+    # then the last user turn's text. Empty: `prompt` is the prompt.
+    messages: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ def _sample_to_json(sample: Generation) -> dict:
 def group_from_json(data: dict) -> GroupInFlight:
     import numpy as np
 
-    record = {**data["prompt"], "images": tuple(base64.b64decode(image) for image in data["prompt"].get("images", ()))}
+    record = {**data["prompt"], "images": tuple(base64.b64decode(image) for image in data["prompt"].get("images", ())),
+              "messages": tuple(data["prompt"].get("messages", ()))}
     prompt = EncodedPrompt(PromptRecord(**record), list(data["token_ids"]), data.get("seed"))  # (older: no seed)
     samples = [None if s is None else Generation(**{**s, "routes": None if s.get("routes") is None else
                                                     np.asarray(s["routes"], dtype=np.int16)})

@@ -1,9 +1,10 @@
 """Prompt datasets: a file or a built-in synthetic task, split into train and eval.
 
 A row maps to `PromptRecord(prompt, label, metadata, images)` through `data.prompt_key` (default
-"prompt"), `data.label_key` ("label"), `data.metadata_keys` (columns gathered into metadata;
-a `metadata` object field is kept too) and `data.image_key` (a vision-language model's images:
-rlsys/multimodal/images.py; unset, a row has none). Formats, by path:
+"prompt": a string, or a list of chat messages whose parts may hold images,
+rlsys/data/conversations.py), `data.label_key` ("label"), `data.metadata_keys` (columns gathered into
+metadata; a `metadata` object field is kept too) and `data.image_key` (a vision-language model's
+images beside a string prompt: rlsys/multimodal/images.py; unset, a row has none). Formats, by path:
 - `.jsonl`: one JSON object per line; a field that is not mapped is an error (a typo, most likely);
 - `.parquet` and `.csv`: read with pyarrow (a CSV's values as the strings written: `007` stays `007`);
 - `.json`: a JSON array of objects, or JSON lines;
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlsys.config import DataConfig
+from rlsys.data.conversations import ConversationError, read_conversation
 from rlsys.data.tasks import generate_task
 from rlsys.errors import UserError
 from rlsys.multimodal.images import ImageError, read_images
@@ -86,9 +88,15 @@ def record_from_row(row: dict, where: str, columns: Columns, refuse_unknown: boo
         if unknown:
             raise DatasetError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {', '.join(sorted(allowed))} "
                                "(data.prompt_key, data.label_key, data.metadata_keys map others)")
-    prompt = row.get(columns.prompt)
-    if not isinstance(prompt, str) or not prompt:
-        raise DatasetError(f"{where}: {columns.prompt!r} must be a non-empty string, got {prompt!r}")
+    prompt, messages, images = row.get(columns.prompt), (), ()
+    if isinstance(prompt, list):  # chat messages (rlsys/data/conversations.py)
+        try:
+            messages, images, prompt = read_conversation(prompt, base_dir)
+        except ConversationError as error:
+            raise DatasetError(f"{where}: {columns.prompt!r}{error}") from None
+    elif not isinstance(prompt, str) or not prompt:
+        raise DatasetError(f"{where}: {columns.prompt!r} must be a non-empty string or a list of chat messages, "
+                           f"got {prompt!r}")
     if columns.label not in row:
         raise DatasetError(f"{where}: missing {columns.label!r}")
     label = row[columns.label]
@@ -103,13 +111,15 @@ def record_from_row(row: dict, where: str, columns: Columns, refuse_unknown: boo
         raise DatasetError(f"{where}: missing metadata field(s) {missing}: neither a column nor in the row's "
                            "metadata object (data.metadata_keys, eval.datasets[].metadata_keys)")
     metadata = {**metadata, **{key: row[key] for key in columns.metadata if key in row}}
-    images = ()
-    if columns.images is not None:
+    if columns.images is not None and row.get(columns.images) is not None:
+        if messages:
+            raise DatasetError(f"{where}: {columns.images!r} beside a conversational {columns.prompt!r}: put each "
+                               "image in its message as an image part, where the model is to see it")
         try:
             images = read_images(row.get(columns.images), base_dir)
         except ImageError as error:
             raise DatasetError(f"{where}: {columns.images!r}{error}") from None
-    return PromptRecord(prompt=prompt, label=str(label), metadata=metadata, images=images)
+    return PromptRecord(prompt=prompt, label=str(label), metadata=metadata, images=images, messages=messages)
 
 
 def read_jsonl(path: str | Path, skip_invalid: bool = False, columns: Columns = Columns(),
@@ -315,6 +325,11 @@ class PromptSplits:
     skipped_rows: int = 0
 
 
+def _asked(record: PromptRecord) -> str:
+    """What a prompt asks, to tell eval prompts in train: its text, or its whole conversation."""
+    return json.dumps(record.messages, sort_keys=True) if record.messages else record.prompt
+
+
 def load_splits(config: DataConfig, seed: int) -> PromptSplits:
     if config.synthetic is not None:
         train, eval_ = ([PromptRecord(e.prompt, e.label, {"task": e.task}, e.images) for e in split]
@@ -332,8 +347,8 @@ def load_splits(config: DataConfig, seed: int) -> PromptSplits:
         eval_, train = shuffled[:n_eval], shuffled[n_eval:]
     else:
         eval_ = []
-    eval_prompts = {record.prompt for record in eval_}
-    train = [record for record in train if record.prompt not in eval_prompts]
+    eval_prompts = {_asked(record) for record in eval_}
+    train = [record for record in train if _asked(record) not in eval_prompts]
     if not train:
         raise DatasetError("no training prompts are left after removing those in the eval split")
     return PromptSplits(train=train, eval=eval_, skipped_rows=skipped)

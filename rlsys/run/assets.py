@@ -48,12 +48,17 @@ def _encode(tokenizer, record: PromptRecord, chat: bool, system_prompt: str | No
     """A prompt's token ids. With images, each is one placeholder (`image_placeholder`: Qwen2.5-VL's
     vision start, image pad and vision end) that the engine expands to the image's tokens: where the
     chat template puts an image part (before the text, as Qwen's processor examples do), else before
-    the prompt's own ids."""
-    if chat:
+    the prompt's own ids. A conversational prompt (`record.messages`) is rendered by the chat template
+    whatever `chat` says (its images where their parts stand); data.system_prompt goes first unless
+    it has a system turn of its own."""
+    if chat or record.messages:
         messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-        content = record.prompt if not record.images else \
-            [{"type": "image"} for _ in record.images] + [{"type": "text", "text": record.prompt}]
-        messages.append({"role": "user", "content": content})
+        if record.messages:
+            messages = [*(messages if record.messages[0]["role"] != "system" else []), *record.messages]
+        else:
+            content = record.prompt if not record.images else \
+                [{"type": "image"} for _ in record.images] + [{"type": "text", "text": record.prompt}]
+            messages.append({"role": "user", "content": content})
         # Rendered to text, then tokenised without added special tokens (the template holds them
         # all): the same ids whatever apply_chat_template(tokenize=True) returns in a given version.
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -157,6 +162,7 @@ def load_assets(config: RunConfig) -> RunAssets:
         if eval_set.reward_function:
             load_reward_function(eval_set.reward_function, f"eval.datasets[{eval_set.name}].reward_function")
     splits = load_splits(config.data, config.seed)
+    _refuse_conversation_images(config, splits.train + splits.eval)
     budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
     if budget < 1:
         raise ConfigError(
@@ -177,6 +183,23 @@ def load_assets(config: RunConfig) -> RunAssets:
         stop_token_ids=_stop_token_ids(config, tokenizer),
         skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval, eval_sets=eval_sets,
     )
+
+
+def _refuse_conversation_images(config: RunConfig, records: list[PromptRecord]) -> None:
+    """Images in chat messages' parts (known only once the data is read, where data.image_key is known
+    from the config) refused where config-level images are: a model without a vision tower, partial
+    rollouts, a generate function."""
+    with_images = next((r for r in records if r.images and r.messages), None)
+    if with_images is None:
+        return
+    named = f"prompt {with_images.prompt[:60]!r} has image parts in its messages"
+    if "vision_config" not in read_model_config(config.model.path):
+        raise ConfigError(f"invalid data: {named}, but model.path {config.model.path} is not a vision-language "
+                          "model (its config.json has no vision_config); point model.path at one")
+    if config.rollout.partial_rollouts or config.rollout.generate_function:
+        option = "rollout.partial_rollouts" if config.rollout.partial_rollouts else "rollout.generate_function"
+        raise ConfigError(f"invalid config: {option} with images is not supported yet ({named}): the engine would get "
+                          "the prompt's token ids without its images")
 
 
 def _check_the_model(config: RunConfig, model_dir: Path) -> None:
@@ -238,6 +261,11 @@ def _encode_fitting(config: RunConfig, tokenizer, records: list[PromptRecord],
     """The records encoded (chat template, system prompt), those of 1 to `budget` tokens kept (a
     prompt's images counted at the tokens the engine expands them to); and how many were not."""
     data = config.data
+    conversational = next((r for r in records if r.messages), None)
+    if conversational is not None and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"invalid data: prompt {conversational.prompt[:60]!r} is a list of chat messages, but the "
+                          f"tokenizer of {config.model.tokenizer_dir} has no chat template to "
+                          "render them with; give prompts as text, or a tokenizer with a chat template")
     images = _ImageTokens.of(config) if any(r.images for r in records) else None
     placeholder = images.placeholder if images is not None else None
     encoded = [EncodedPrompt(r, _encode(tokenizer, r, data.apply_chat_template, data.system_prompt, placeholder))
@@ -275,6 +303,7 @@ class _ImageTokens:
 def _eval_set_assets(config: RunConfig, tokenizer, eval_set: EvalSetConfig) -> EvalSetAssets:
     """An eval set's prompts that fit with its own max_new_tokens; refused when none does."""
     records, skipped = _read_eval_set(config, eval_set)
+    _refuse_conversation_images(config, records)
     budget = config.rollout.engine.context_length - (eval_set.max_new_tokens or config.rollout.max_new_tokens)
     kept, too_long = _encode_fitting(config, tokenizer, records, budget)
     if not kept:
