@@ -14,7 +14,7 @@ In table formats, columns that are not mapped are ignored (published datasets ca
 format gets the same row checks, and an error names the file and row (or line); a row that cannot be
 read (not UTF-8, not JSON, the wrong number of CSV fields) is one bad row, skipped and counted with
 `data.skip_invalid_rows` like any other. The eval split is never trained on: rows whose prompt
-appears in eval are removed from train.
+(text or messages, and images) appears in eval are removed from train.
 """
 
 from __future__ import annotations
@@ -325,9 +325,13 @@ class PromptSplits:
     skipped_rows: int = 0
 
 
-def _asked(record: PromptRecord) -> str:
-    """What a prompt asks, to tell eval prompts in train: its text, or its whole conversation."""
-    return json.dumps(record.messages, sort_keys=True) if record.messages else record.prompt
+def _asked(record: PromptRecord) -> tuple:
+    """What a prompt asks, to tell eval prompts in train: its text or its whole conversation, and its
+    images (a vision-language task's prompts are often one text, "color?", told apart by the image)."""
+    import hashlib
+
+    text = json.dumps(record.messages, sort_keys=True) if record.messages else record.prompt
+    return text, tuple(hashlib.sha256(image).hexdigest() for image in record.images)
 
 
 def load_splits(config: DataConfig, seed: int) -> PromptSplits:

@@ -159,3 +159,42 @@ def _expanded(ids: list[int], image_token: int, grid) -> list[int]:
     """The placeholder as the processor expands it: one token per 2 x 2 merged patches."""
     at = ids.index(image_token)
     return ids[:at] + [image_token] * int(grid[0].prod() // 4) + ids[at + 1:]
+
+
+def test_a_run_on_conversational_prompts_sees_each_image_where_its_message_puts_it(
+        tmp_path, vlm_model, ray_address, vlm_engines):
+    """A dataset of chat messages with image parts (a file path, a data: URI), rendered by the chat
+    template (rlsys/data/conversations.py), on the module's standing engines: two steps where the
+    engine's and the trainer's log-probs of every sampled token agree (the image in the same place
+    and expanded alike on both sides), and the shown samples carry their images."""
+    import base64
+
+    from rlsys.config import SyntheticTaskConfig
+    from rlsys.data.tasks import generate_task
+
+    train, eval_ = generate_task(SyntheticTaskConfig(task="square_color", num_train=16, num_eval=8))
+    (tmp_path / "img").mkdir()
+
+    def row(index: int, example) -> dict:
+        if index % 2:
+            image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                        + base64.b64encode(example.images[0]).decode()}}
+        else:
+            (tmp_path / "img" / f"{index}.png").write_bytes(example.images[0])
+            image = {"type": "image", "image": f"img/{index}.png"}
+        return {"prompt": [{"role": "user", "content": [image, {"type": "text", "text": example.prompt}]}],
+                "label": example.label}
+
+    for name, examples in (("train", train), ("eval", eval_)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row(i, e)) + "\n" for i, e in enumerate(examples)))
+    run_dir = tmp_path / "run"
+    result = subprocess.run(train_command("quickstart_vlm.yaml", vlm_model, run_dir, "data.synthetic=null",
+                                          f"data.train_path={tmp_path / 'train.jsonl'}",
+                                          f"data.eval_path={tmp_path / 'eval.jsonl'}", "data.prompts_per_step=8",
+                                          "trainer.total_steps=2", "eval.interval=100", ray_address, vlm_engines),
+                            cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and all(r["logprob_mismatch"] < 1e-5 for r in rows)
+    shown = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert shown and all(s["prompt"] == "color?" and len(s["images"]) == 1 for s in shown)

@@ -109,3 +109,20 @@ def test_a_partial_rollouts_checkpoint_keeps_a_prompts_images():
     assert restored.prompt == group.prompt
     plain = GroupInFlight.new(EncodedPrompt(PromptRecord("7", "7"), [5]), 1)
     assert group_from_json(json.loads(json.dumps(group_to_json(plain)))).prompt == plain.prompt
+
+
+def test_eval_prompts_are_told_from_train_ones_by_their_images_too(pictures):
+    """A vision-language task's prompts often share one text ("color?"): a train row is dropped as
+    an eval prompt only when its images are the eval row's too."""
+    from rlsys.config import DataConfig
+    from rlsys.data.datasets import load_splits
+
+    blue, green = base64.b64encode(png_bytes((0, 0, 255))).decode(), base64.b64encode(png_bytes((0, 255, 0))).decode()
+    rows = [{"prompt": "color?", "label": "r", "images": "img/red.png"},
+            {"prompt": "color?", "label": "b", "images": blue},
+            {"prompt": "color?", "label": "g", "images": green}]
+    (pictures / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (pictures / "eval.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    splits = load_splits(DataConfig(train_path=str(pictures / "train.jsonl"), eval_path=str(pictures / "eval.jsonl"),
+                                    image_key="images"), seed=0)
+    assert sorted(r.label for r in splits.train) == ["g", "r"] and [r.label for r in splits.eval] == ["b"]
