@@ -23,8 +23,8 @@ the command to the end of its first step (median over rounds). `--rounds` (defau
 in ABBA order, so a machine whose speed drifts weighs on both sides alike.
 
 `--learning` measures learning rather than speed: each side trains from `--seeds` seeds (default 3)
-for up to `--max-steps` steps, evaluating every 10 steps greedily on the same 100 held-out prompts
-with the same reward (rlsys: its own eval; TRL: a callback that decodes greedily with
+for up to `--max-steps` steps, evaluating every `--eval-interval` steps (default 10) greedily on the
+same 100 held-out prompts with the same reward (rlsys: its own eval; TRL: a callback that decodes greedily with
 `model.generate` and stops the run once the target is reached). `--task`:
 - `copy_eos` (default): the answer is the prompt's last digit ("4 7 2>" -> "2") and then the end of
   the answer. Reward: half for the right digit first, the other half only when the response is
@@ -32,8 +32,13 @@ with the same reward (rlsys: its own eval; TRL: a callback that decodes greedily
   model is first taught the digit and not to stop (`teach_answers`: greedy eval 0.5 at step 0,
   EOS ~0.6% after the digit), so the run measures how fast RL learns to end an answer: greedy eval
   0.9 needs EOS to rise past every digit. lr 5e-4, at most 4 new tokens.
+- `copy3_eos`: the answer is the prompt's three digits ("4 7 2>" -> "472"), three tokens, and it
+  counts only when the response ends there: reward 1 for exactly the label, else 0. The same model,
+  taught the answers and, after them, EOS at 1% (each digit 6%): greedy eval 0 at step 0, and a
+  sampled answer ends right about 1% of the time, so most groups start with no success at all.
+  lr 2e-4 (the hidden task's), at most 6 new tokens.
 - `last_digit`: the quickstart's one-token answers on its 134 k-parameter model, lr 5e-4.
-Both: 8 prompts x 8 samples, temperature 1, constant lr, grad clip 1, no KL. Keys under `learning`:
+All: 8 prompts x 8 samples, temperature 1, constant lr, grad clip 1, no KL. Keys under `learning`:
 each side's steps to `--target` eval reward per seed (null: not reached), their median, min and max,
 `rlsys_over_trl_steps` (ratio of the medians), the eval curves and response lengths per seed.
 `--save-rollouts DIR` keeps every run's batches (DIR/<side>-seed<N>/step_NNNNNN.jsonl) for
@@ -102,7 +107,7 @@ SHAPES = {
                            steps=7, warmup_steps=2),
     "overhead_bound": Shape("overhead_bound", 64, 2, 4, 2, 256, max_new_tokens=4, force_length=False,
                             steps=25, warmup_steps=5),
-    # --learning --task copy_eos: 0.3 M parameters, answers that must end
+    # --learning --task copy_eos: the quickstart's 134 k-parameter model, answers that must end
     "copy_eos": Shape("copy_eos", 64, 2, 4, 2, 256, max_new_tokens=4, force_length=False, steps=400,
                       warmup_steps=0, lr=5e-4),
     # --learning --task copy3_eos: the same model, three-token answers that count only when they end
@@ -111,7 +116,7 @@ SHAPES = {
                        warmup_steps=0, lr=2e-4),
 }
 TEACH_STEPS = 300
-COPY3_EOS_SHARE = 0.03
+COPY3_EOS_SHARE = 0.01
 
 
 def teach_answers(model_dir: Path, rows: list[dict], steps: int = 150, eos_share: float | None = None,
@@ -311,7 +316,7 @@ def bench_shape(shape: Shape, root: Path, rounds: int) -> tuple[dict, dict]:
 
 def steps_to_target(steps: list[dict], target: float) -> int | None:
     """Optimizer updates before the first eval that reaches the target (both sides evaluate after
-    0 (rlsys only), 10, 20, ... updates)."""
+    0 (rlsys only), then every eval interval)."""
     for step in steps:
         if step.get("eval_reward_mean") is not None and step["eval_reward_mean"] >= target:
             return step["updates"]
@@ -320,12 +325,13 @@ def steps_to_target(steps: list[dict], target: float) -> int | None:
 
 def bench_learning(root: Path, task: str, seeds: int, max_steps: int, target: float,
                    save_rollouts: Path | None, first_seed: int = 0, sides: tuple[str, ...] = ("trl", "rlsys"),
-                   rlsys_ranks: int = 1) -> dict:
-    """Steps to the target eval reward, per seed and side, on the task's shape."""
+                   rlsys_ranks: int = 1, eval_interval: int = 10) -> dict:
+    """Steps to the target eval reward, per seed and side, on the task's shape, both sides evaluating
+    every `eval_interval` updates."""
     shape = SHAPES[task if task in SHAPES else "overhead_bound"]
     work_dir = root / "learning"
     work_dir.mkdir(parents=True)
-    base = build_workload(shape, work_dir) | {"steps": max_steps, "eval_interval": 10, "target": target,
+    base = build_workload(shape, work_dir) | {"steps": max_steps, "eval_interval": eval_interval, "target": target,
                                               "rlsys_ranks": rlsys_ranks}
     reached: dict[str, list[int | None]] = {"trl": [], "rlsys": []}
     curves: dict[str, list[list]] = {"trl": [], "rlsys": []}
@@ -344,7 +350,7 @@ def bench_learning(root: Path, task: str, seeds: int, max_steps: int, target: fl
                                   if s.get("response_len_mean") is not None and s["sampled_after"] % 10 == 0])
             print(f"{side} seed {seed}: steps to {target}: {reached[side][-1]}", file=sys.stderr, flush=True)
     result: dict = {"task": task, "rlsys_ranks": rlsys_ranks,
-                    "target_eval_reward": target, "max_steps": max_steps, "eval_interval": 10,
+                    "target_eval_reward": target, "max_steps": max_steps, "eval_interval": eval_interval,
                     "eval_prompts": EVAL_PROMPTS, "seeds": list(range(first_seed, first_seed + seeds)), "lr": shape.lr,
                     "max_new_tokens": shape.max_new_tokens, "model": {"hidden_size": shape.hidden_size,
                                                                       "num_layers": shape.num_layers}}
@@ -396,6 +402,7 @@ def main() -> None:
     parser.add_argument("--sides", default="trl,rlsys", help="--learning: which sides run (e.g. rlsys alone)")
     parser.add_argument("--rlsys-ranks", type=int, default=1, help="--learning: rlsys's trainer.num_ranks")
     parser.add_argument("--max-steps", type=int, default=500)
+    parser.add_argument("--eval-interval", type=int, default=10, help="--learning: updates between greedy evals")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--task", choices=["copy_eos", "copy3_eos", "last_digit"], default="copy_eos")
     parser.add_argument("--save-rollouts", type=Path, help="keep every learning run's batches here")
@@ -406,7 +413,7 @@ def main() -> None:
         if args.learning:
             learning = bench_learning(Path(root), args.task, args.seeds, args.max_steps, args.target,
                                       args.save_rollouts.resolve() if args.save_rollouts else None, args.first_seed,
-                                      tuple(args.sides.split(",")), args.rlsys_ranks)
+                                      tuple(args.sides.split(",")), args.rlsys_ranks, args.eval_interval)
             result = {"machine": result["machine"], "learning": learning}
             if args.plot:
                 plot_learning(learning, args.plot)
