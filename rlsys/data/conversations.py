@@ -61,8 +61,9 @@ def _part(part, where: str, base_dir: Path | None, images: list[bytes]) -> dict:
         source = part.get(kind)
         if kind == "image_url" and isinstance(source, dict):
             source = source.get("url")
-        if source is None:
-            raise ConversationError(f"{where}: an {kind} part needs its {kind!r} field")
+        if source is None or isinstance(source, list | tuple):
+            raise ConversationError(f"{where}: an {kind} part holds one image in its {kind!r} field "
+                                    f"(several images: one part each), got {_shown(source)}")
         try:
             images.extend(read_images(source, base_dir))
         except ImageError as error:

@@ -103,6 +103,8 @@ def test_parquet_rows_hold_messages_as_lists_of_structs(tmp_path):
     ([{"role": "user", "content": [{"type": "audio"}]}], r"'prompt'\[0\]\.content\[0\]: a part is"),
     ([{"role": "user", "content": [{"type": "image", "image": "missing.png"}]}],
      r"'prompt'\[0\]\.content\[0\]\.image\[0\]: 'missing.png' is neither an image file"),
+    ([{"role": "user", "content": [{"type": "image", "image": ["a.png", "b.png"]}]}],
+     r"'prompt'\[0\]\.content\[0\]: an image part holds one image"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
      r"'prompt'\[1\]\.role: the last message is the one answered"),
 ])
