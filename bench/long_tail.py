@@ -13,8 +13,8 @@ Reward: 1.0 for an exact copy, otherwise 0.9 x the share of positions right (ove
 answer and label).
 
 Each round runs the same config three ways on the disaggregated layout (1 trainer rank, 1 engine):
-plain (a step waits for its slowest group), `rollout.partial_rollouts` (a step takes the groups
-finished first, aborts the rest and continues them at the next step) and `rollout.max_staleness`
+plain (a step waits for its slowest group), `rollout.mode: partial` (a step takes the groups
+finished first, aborts the rest and continues them at the next step) and `rollout.mode: async`
 2. Steps per second are over every step after `--warmup`; the final eval is the last eval's mean
 reward of greedy answers to 100 held-out prompts of the same length mix (the reward above). `--rounds` pairs run in
 rotating order (these machines drift in speed within an hour); `partial_over_plain` pools the
@@ -51,8 +51,8 @@ def copy_reward(prompt, response, label, metadata):
 
 MODES = {
     "plain": [],
-    "partial": ["rollout.partial_rollouts=true"],
-    "staleness2": ["rollout.max_staleness=2"],
+    "partial": ["rollout.mode=partial"],
+    "staleness2": ["rollout.mode={type: async, max_staleness: 2}"],
 }
 
 

@@ -1,4 +1,4 @@
-"""One-step-off-policy pipeline: the disaggregated quickstart with rollout.max_staleness 0 and 1,
+"""One-step-off-policy pipeline: the disaggregated quickstart with rollout.mode sync and async (max_staleness 1),
 one after the other on this machine. Prints one JSON object.
 
     .venv/bin/python bench/pipeline.py [--steps 120] [--rounds 2] [--out bench/results/pipeline-DATE.json]
@@ -33,7 +33,8 @@ def run(staleness: int, steps: int, model: Path, run_dir: Path) -> list[dict]:
     command = [str(RLSYS), "train", str(REPO / "configs" / "quickstart_disaggregated.yaml"),
                f"model.path={model}", f"run_dir={run_dir}", "logging.progress_bar=false", "status.port=0",
                "trainer.num_ranks=1", "rollout.num_engines=1", f"trainer.total_steps={steps}",
-               f"rollout.max_staleness={staleness}", "weight_sync.verify=false"]
+               f"rollout.mode={{type: async, max_staleness: {staleness}}}" if staleness else "rollout.mode=sync",
+               "weight_sync.verify=false"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"rlsys train failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

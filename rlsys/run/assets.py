@@ -196,8 +196,9 @@ def _refuse_conversation_images(config: RunConfig, records: list[PromptRecord]) 
     if "vision_config" not in read_model_config(config.model.path):
         raise ConfigError(f"invalid data: {named}, but model.path {config.model.path} is not a vision-language "
                           "model (its config.json has no vision_config); point model.path at one")
-    if config.rollout.partial_rollouts or config.rollout.generate_function:
-        option = "rollout.partial_rollouts" if config.rollout.partial_rollouts else "rollout.generate_function"
+    if not config.rollout.mode.takes_images or config.rollout.generate_function:
+        option = (f"rollout.mode {config.rollout.mode.type}" if not config.rollout.mode.takes_images
+                  else "rollout.generate_function")
         raise ConfigError(f"invalid config: {option} with images is not supported yet ({named}): the engine would get "
                           "the prompt's token ids without its images")
 

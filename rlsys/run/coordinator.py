@@ -16,10 +16,10 @@ import time
 from rlsys.algorithms.samples import ScoredBatch, prepare, truncated_fraction
 from rlsys.config import RunConfig
 from rlsys.observability.samples import shown_samples
-from rlsys.run.batches import step_batches
 from rlsys.run.checkpointing import StepRecord
 from rlsys.run.components import sync_engines
 from rlsys.run.generation import sampling_params, trajectory_metrics
+from rlsys.run.rollout_modes import runner_for
 from rlsys.run.run_state import Run
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 def train_loop(run: Run) -> None:
     config, parts, state = run.config, run.parts, run.state
     sampling = sampling_params(config, run.assets, config.rollout.temperature, config.rollout.top_p)
-    batches = step_batches(run, sampling)  # at each step's start, or ahead of the trainer (rollout.max_staleness)
+    batches = runner_for(config.rollout.mode).step_batches(run, sampling)  # at each step's start, or ahead
     try:
         for step in run.steps():
             row: dict = {"step": step}

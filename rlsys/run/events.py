@@ -24,6 +24,16 @@ class RunEvents:
         """From now on: stacks through `hangs`, a restarted engine `bring_up_to_date(index)`."""
         self._hangs, self._bring_up_to_date = hangs, bring_up_to_date
 
+    def stop_following(self) -> None:
+        """The run's processes are stopping: events are answered by nothing again."""
+        self._hangs, self._bring_up_to_date = None, None
+
+    def stacks_on_request(self) -> dict | None:
+        """Every process's stacks, asked for through the status API (RunStatus.stacks_provider); None
+        while no run follows (before its processes are up, or once they stop)."""
+        hangs = self._hangs
+        return hangs.on_request() if hangs is not None else None
+
     def collect_stacks(self, what: str) -> None:
         """Every process's stacks, saved under RUN_DIR/hangs/ and named for `what` (a failure that may
         be a hang somewhere else); never raises."""

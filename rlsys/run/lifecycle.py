@@ -29,7 +29,6 @@ from rlsys.rewards.pool import make_reward_scorer
 from rlsys.rollout.manager import EngineRestartLimit
 from rlsys.run.absolute_paths import default_run_dir, with_absolute_paths
 from rlsys.run.assets import RunAssets, load_assets, refuse_incompatible_checkpoint
-from rlsys.run.batches import OnPolicyRounds
 from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume, disk_full_failure
 from rlsys.run.components import (
     Components,
@@ -42,9 +41,9 @@ from rlsys.run.evaluation import Evaluator
 from rlsys.run.events import RunEvents
 from rlsys.run.generation import SampleMaker
 from rlsys.run.hangs import HangReporter
-from rlsys.run.partial_rollouts import PartialRollouts
 from rlsys.run.placement_checks import run_uses_gpus
 from rlsys.run.reporting import HealthMonitor, new_status, status_server
+from rlsys.run.rollout_modes import runner_for
 from rlsys.run.run_state import Run
 from rlsys.system.cluster import cluster_address, ray_cluster
 from rlsys.system.model_source import resolve_model_paths
@@ -202,8 +201,7 @@ def _answer_events(config: RunConfig, run: Run, events: RunEvents, stack: ExitSt
     (until the processes it reads stop); a restarted engine brought to the trainer's weights."""
     hangs = HangReporter(Path(run.status.run_dir), run.parts, lambda: run.state.next_step, run.status)
     events.follow(hangs, lambda index: bring_engines_up_to_date(config, run.parts, run.trainer_version))
-    run.status.stacks_provider = hangs.on_request
-    stack.callback(setattr, run.status, "stacks_provider", None)
+    stack.callback(events.stop_following)  # (the status API's stacks then answer 409)
 
 
 def _join_ray_cluster(config: RunConfig, layout: Topology, stack: ExitStack) -> None:
@@ -219,8 +217,7 @@ def _join_ray_cluster(config: RunConfig, layout: Topology, stack: ExitStack) -> 
 def _new_run(config: RunConfig, assets: RunAssets, parts: Components, status: RunStatus, log: MetricsLog,
              store: CheckpointStore, evaluator: Evaluator, rewards, trackers: Trackers, maker: SampleMaker) -> Run:
     """The loop's `Run`, at step 0 until `continue_from` restores it."""
-    rounds = (PartialRollouts(config) if config.rollout.partial_rollouts
-              else OnPolicyRounds(maker, config.rollout.n_samples_per_prompt))
+    rounds = runner_for(config.rollout.mode).rounds(config, maker)
     return Run(config, assets, parts, CoordinatorState(0, 0, 0, 0), status, log,
                PromptSampler(assets.train, config.data.prompts_per_step, config.seed), evaluator,
                Checkpointer(store, config.checkpoint.interval, config.trainer.total_steps, parts, rounds.saved),
@@ -251,7 +248,8 @@ def run(config: RunConfig) -> Path:
         logger.info("%s", note)
     if checkpoint is not None:
         logger.info("resuming from %s", checkpoint)
-    status = new_status(config, run_dir, assets, resuming=checkpoint is not None)
+    events = RunEvents()  # handed to the components and the status; followed once the run exists
+    status = new_status(config, run_dir, assets, resuming=checkpoint is not None, stacks=events.stacks_on_request)
     layout = Topology.from_config(config, has_gpu=False)  # CPU counts do not depend on the GPUs
     with ExitStack() as stack:
         stack.callback(lock.release)
@@ -270,7 +268,6 @@ def run(config: RunConfig) -> Path:
         logger.info("rewards from %s", _describe_rewards(config))
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
-        events = RunEvents()
         parts = start_components(config, topology, run_dir, stack, events)
         evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
         stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own

@@ -8,6 +8,7 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,15 +87,17 @@ class ProgressLines:
                        row.get("time_step_s", 0.0))
 
 
-def new_status(config: RunConfig, run_dir: Path, assets: RunAssets, resuming: bool = False) -> RunStatus:
+def new_status(config: RunConfig, run_dir: Path, assets: RunAssets, resuming: bool = False,
+               stacks: Callable[[], dict | None] | None = None) -> RunStatus:
     """A fresh status; a resumed run's carries the seconds its earlier processes ran and when the
-    first of them started (read from the status.json they left, before this one overwrites it)."""
+    first of them started (read from the status.json they left, before this one overwrites it).
+    `stacks`: what answers a request for every process's stacks (RunEvents.stacks_on_request)."""
     dataset = {"train_prompts": len(assets.train), "eval_prompts": len(assets.eval),
                "skipped_rows": assets.skipped_rows, "too_long_prompts": assets.too_long_prompts}
     return RunStatus(run_id=f"{run_dir.name}-{uuid.uuid4().hex[:6]}", total_steps=config.trainer.total_steps,
                      run_dir=str(run_dir), dataset=dataset,
                      earlier_s=RunStatus.seconds_run_so_far(run_dir) if resuming else 0.0,
-                     first_started_at=RunStatus.first_start(run_dir) if resuming else None)
+                     first_started_at=RunStatus.first_start(run_dir) if resuming else None, stacks_provider=stacks)
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """A run as the loop sees it: `Run`, everything `train_loop` works with (started and restored by
-rlsys/run/lifecycle.py), and `Rounds`, how it generates one round of a step's groups (implemented
-in rlsys/run/batches.py and rlsys/run/partial_rollouts.py). Its own module so that the loop and the
+rlsys/run/lifecycle.py), and `Rounds`, how it generates one round of a step's groups (made by the
+run's rollout mode, rlsys/run/rollout_modes/). Its own module so that the loop and the
 batch sources both import it and neither imports the other back."""
 
 from __future__ import annotations

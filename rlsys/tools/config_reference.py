@@ -1,5 +1,5 @@
 """The configuration reference (docs/configuration.md), generated from the pydantic models in
-rlsys/config.py so the docs cannot drift from the code (tests/unit/test_docs.py compares them).
+rlsys/config/ so the docs cannot drift from the code (tests/unit/test_docs.py compares them).
 
     python -m rlsys.tools.config_reference > docs/configuration.md
 """
@@ -18,14 +18,14 @@ from pydantic.fields import FieldInfo
 
 from rlsys.algorithms.corrections import CORRECTIONS, Correction
 from rlsys.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss
-from rlsys.config import RunConfig
+from rlsys.config import ROLLOUT_MODES, RolloutMode, RunConfig
 
 COMMAND = "python -m rlsys.tools.config_reference > docs/configuration.md"
 
 INTRO = f"""\
 # Configuration reference
 
-<!-- Generated from rlsys/config.py by `{COMMAND}`; do not edit by hand
+<!-- Generated from rlsys/config/ by `{COMMAND}`; do not edit by hand
      (tests/unit/test_docs.py fails when this file and the models differ). -->
 
 A run's config is a YAML file of the sections below. Any field can be overridden on the command
@@ -33,7 +33,7 @@ line as `section.field=value` (the value is parsed as YAML), e.g.
 `rlsys train configs/quickstart.yaml trainer.lr=3e-4 rollout.engine.context_length=1024`. The whole
 config is validated before any actor starts; a bad value fails naming the field and the reason, and
 the resolved config is written to `RUN_DIR/config.yaml`. Unknown fields are refused. The fields, types,
-defaults and descriptions here are generated from `rlsys/config.py`.
+defaults and descriptions here are generated from `rlsys/config/`.
 """
 
 _BOUNDS = {annotated_types.Ge: (">=", "ge"), annotated_types.Gt: (">", "gt"),
@@ -122,7 +122,7 @@ def _sections(model: type[BaseModel], prefix: str, description: str):
     yield prefix, model, description
     for name, info in model.model_fields.items():
         nested = _section_model(info.annotation)
-        if nested is not None and not issubclass(nested, PolicyLoss):  # those: _policy_losses
+        if nested is not None and not issubclass(nested, PolicyLoss | RolloutMode):  # those: _variants
             dotted = (f"{prefix}.{name}" if prefix else name) + ("[]" if _is_list(info.annotation) else "")
             yield from _sections(nested, dotted, info.description or "")
 
@@ -133,7 +133,7 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
         dotted = f"{prefix}.{name}" if prefix else name
         if not info.description:
             raise ValueError(f"{model.__name__}.{name} ({dotted}) has no description: add "
-                             "Field(description=...) in rlsys/config.py")
+                             "Field(description=...) in rlsys/config/")
         kind = type_name(info.annotation)
         if _mentions(info.annotation, Correction):  # a list of corrections' names or sections
             kind = "list[" + " | ".join(CORRECTIONS) + " | section] | null"
@@ -141,10 +141,12 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
             lines.append(f"| `{name}` | {_code(kind)} | {_code(default_text(info))} | {_cell(description)} |")
             continue
         nested = _section_model(info.annotation)
-        if nested is not None and issubclass(nested, PolicyLoss):  # a loss's name, or its section
-            kind = " | ".join(POLICY_LOSSES) + " | section"
+        if nested is not None and issubclass(nested, PolicyLoss | RolloutMode):  # a variant's name, or its section
+            registry, key = (POLICY_LOSSES, "name") if issubclass(nested, PolicyLoss) else (ROLLOUT_MODES, "type")
+            kind = " | ".join(registry) + " | section"
             description = f"{info.description} See [`{dotted}`](#{dotted.replace('.', '')})."
-            lines.append(f"| `{name}` | {_code(kind)} | {_code(info.default_factory().name)} | {_cell(description)} |")
+            default = getattr(info.default_factory(), key)
+            lines.append(f"| `{name}` | {_code(kind)} | {_code(default)} | {_cell(description)} |")
             continue
         if nested is not None:
             if _is_list(info.annotation):
@@ -162,16 +164,16 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
     return lines
 
 
-def _policy_losses(prefix: str) -> list[str]:
-    """Each registered policy loss (rlsys/algorithms/policy_losses/): what it computes, and the table
-    of its parameters when it has any."""
+def _variants(prefix: str, registry: dict[str, type[BaseModel]], key: str, default: str, what: str) -> list[str]:
+    """Each registered variant of a setting keyed on `key` (the policy losses, the rollout modes):
+    what it does, and the table of its parameters when it has any."""
     out = [f"## `{prefix}`", "",
-           f"`{prefix}: NAME` takes the loss's defaults; `{prefix}: {{name: NAME, PARAMETER: VALUE}}` sets its "
-           f"parameters (on the command line: `{prefix}.PARAMETER=VALUE`).", ""]
-    for name, loss in sorted(POLICY_LOSSES.items(), key=lambda item: item[0] != "grpo"):  # the default first
-        out.extend([f"### `{name}`", "", _cell(loss.summary) + ".", ""])
-        if len(loss.model_fields) > 1:  # `name` and its parameters
-            out.extend(_table(loss, prefix) + [""])
+           f"`{prefix}: {key.upper()}` takes the {what}'s defaults; `{prefix}: {{{key}: {key.upper()}, PARAMETER: VALUE}}` "
+           f"sets its parameters (on the command line: `{prefix}={key.upper()} {prefix}.PARAMETER=VALUE`).", ""]
+    for name, variant in sorted(registry.items(), key=lambda item: item[0] != default):  # the default first
+        out.extend([f"### `{name}`", "", _cell(variant.summary) + ".", ""])
+        if len(variant.model_fields) > 1:  # `key` and its parameters
+            out.extend(_table(variant, prefix) + [""])
     return out
 
 
@@ -202,8 +204,11 @@ def render() -> str:
         out.extend(_table(model, dotted))
         out.append("")
         for name, info in model.model_fields.items():
-            if (nested := _section_model(info.annotation)) is not None and issubclass(nested, PolicyLoss):
-                out.extend(_policy_losses(f"{dotted}.{name}"))
+            nested = _section_model(info.annotation)
+            if nested is not None and issubclass(nested, PolicyLoss):
+                out.extend(_variants(f"{dotted}.{name}", POLICY_LOSSES, "name", "grpo", "loss"))
+            if nested is not None and issubclass(nested, RolloutMode):
+                out.extend(_variants(f"{dotted}.{name}", ROLLOUT_MODES, "type", "sync", "mode"))
             if _mentions(info.annotation, Correction):
                 out.extend(_corrections(f"{dotted}.{name}"))
     return "\n".join(out)

@@ -1,4 +1,4 @@
-"""Partial rollouts (rollout.partial_rollouts) in whole runs on real engines: the quickstart task
+"""Partial rollouts (rollout.mode partial) in whole runs on real engines: the quickstart task
 still learns, every prompt drawn is trained once or still in flight, and a checkpoint taken with
 aborted samples in flight resumes them exactly. (The round on real engines, token by token across
 a sync: tests/e2e/test_weight_sync.py; many steps and an age bound with stand-in engines:
@@ -35,7 +35,7 @@ def test_partial_rollouts_learn_the_quickstart_task(tmp_path, tiny_model_dir, ra
     result = subprocess.run(train_command("quickstart_disaggregated.yaml", tiny_model_dir, run_dir,
                                           "trainer.num_ranks=1", "rollout.num_engines=1",
                                           "rollout.engine.context_length=320", "trainer.total_steps=150",
-                                          "eval.stop_at_reward=0.9", "rollout.partial_rollouts=true", "rollout.oversample=8",
+                                          "eval.stop_at_reward=0.9", "rollout.mode={type: partial, oversample: 8}",
                                           "weight_sync.verify=false", ray_address, disaggregated_engines),
                             cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -72,7 +72,7 @@ def test_a_checkpoint_with_aborted_samples_in_flight_resumes_them_exactly(tmp_pa
 
     def train_run(run_dir, *overrides):
         return subprocess.run([sys.executable, "-m", "rlsys.cli", "train", str(config), f"run_dir={run_dir}",
-                               "logging.progress_bar=false", "status.port=0", "rollout.partial_rollouts=true",
+                               "logging.progress_bar=false", "status.port=0", "rollout.mode=partial",
                                "trainer.total_steps=12", "checkpoint.interval=6", "eval.interval=100", ray_address,
                                disaggregated_engines, *overrides],
                               cwd=REPO, capture_output=True, text=True, timeout=1200)

@@ -1,4 +1,4 @@
-"""The asynchronous pipeline (rollout.max_staleness=N, disaggregated), at N=2: it overlaps, learns,
+"""The asynchronous pipeline (rollout.mode async, max_staleness=N, disaggregated), at N=2: it overlaps, learns,
 and resumes from a checkpoint taken with batches ahead in flight without losing or repeating a
 prompt. (N=1, one step off-policy, is the same code with one batch ahead; its queue, bound and
 drops: tests/unit/test_batches_ahead.py.)"""
@@ -17,7 +17,7 @@ from tests.helpers import REPO, served_run_dir, train_command
 def test_staleness_two_overlaps_learns_and_resumes_exactly(tmp_path, tiny_model_dir, ray_address,
                                                            disaggregated_engines):
     overrides = ("trainer.num_ranks=1", "rollout.num_engines=1", "rollout.engine.context_length=320",
-                 "rollout.max_staleness=2",
+                 "rollout.mode={type: async, max_staleness: 2}",
                  "trainer.total_steps=100", "checkpoint.interval=70", "weight_sync.verify=false", ray_address,
                  disaggregated_engines)
     run_dir = tmp_path / "run"

@@ -147,7 +147,7 @@ def test_a_session_left_open_by_a_dead_trainer_is_closed_and_the_next_sync_goes_
 
 
 def test_partial_rollouts_continue_aborted_samples_token_by_token_with_the_new_weights(two_engines_two_ranks):
-    """rollout.partial_rollouts on real engines: a round stops once enough groups are finished and
+    """rollout.mode partial on real engines: a round stops once enough groups are finished and
     aborts the rest, whose samples keep the tokens made so far with the old weights' log-probs; after
     a sync the next round continues them with the new weights. (The run's step, checkpoints and
     invariants over many steps: tests/unit/test_partial_rollouts.py, tests/e2e/test_partial_rollouts.py.)"""

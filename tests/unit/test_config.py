@@ -232,7 +232,7 @@ def test_a_run_dir_that_is_a_file_or_under_one_is_refused_before_anything_starts
     ("trainer.total_steps=true", "trainer.total_steps: expects a number, not true/false (got true)"),
     ("trainer.lr=false", "trainer.lr: expects a number, not true/false (got false)"),
     ("eval.max_prompts=true", "eval.max_prompts: expects a number, not true/false (got true)"),
-    ("rollout.max_staleness=true", "rollout.max_staleness: expects a number, not true/false (got true)"),
+    ("rollout.mode={type: async, max_staleness: true}", "rollout.mode.max_staleness: expects a number, not true/"),
     ("trainer.betas=[true, 0.9]", "trainer.betas: expects a number, not true/false (got [true, 0.9])"),
     ("rollout.sampling.stop_token_ids=[2, true]", "rollout.sampling.stop_token_ids: expects a number"),
     ("placement.engine_node_resources={gpu_node: true}", "placement.engine_node_resources: expects a number"),
@@ -273,7 +273,7 @@ def test_derived_settings_are_resolved_once_after_loading_and_dumped_with_the_co
     from rlsys.config import RunConfig, dump_config, resolve_derived_settings
 
     path = write_config(tmp_path / "c.yaml", tiny_model_dir)
-    off_policy = ["placement.mode=disaggregated", "rollout.max_staleness=1", "rollout.max_new_tokens=12"]
+    off_policy = ["placement.mode=disaggregated", "rollout.mode=async", "rollout.max_new_tokens=12"]
     tree = yaml.safe_load(path.read_text())
     unresolved = RunConfig.model_validate({**tree, "rollout": {**tree.get("rollout", {}), "max_new_tokens": 12}})
     assert unresolved.algorithm.loss_norm_tokens is None and unresolved.algorithm.corrections is None
@@ -294,7 +294,7 @@ def test_derived_settings_are_resolved_once_after_loading_and_dumped_with_the_co
     assert spec.loss_norm_tokens == 5 and not spec.corrects
     assert not TrainerSpec.from_config(load_config(path), has_gpu=False).corrects
     assert TrainerSpec.from_config(load_config(path, ["algorithm.corrections=[icepop]"]), has_gpu=False).corrects
-    assert load_config(path, ["rollout.partial_rollouts=true", "placement.mode=disaggregated"]).algorithm.corrections
+    assert load_config(path, ["rollout.mode=partial", "placement.mode=disaggregated"]).algorithm.corrections
     assert load_config(path, ["algorithm.policy_loss=gspo"]).algorithm.loss_agg_mode == "seq-mean-token-mean"
 
 

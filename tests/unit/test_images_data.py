@@ -99,7 +99,7 @@ def test_images_for_a_model_without_a_vision_tower_are_refused_before_anything_s
 
 
 def test_a_partial_rollouts_checkpoint_keeps_a_prompts_images():
-    """rollout.partial_rollouts writes groups in flight to coordinator.json: their images as base64."""
+    """rollout.mode partial writes groups in flight to coordinator.json: their images as base64."""
     from rlsys.records import EncodedPrompt, PromptRecord
     from rlsys.rollout.partial import GroupInFlight, group_from_json, group_to_json
 

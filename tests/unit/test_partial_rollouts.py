@@ -1,4 +1,4 @@
-"""Partial rollouts (rollout.partial_rollouts): a step takes the groups finished first, aborts the
+"""Partial rollouts (rollout.mode partial): a step takes the groups finished first, aborts the
 rest and continues them at the next step; no prompt is trained twice or lost, across a checkpoint
 too; every token keeps the version that sampled it. The run's own RolloutManager.generate_groups
 and PartialRollouts drive stand-in engines here: each makes one token per tick, the same tokens
@@ -21,7 +21,8 @@ from rlsys.records import EncodedPrompt, Generation, PromptRecord, SamplingParam
 from rlsys.rollout.dispatch import Dispatcher, LoopThread
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.partial import GroupInFlight, continuation, settle, stitch
-from rlsys.run.partial_rollouts import PartialRollouts
+from rlsys.run.rollout_modes import runner_for
+from rlsys.run.rollout_modes.partial import PartialRollouts
 
 GROUP, WANTED, OVERSAMPLE, MAX_NEW = 2, 4, 3, 40
 SAMPLING = SamplingParams(max_new_tokens=MAX_NEW)
@@ -95,12 +96,15 @@ def _manager(engines: list[StandInEngine]) -> RolloutManager:
 
 
 def _partials(max_age: int | None = None) -> PartialRollouts:
-    return PartialRollouts(RunConfig.model_validate({
+    config = RunConfig.model_validate({
         "model": {"path": "unused"}, "data": {"synthetic": {"task": "max_digit"}, "prompts_per_step": WANTED},
         "placement": {"mode": "disaggregated"},
-        "rollout": {"n_samples_per_prompt": GROUP, "partial_rollouts": True, "oversample": OVERSAMPLE,
-                    "partial_max_age": max_age, "max_new_tokens": MAX_NEW},
-    }))
+        "rollout": {"n_samples_per_prompt": GROUP, "max_new_tokens": MAX_NEW,
+                    "mode": {"type": "partial", "oversample": OVERSAMPLE, "max_age": max_age}},
+    })
+    rounds = runner_for(config.rollout.mode).rounds(config, maker=None)  # the partial mode's own rounds
+    assert isinstance(rounds, PartialRollouts)
+    return rounds
 
 
 def _sampler() -> PromptSampler:
@@ -294,10 +298,12 @@ def test_partial_rollouts_are_refused_with_what_they_cannot_combine_with():
     base = {"model": {"path": "unused"}, "data": {"synthetic": {"task": "max_digit"}},
             "placement": {"mode": "disaggregated"}}
     for rollout, message in [
-        ({"partial_rollouts": True, "max_staleness": 2}, "choose one"),
-        ({"partial_rollouts": True, "generate_function": "x.py:f"}, "cannot be aborted and continued"),
+        ({"mode": "partial", "generate_function": "x.py:f"}, "rollout.mode partial cannot build samples with "
+         "rollout.generate_function .it aborts requests and continues them from their token ids"),
+        ({"partial_rollouts": True, "max_staleness": 2}, "choose one"),  # the keys of earlier versions
         ({"oversample": 2}, "rollout.oversample applies to partial rollouts only"),
         ({"partial_max_age": 2}, "rollout.partial_max_age applies to partial rollouts only"),
+        ({"partial_rollouts": True, "mode": "partial"}, "rollout.partial_rollouts and rollout.mode are both set"),
     ]:
         with pytest.raises(ValueError, match=message):
             RunConfig.model_validate({**base, "rollout": rollout})

@@ -64,7 +64,7 @@ def config_value(model_dir, key):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["trainer.context_parallel_size=2"], "context_parallel_size=2 with a vision-language model"),
-    (["rollout.partial_rollouts=true"], "partial_rollouts with images"),
+    (["rollout.mode=partial"], "rollout.mode partial with images"),
     (["rollout.generate_function=rlsys.rewards:exact_match"], "generate_function with images"),
 ])
 def test_what_a_vision_language_run_does_not_support_yet_is_refused_naming_it(vlm_dir, overrides, message):

@@ -250,9 +250,11 @@ def _add_controls(app: FastAPI, status: RunStatus, controls: list, reads: list) 
     def post_stacks() -> StacksResponse:
         """Every process's stacks, read now (seconds: py-spy on each node); a plain def runs in a worker thread."""
         provider = status.stacks_provider
-        if provider is None or status.state in ("finished", "stopped", "failed"):
+        running = status.state not in ("finished", "stopped", "failed")
+        dump = provider() if provider is not None and running else None
+        if dump is None:
             raise HTTPException(status_code=409, detail=f"the run's processes are not up (the run is {status.state})")
-        return StacksResponse(**provider())
+        return StacksResponse(**dump)
 
     @app.get("/api/v1/hangs/latest", response_model=StacksResponse, dependencies=reads)
     def latest_hang() -> StacksResponse:

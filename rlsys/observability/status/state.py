@@ -54,8 +54,8 @@ class RunStatus:
     latest_hang: str | None = None  # the latest directory of stack dumps (RUN_DIR/hangs/...)
     samples: list[dict] = field(default_factory=list)  # the latest answers shown (rlsys/observability/samples.py)
     status_url: str | None = None  # where the status server answers (`rlsys stacks RUN_DIR` reads it)
-    # () -> every process's stacks (rlsys/run/hangs.py), while the run's processes are up
-    stacks_provider: Callable[[], dict] | None = field(default=None, repr=False, compare=False)
+    # () -> every process's stacks (rlsys/run/hangs.py), None unless the run's processes are up
+    stacks_provider: Callable[[], dict | None] | None = field(default=None, repr=False, compare=False)
     version: int = 0  # bumped by every change, so readers can cache what they built from it
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 

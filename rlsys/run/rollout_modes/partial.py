@@ -1,6 +1,6 @@
-"""rollout.partial_rollouts: the groups in flight between steps, and how a step takes its groups.
+"""rollout.mode partial: the groups in flight between steps, and how a step takes its groups.
 
-A step puts `data.prompts_per_step + rollout.oversample` groups in flight (those carried from
+A step puts `data.prompts_per_step + oversample` groups in flight (those carried from
 earlier steps first, then new prompts), stops once `prompts_per_step` of them are finished and
 aborts the rest (RolloutManager.generate_groups). The finished groups, oldest first, are the
 step's batch; the others are carried: their samples continue at the next step with the weights
@@ -13,20 +13,30 @@ from __future__ import annotations
 
 import logging
 
-from rlsys.config import RunConfig
+from rlsys.config import PartialMode, RunConfig
 from rlsys.data.datasets import PromptSampler
 from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.partial import GroupInFlight, group_from_json, group_to_json
+from rlsys.run.generation import SampleMaker
+from rlsys.run.rollout_modes.base import ModeRunner, runs_mode
 
 logger = logging.getLogger(__name__)
 
 
+@runs_mode(PartialMode)
+class PartialRunner(ModeRunner):
+    mode: PartialMode
+
+    def rounds(self, config: RunConfig, maker: SampleMaker) -> PartialRollouts:
+        return PartialRollouts(self.mode, config.rollout.n_samples_per_prompt, config.data.prompts_per_step)
+
+
 class PartialRollouts:
-    def __init__(self, config: RunConfig):
-        self.group_size = config.rollout.n_samples_per_prompt
-        self.oversample = config.rollout.groups_in_flight(config.data.prompts_per_step) - config.data.prompts_per_step
-        self.max_age = config.rollout.partial_max_age
+    def __init__(self, mode: PartialMode, group_size: int, prompts_per_step: int):
+        self.group_size = group_size
+        self.oversample = mode.groups_in_flight(prompts_per_step) - prompts_per_step
+        self.max_age = mode.max_age
         self.groups: list[GroupInFlight] = []  # carried from earlier steps, oldest first
         self._step: dict = {}
 
@@ -47,7 +57,7 @@ class PartialRollouts:
 
     # ---- a step ------------------------------------------------------------------------------
     def begin_step(self, trainer_version: int) -> None:
-        """Before the step's first round: samples older than rollout.partial_max_age start again."""
+        """Before the step's first round: samples older than the mode's max_age start again."""
         discarded = 0
         if self.max_age is not None:
             for group in self.groups:
@@ -59,7 +69,7 @@ class PartialRollouts:
     def round(self, rollout: RolloutManager, sampler: PromptSampler, sampling: SamplingParams, wanted: int,
               recover: bool) -> tuple[list[EncodedPrompt], list[Generation]]:
         """`wanted` finished groups (prompts, and their generations grouped prompt by prompt): the
-        carried groups, topped up with new prompts to wanted + rollout.oversample in flight."""
+        carried groups, topped up with new prompts to wanted + oversample in flight."""
         lacking = wanted + self.oversample - len(self.groups)
         self.groups += [GroupInFlight.new(prompt, self.group_size) for prompt in sampler.next_prompts(max(0, lacking))]
         self._step["aborted_samples"] += rollout.generate_groups(self.groups, wanted, sampling, recover=recover)
