@@ -526,7 +526,7 @@ def check_nccl_broadcast(proof: Proof, fields: dict) -> None:
     try:
         stats = worker.sync_weights(int(proof.work.bucket_mb[0] * 2**20), weight_version=1)
     finally:
-        worker._close_transport()
+        worker.weights_out.close()
     fields.update(dist_backend=worker.backend.dist_backend, buckets=stats["buckets"], bytes=stats["bytes"],
                   ok=stats["buckets"] > 0 and stats["bytes"] > 0)
 
@@ -546,7 +546,7 @@ def check_ipc_sync(proof: Proof, report: Report) -> None:
     worker = proof.worker
     receiver = EngineLikeReceiver(proof.model_dir, proof.device)
     try:
-        worker.transport, worker.gather_dst = ColocatedWeightSender(receiver, tp_size=1), 0
+        worker.weights_out.transport, worker.weights_out.gather_dst = ColocatedWeightSender(receiver, tp_size=1), 0
         expected = engine_fingerprints(worker, torch.bfloat16)
         version = 10
         for bucket_mb in proof.work.bucket_mb:
@@ -560,7 +560,7 @@ def check_ipc_sync(proof: Proof, report: Report) -> None:
             fields["terms"] = terms
             _compare(fields, sum(terms.values()), proof.figures.get("sync_peak_allocated"))
     finally:
-        worker._close_transport()
+        worker.weights_out.close()
         receiver.close()
 
 
@@ -578,7 +578,7 @@ def _one_ipc_sync(proof: Proof, receiver: EngineLikeReceiver, expected: dict, bu
         proof.figures["sync_gbps"] = stats["gbps"]
     got = receiver.call("fingerprints")
     mismatched = sorted(name for name in expected if got.get(name) != expected[name])
-    worker.transport.release_staging_buffer()
+    worker.weights_out.transport.release_staging_buffer()
     worker.backend.empty_device_cache()  # ipc_collect: blocks the receiver has let go of
     after_reserved = torch.cuda.memory_reserved() if proof.gpu else 0
     leftover_shm = sorted(_torch_shm_files() - shm_before)

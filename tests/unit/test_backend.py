@@ -157,6 +157,7 @@ def _sync_dtype(spec, monkeypatch):
     import torch
 
     import rlsys.actors.trainer as trainer_module
+    import rlsys.actors.weights_out as weights_out_module
 
     seen = {}
 
@@ -164,11 +165,10 @@ def _sync_dtype(spec, monkeypatch):
         seen["engine_dtype"] = plan.engine_dtype
         return types.SimpleNamespace(as_dict=dict)
 
-    monkeypatch.setattr(trainer_module, "sync_weights", fake_sync_weights)
-    worker = types.SimpleNamespace(spec=spec, model=torch.nn.Linear(2, 2), transport=None, backend=_gpu_backend(),
-                                   gather_scratch=None, gather_dst=None, checkpoint_pieces=None, shared_staging=None,
+    monkeypatch.setattr(weights_out_module, "sync_weights", fake_sync_weights)
+    models = types.SimpleNamespace(model=torch.nn.Linear(2, 2), lora=False, released_name=str, checkpoint_pieces=None)
+    worker = types.SimpleNamespace(spec=spec, models=models, weights_out=weights_out_module.WeightsOut(_gpu_backend()),
                                    profiler=RankProfiler(_gpu_backend(), rank=0))
-    worker._engine_parameters = lambda: (list(worker.model.named_parameters()), None)
     trainer_module.TrainerWorker.sync_weights(worker, 2**20, weight_version=1)
     return seen["engine_dtype"]
 

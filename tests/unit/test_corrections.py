@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlsys.actors.trainer import LossSums, _mismatch_sums
+from rlsys.actors.loss_sums import LossSums, mismatch_sums
 from rlsys.algorithms.corrections import CorrectionInputs, correction_named
 from rlsys.config import AlgorithmConfig
 
@@ -105,7 +105,7 @@ def test_corrections_multiply_weights_into_the_loss_and_masks_after_it():
 
 
 def test_the_mismatch_metrics_are_k1_k3_and_the_ratios_extremes():
-    sums = LossSums(**_mismatch_sums(OLD, ENGINE, ENGINE_MASK), engine_tokens=5.0, tokens=6.0)
+    sums = LossSums(**mismatch_sums(OLD, ENGINE, ENGINE_MASK), engine_tokens=5.0, tokens=6.0)
     sums += LossSums()  # a micro-batch without engine tokens changes nothing
     rho = [2.0, 0.5, 3.0, 3.0, 0.5]
     metrics = sums.metrics(with_corrections=False, policy_loss=AlgorithmConfig().policy_loss)

@@ -55,15 +55,15 @@ def _scenario(rank: int, world: int, queue, model_dir: str, out: str) -> None:
     seen["reference after train_step"] = _gathered(worker.ref_model)
     # Rank 0 feeds the only engine; rank 1 sends it its shards.
     worker.gather_dst = 0
-    worker.transport = ColocatedWeightSender(_SilentEngine()) if rank == 0 else None
+    worker.weights_out.transport = ColocatedWeightSender(_SilentEngine()) if rank == 0 else None
     worker.sync_weights(BUCKET_BYTES, weight_version=1)
     if rank == 0:
-        seen["staging bytes after sync"] = worker.transport.staging_nbytes
+        seen["staging bytes after sync"] = worker.weights_out.transport.staging_nbytes
         seen["staging bytes planned"] = staging_buffer_bytes(worker.model.named_parameters(), BUCKET_BYTES)
         seen["largest parameter bytes"] = max(p.numel() * p.element_size() for p in worker.model.parameters())
     worker.sleep()
     if rank == 0:
-        seen["staging bytes asleep"] = worker.transport.staging_nbytes
+        seen["staging bytes asleep"] = worker.weights_out.transport.staging_nbytes
     worker.wake_up()
     with open(f"{out}/rank{rank}.json", "w") as file:
         json.dump(seen, file)

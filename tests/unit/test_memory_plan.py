@@ -563,7 +563,7 @@ def test_a_ranks_largest_micro_batch_is_the_budget_or_its_share_of_the_longest_s
             "rollout": {"engine": {"context_length": 32769}},
             "trainer": {"num_ranks": 8, "context_parallel_size": cp, "max_tokens_per_microbatch": budget}})
         worker = SimpleNamespace(spec=SimpleNamespace(trainer=config.trainer), _global_max=lambda n: n, _pad_id=0,
-                                 device=torch.device("cpu"), vision=None,
+                                 device=torch.device("cpu"), models=SimpleNamespace(vision=None),
                                  context_parallel=ContextParallelGroup(None, 0, cp) if cp > 1 else None)
         batches = TrainerWorker._micro_batches(worker, sequences, list(range(len(sequences))))
         largest = max(batch.input_ids.shape[1] for batch in batches)

@@ -228,14 +228,14 @@ def _reference_scenario(rank: int, world: int, queue, model_dir: str, out: str) 
     import math
 
     import rlsys.actors.offload as offload_module
-    import rlsys.actors.trainer as trainer_module
+    import rlsys.actors.trainer_models as models_module
     from rlsys.actors.trainer import TrainerWorker
     from tests.helpers import meet, random_sequences, trainer_spec
 
     locker = RecordingLocker()
     offload_module.page_locker = lambda pin_memory: locker
-    pin_host_shards = trainer_module.pin_host_shards
-    trainer_module.pin_host_shards = lambda model, pin_memory: pin_host_shards(model, True)
+    pin_host_shards = models_module.pin_host_shards
+    models_module.pin_host_shards = lambda model, pin_memory: pin_host_shards(model, True)
     worker = TrainerWorker(trainer_spec(model_dir, use_kl_loss=True, kl_coef=0.1), rank, world)
     worker.setup(*meet(rank, world, queue, worker.rendezvous_address))
 

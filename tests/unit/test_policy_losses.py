@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlsys.actors.batching import build_micro_batch
-from rlsys.actors.trainer import LossSums
+from rlsys.actors.loss_sums import LossSums
 from rlsys.algorithms.losses import flagged_sequences, micro_batch_loss, sequence_loss_weights
 from rlsys.config import AlgorithmConfig
 from rlsys.records import TrainSequence

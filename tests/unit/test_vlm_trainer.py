@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from rlsys.actors.weights_out import engine_parameters
 from tests.helpers import image_sensitive_vlm, png_bytes, trainer_spec
 
 
@@ -124,7 +125,7 @@ def test_a_step_trains_the_vision_tower_unless_frozen_and_a_sync_sends_the_engin
         vision = {name for name in before if name.startswith("model.visual.")}
         assert vision and changed - vision  # the language model learns either way
         assert changed & vision == (set() if freeze else vision)
-        names = [name for name, _ in worker._engine_parameters()[0]]
+        names = [name for name, _ in engine_parameters(worker.models, worker.spec.model.freeze_vision)[0]]
         assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
         assert not any(name.startswith("model.language_model.") or name.startswith("model.visual.") for name in names)
         assert any(name.startswith("visual.") for name in names) != freeze
@@ -150,7 +151,7 @@ def test_lora_adapts_the_language_model_only_and_a_sync_sends_merged_weights_und
         worker.train_step([sequences])
         changed = {name for name, param in worker.model.named_parameters() if not torch.equal(param, before[name])}
         assert changed and all(is_adapter_parameter(name) for name in changed)
-        named, merge = worker._engine_parameters()
+        named, merge = engine_parameters(worker.models, worker.spec.model.freeze_vision)
         names = [name for name, _ in named]
         assert len(names) == len(set(names)) and "visual.blocks.0.attn.qkv.weight" in names
         assert "model.layers.0.self_attn.q_proj.weight" in names and not any(".lora_" in name for name in names)
