@@ -94,15 +94,15 @@ def test_eval_and_export_hide_library_warnings_and_bars_unless_verbose_and_resto
 
     from transformers.utils import logging as transformers_logging
 
-    from rlsys.cli import _library_output_hidden
+    from rlsys.cli.common import library_output_hidden
 
     before = transformers_logging.get_verbosity()
-    with _library_output_hidden(logging.INFO):
+    with library_output_hidden(logging.INFO):
         assert transformers_logging.get_verbosity() == transformers_logging.ERROR
         assert not transformers_logging.is_progress_bar_enabled()
         with warnings.catch_warnings(record=True) as caught:
             warnings.warn("noise", UserWarning, stacklevel=1)
         assert caught == []  # ignored
     assert transformers_logging.get_verbosity() == before and transformers_logging.is_progress_bar_enabled()
-    with _library_output_hidden(logging.DEBUG):
+    with library_output_hidden(logging.DEBUG):
         assert transformers_logging.get_verbosity() == before

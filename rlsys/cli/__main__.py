@@ -1,0 +1,5 @@
+"""`python -m rlsys.cli`."""
+
+from rlsys.cli.main import entry
+
+entry()
