@@ -1,8 +1,9 @@
 """What keeps rlsys's code readable, checked on every module of rlsys/, actors/, rollout/ and
 weight_sync/: modules import in layers (none imports one that imports it back, directly or around a
 circle, counting imports inside functions and under TYPE_CHECKING: a circle hidden in a function is
-still two modules that cannot be read, moved or tested one without the other), and no function is
-longer than a screen (MAX_FUNCTION_LINES)."""
+still two modules that cannot be read, moved or tested one without the other), no function is
+longer than a screen (MAX_FUNCTION_LINES) and no module longer than MAX_FILE_LINES (one job a
+module: a longer one holds two)."""
 
 import ast
 from graphlib import CycleError, TopologicalSorter
@@ -11,6 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("rlsys", "actors", "rollout", "weight_sync")  # the last three are rlsys.<folder> when imported
 MAX_FUNCTION_LINES = 60  # a def's first line to its last, docstring and comments included
+MAX_FILE_LINES = 600
 
 
 def _modules() -> dict[str, Path]:
@@ -84,3 +86,9 @@ def test_no_function_is_longer_than_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == [], f"split these (at most {MAX_FUNCTION_LINES} lines each): {long}"
+
+
+def test_no_module_is_longer_than_max_file_lines():
+    long = {str(path.relative_to(REPO)): lines for path in _modules().values()
+            if (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES}
+    assert long == {}, f"split these along their jobs (at most {MAX_FILE_LINES} lines each): {long}"
