@@ -213,13 +213,13 @@ def tiny_model_fixed_cost(work: Path, syncs: int = 20) -> dict:
     serial and pipelined."""
     model_dir = make_tiny_model(work / "tiny-model", TinyModelSpec())
     engine_config = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=2048)
-    rollout = RolloutManager(ServerSpec(ModelConfig(path=str(model_dir)), engine_config), 1,
+    rollout = RolloutManager.start(ServerSpec(ModelConfig(path=str(model_dir)), engine_config), 1,
                              str(work / "tiny-logs"), [{"num_cpus": 1}])  # one bucket: no load to overlap
     group, result, version = None, {}, 0
     try:
         group = TrainerGroup(TrainerSpec(ModelConfig(path=str(model_dir)), TrainerConfig(lr=1e-5)), 2,
                              worker_cls=BenchTrainerWorker)
-        engine = rollout.wait_ready()[0]
+        engine = rollout.fleet.wait_ready()[0]
         for transport in ("colocated", "broadcast"):
             mode = "colocated" if transport == "colocated" else "disaggregated"
             topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines([engine])
@@ -231,7 +231,7 @@ def tiny_model_fixed_cost(work: Path, syncs: int = 20) -> dict:
                     stats = group.sync_weights(16 << 20, version, pipelined)
                     seconds.append(max(rank["total_s"] for rank in stats))
                 result[f"{transport}_{'pipelined' if pipelined else 'serial'}_s"] = statistics.median(seconds)
-            assert rollout.weight_versions() == [version]
+            assert rollout.fleet.weight_versions() == [version]
     finally:
         if group is not None:
             group.shutdown()
@@ -285,8 +285,8 @@ def main() -> None:
         # load takes every core (the trainers wait), a pipelined one's half (ServerSpec.load_threads).
         for pipelined in (False, True):
             spec = ServerSpec(ModelConfig(path=str(model_dir)), engine_config, pipelined_sync=pipelined)
-            rollout = RolloutManager(spec, 1, str(work / f"logs-{pipelined}"), [{"num_cpus": 1}])
-            engine = rollout.wait_ready()[0]
+            rollout = RolloutManager.start(spec, 1, str(work / f"logs-{pipelined}"), [{"num_cpus": 1}])
+            engine = rollout.fleet.wait_ready()[0]
             for transport in ("colocated", "broadcast"):
                 mode = "colocated" if transport == "colocated" else "disaggregated"
                 topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines([engine])
@@ -298,7 +298,7 @@ def main() -> None:
                         version += 1
                         runs.setdefault((transport, bucket_mb, pipelined), []).append(ray.get(
                             [w.measured_sync.remote(bucket_mb << 20, version, pipelined) for w in group.workers]))
-                        assert rollout.weight_versions() == [version]
+                        assert rollout.fleet.weight_versions() == [version]
             if pipelined:
                 naive = ray.get([w.naive_sync.remote(engine, str(model_dir), str(work / "naive"))
                                  for w in group.workers])[0]

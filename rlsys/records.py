@@ -107,7 +107,7 @@ class Generation:
     stop_reason: str | None = None  # why it ended early: a trajectory's tool error, an abort's message
     info: dict = field(default_factory=dict)  # from the generate function, for the reward
     multi_turn: bool = False  # built by a generate function: its response spans turns
-    # Partial rollouts (rollout.partial_rollouts): the weight version that sampled each response
+    # Partial rollouts (rollout.mode partial): the weight version that sampled each response
     # token, when a response was continued across weight updates; None: all of them `weight_version`.
     token_versions: list[int] | None = None
     # rollout.routing_replay: the experts the engine routed each token it forwarded to (prompt and

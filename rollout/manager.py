@@ -1,4 +1,5 @@
-"""`RolloutManager`: the set of engines, dealing generation requests to them."""
+"""`RolloutManager`: generation over the engines (their lives: `EngineFleet`, rollout/fleet.py),
+requests dealt to the least busy engine and issued again when one dies."""
 
 from __future__ import annotations
 
@@ -9,22 +10,19 @@ import logging
 import traceback
 from collections.abc import Callable, Coroutine
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rlsys.errors import RunFailed
 from rlsys.records import EncodedPrompt, Generation, SamplingParams
 from rlsys.rollout.dispatch import Dispatcher, LoopThread, RequestBatcher
-from rlsys.rollout.engine import ENGINE_ACTOR_CONCURRENCY, RolloutEngine
+from rlsys.rollout.fleet import EngineCallFailed, EngineEvents, EngineFleet, is_engine_death
 from rlsys.rollout.partial import GroupInFlight, continuation, settle, stitch
 from rlsys.rollout.seeds import call_seed, sample_seeds
-from rlsys.rollout.sglang.client import EngineAddress, EngineDied
 from rlsys.rollout.sglang.server import ServerSpec
-from rlsys.rollout.standing import StandingRecord, StandingSetGone, engine_handle, launch_engine, set_stands
+from rlsys.rollout.standing import StandingRecord
 from rlsys.rollout.trajectory import (
     GenerateFunction,
     RolloutContext,
@@ -44,25 +42,9 @@ def split_into_chunks(num_prompts: int, num_engines: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(count) if bounds[i] < bounds[i + 1]]
 
 
-@dataclass
-class EngineCallFailed(Exception):
-    """A request to engine `index` failed with `error` (the caller decides whether to restart it)."""
-
-    index: int
-    error: BaseException
-
-
 class GenerateFunctionError(RunFailed):
     """rollout.generate_function raised something other than a ToolError: a bug to fix, not a
     sample to skip."""
-
-
-# How often a standing set's replacement engine, while it starts, checks that its set still stands.
-STANDING_CHECK_S = 5.0
-
-
-class EngineRestartLimit(RuntimeError):
-    """An engine died after rollout.engine.max_restarts restarts were used up."""
 
 
 class PoisonRequest(RunFailed):
@@ -81,74 +63,36 @@ def model_vocab_size(model_path: str) -> int:
     return size
 
 
-def is_engine_death(error: BaseException) -> bool:
-    """A dead engine actor, or an engine whose SGLang server has exited."""
-    if isinstance(error, RayActorError):
-        return True
-    cause = getattr(error, "cause", None) if isinstance(error, RayTaskError) else error
-    return isinstance(cause, EngineDied)
-
-
-# Launches of one restart whose replacement dies before it is up (placed on a node being lost).
-RELAUNCHES_PER_RESTART = 3
-
-
-class EngineEvents(Protocol):
-    """What a RolloutManager reports while it runs (a run's answers: rlsys/run/events.py)."""
-
-    def engine_silent(self, index: int, why: str) -> None:
-        """Engine `index` stopped answering (`why`), before it is replaced."""
-
-    def engine_restarted(self, index: int) -> None:
-        """Engine `index` is back: bring it to the current weights and version before its
-        unfinished requests are issued again."""
-
-
 class RolloutManager:
-    """The engines behind one call. A dead engine is restarted in its placement slot (at most
-    `max_restarts` times over the run) and reported to `events` (`EngineEvents`)."""
+    """Generation over an engine fleet (`fleet`, rollout/fleet.py: the engines' lives): samples,
+    partial-rollout groups and multi-turn trajectories, each request dealt to the least busy
+    engine; a request whose engine died is issued again once the fleet has restarted it."""
 
-    def __init__(self, spec: ServerSpec, num_engines: int, log_dir: str, actor_options: list[dict],
-                 standing: StandingRecord | None = None, hangs_dir: str | None = None,
-                 events: EngineEvents | None = None):
-        self.spec = spec
-        self.log_dir = log_dir
-        self.hangs_dir = hangs_dir  # a silent engine's stacks go there before it is stopped
-        self.actor_options = actor_options
-        # A standing set's engines (rollout/standing.py): used, restarted in their named slots, never stopped.
-        self.standing = standing
-        self.max_restarts = spec.engine.max_restarts
-        self.restarts = 0
-        self.launched_after = [0] * num_engines  # per slot: self.restarts when its engine was started
-        self.vocab_size = model_vocab_size(spec.model.path)
-        self.events = events
-        if standing is None:
-            self.engines = [self._launch(index) for index in range(num_engines)]
-            # Servers start in the background; call wait_ready() before using them.
-            self._starting = [e.start.remote(spec.engine.startup_timeout_s) for e in self.engines]
-        else:
-            self.engines = [engine_handle(standing, index) for index in range(num_engines)]
-            self._starting = [e.address.remote() for e in self.engines]
-        self.addresses: list[EngineAddress] = []
+    def __init__(self, fleet: EngineFleet, vocab_size: int):
+        self.fleet = fleet
+        self.vocab_size = vocab_size  # the token ids an engine can be sent (model_vocab_size)
         self._loop = LoopThread()
-        self.dispatcher = Dispatcher(num_engines)
+        self.dispatcher = Dispatcher(len(fleet.engines))
         self.batcher = RequestBatcher(self._send)
+
+    @classmethod
+    def start(cls, spec: ServerSpec, num_engines: int, log_dir: str, actor_options: list[dict],
+              standing: StandingRecord | None = None, hangs_dir: str | None = None,
+              events: EngineEvents | None = None) -> RolloutManager:
+        """Engines started (or a standing set's found: `EngineFleet`) and generation over them."""
+        vocab_size = model_vocab_size(spec.model.path)
+        return cls(EngineFleet(spec, num_engines, log_dir, actor_options, standing, hangs_dir, events), vocab_size)
+
+    def shutdown(self) -> None:
+        """The fleet stopped (a standing set's left ready), then the request loop."""
+        self.fleet.shutdown()
+        self._loop.close()
 
     async def _send(self, index: int, prompts: list[list[int]], sampling: SamplingParams,
                     seeds: list[int | None]) -> list[Generation]:
-        return await self.engines[index].generate.remote(prompts, sampling, 1, None, seeds)
+        return await self.fleet.engines[index].generate.remote(prompts, sampling, 1, None, seeds)
 
-    def _launch(self, index: int):
-        if self.standing is not None:
-            return launch_engine(self.standing, index)
-        return ray.remote(RolloutEngine).options(max_concurrency=ENGINE_ACTOR_CONCURRENCY,
-                                                 **self.actor_options[index]).remote(
-            self.spec, f"engine-{index}", f"{self.log_dir}/engine_{index}.log", self.hangs_dir)
 
-    def wait_ready(self) -> list[EngineAddress]:
-        if not self.addresses:
-            self.addresses = ray.get(self._starting)
-        return self.addresses
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
                  recover: bool = True, images: list[tuple[bytes, ...]] | None = None,
@@ -161,10 +105,10 @@ class RolloutManager:
         sample_seeds_of = [sample_seeds(seed, n) for seed in (seeds or [None] * len(prompts))]
         for number, prompt in enumerate(prompts):
             self._refuse_out_of_vocabulary(prompt, f"prompt {number} of the batch")
-        chunks = split_into_chunks(len(prompts), len(self.engines))
+        chunks = split_into_chunks(len(prompts), len(self.fleet.engines))
         # Two runs in flight per engine: its server batches them, and the rest wait for whichever
         # engine frees up first.
-        limit = 2 * n * max(len(chunk) for chunk in chunks) if len(self.engines) > 1 else None
+        limit = 2 * n * max(len(chunk) for chunk in chunks) if len(self.fleet.engines) > 1 else None
         answers: dict[int, list[Generation]] = {}
         self._answer_all(
             list(range(len(chunks))),
@@ -183,7 +127,7 @@ class RolloutManager:
                             seeds: list[int | None] | None = None) -> list[Generation] | EngineCallFailed:
         async with self.dispatcher.engine(len(prompts) * n, limit) as index:
             try:
-                return await self.engines[index].generate.remote(prompts, sampling, n, images, seeds)
+                return await self.fleet.engines[index].generate.remote(prompts, sampling, n, images, seeds)
             except (RayActorError, RayTaskError) as error:
                 return EngineCallFailed(index, error)
 
@@ -263,7 +207,7 @@ class RolloutManager:
             if positions:
                 async with self.dispatcher.engine(len(positions)) as index:
                     try:
-                        answers = await self.engines[index].generate_each.remote(inputs, params,
+                        answers = await self.fleet.engines[index].generate_each.remote(inputs, params,
                                                                                  [seeds[k] for k in positions])
                     except (RayActorError, RayTaskError) as error:
                         return EngineCallFailed(index, error)
@@ -288,7 +232,7 @@ class RolloutManager:
         enough_waiter.cancel()
         while not requests.done():
             aborting = True
-            await _gather([_answer(engine.abort_all.remote()) for engine in self.engines])  # a dead one: ignored
+            await _gather([_answer(engine.abort_all.remote()) for engine in self.fleet.engines])  # a dead one: ignored
             await asyncio.wait([requests], timeout=0.5)
         return requests.result(), aborted
 
@@ -371,11 +315,11 @@ class RolloutManager:
     def _refuse_poison_requests(self, failed: dict[int, EngineCallFailed], died_with: dict[int, int],
                                 describe: Callable[[int], str]) -> None:
         """PoisonRequest when a request in `failed` killed an engine started after an earlier
-        engine death it was in flight at (`died_with`: request -> self.restarts at that death);
+        engine death it was in flight at (`died_with`: request -> self.fleet.restarts at that death);
         otherwise note the requests in flight at this death."""
         deaths = {key: failure for key, failure in failed.items() if is_engine_death(failure.error)}
         repeated = [key for key, failure in deaths.items()
-                    if key in died_with and self.launched_after[failure.index] > died_with[key]]
+                    if key in died_with and self.fleet.launched_after[failure.index] > died_with[key]]
         if repeated:
             failure = deaths[repeated[0]]
             others = f" (and {len(repeated) - 1} more requests in flight both times)" if len(repeated) > 1 else ""
@@ -383,10 +327,10 @@ class RolloutManager:
             raise PoisonRequest(
                 f"engine-{failure.index} died again just after its restart, with {describe(repeated[0])}{others} "
                 "in flight both times: that request, not the engine, is taken to be the cause, and it is not sent "
-                f"again (restarts used: {self.restarts} of {self.max_restarts}). The engine's error:\n"
+                f"again (restarts used: {self.fleet.restarts} of {self.fleet.max_restarts}). The engine's error:\n"
                 f"{type(cause).__name__}: {cause}"
             ) from failure.error
-        died_with.update({key: self.restarts for key in deaths})
+        died_with.update({key: self.fleet.restarts for key in deaths})
 
     def _recover_all(self, failures, recover: bool) -> None:
         """Restart each engine that died (once, after every request has ended: a restart re-syncs
@@ -395,7 +339,7 @@ class RolloutManager:
         for index, failure in by_engine.items():
             if not recover or not is_engine_death(failure.error):
                 raise failure.error
-            self.recover(index, failure.error)
+            self.fleet.recover(index, failure.error)
 
     @contextmanager
     def weights_updating(self):
@@ -406,177 +350,26 @@ class RolloutManager:
         finally:
             self._loop.submit(self.dispatcher.open_gate()).result()
 
-    def recover(self, index: int, error: BaseException) -> None:
-        """Restart engine `index` after `error` if that is what it was; otherwise re-raise."""
-        if not is_engine_death(error):
-            raise error
-        self.restart(index, f"{getattr(error, 'cause', None) or error}")
 
-    def restart(self, index: int, reason: str) -> None:
-        """A fresh engine in the dead one's slot, then `events.engine_restarted(index)`."""
-        if self.standing is not None and not set_stands(self.standing.name):
-            raise self._set_gone(index)  # `rlsys engines down --force` under this run: nothing to restart in
-        if self.restarts >= self.max_restarts:
-            raise EngineRestartLimit(
-                f"engine-{index} died and its {self.max_restarts} restarts (rollout.engine.max_restarts) are used "
-                f"up: {reason}"
-            )
-        node = f"node {self.addresses[index].host}: " if index < len(self.addresses) else ""
-        silent = self._silence(index)
-        logger.warning("engine-%d died; restarting it (%d of %d): %s%s", index, self.restarts + 1, self.max_restarts,
-                       node, f"stopped after {silent}" if silent else reason.splitlines()[0] if reason else "")
-        if silent and self.events is not None:
-            self.events.engine_silent(index, silent)
-        self.restarts += 1
-        self.launched_after[index] = self.restarts
-        self.stop_engine(self.engines[index])
-        self.addresses[index] = self._relaunch(index)
-        logger.info("engine-%d is back, on node %s", index, self.addresses[index].host)
-        if self.events is not None:
-            self.events.engine_restarted(index)
 
-    def _silence(self, index: int) -> str | None:
-        """Why engine `index`'s watchdog stopped its server (it stopped answering), if it did."""
-        try:
-            return ray.get(self.engines[index].silence.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - its actor is gone too: it did not go silent, it died
-            return None
 
-    def _relaunch(self, index: int) -> EngineAddress:
-        """A fresh engine in slot `index`'s placement: where the dead engine was, or, when that node
-        is gone, wherever Ray moved the bundle (a node with room for it). A lost node is declared
-        dead only after its missed heartbeats, well after its engine's actor died, so the first
-        replacement may be placed on it and be cancelled before it runs (ActorDiedError: "the actor's
-        node was terminated"); it is launched again, as part of the same restart, once Ray has moved
-        the bundle."""
-        for attempt in range(1, RELAUNCHES_PER_RESTART + 1):
-            self.engines[index] = self._launch(index)
-            spec = self.standing.spec if self.standing is not None else self.spec
-            try:
-                return self._started(index, self.engines[index].start.remote(spec.engine.startup_timeout_s))
-            except RayActorError as error:
-                if attempt == RELAUNCHES_PER_RESTART:
-                    raise
-                logger.info("engine-%d's replacement was lost before it was up (%s); launching it again", index,
-                            str(error).splitlines()[0])
-        raise AssertionError("unreachable")
 
-    def _started(self, index: int, start) -> EngineAddress:
-        """The address `start` (an engine's start call) returns. A standing set's engine is waited for
-        while its set stands: a set stopped under the run removes the placement the replacement
-        waits for, and it would wait for ever."""
-        if self.standing is None:
-            return ray.get(start)
-        while True:
-            ready, _ = ray.wait([start], timeout=STANDING_CHECK_S)
-            if ready:
-                return ray.get(start)
-            if not set_stands(self.standing.name):
-                ray.kill(self.engines[index])
-                raise self._set_gone(index)
 
-    def _set_gone(self, index: int) -> StandingSetGone:
-        return StandingSetGone(
-            f"the standing engines {self.standing.name!r} this run is attached to were stopped (`rlsys engines "
-            f"down --force`, or their Ray cluster went away): engine-{index} is gone with them; start them again "
-            f"(`rlsys engines up CONFIG --name {self.standing.name}`) and resume the run (--resume)")
 
-    def dead_engines(self) -> list[int]:
-        """Engines whose actor or server is gone (one quick round of health checks)."""
-        return [report["index"] for report in self.health() if not report["alive"]]
 
-    def server_processes(self, timeout_s: float = 10.0) -> list[tuple[int, int | None, str, str] | None]:
-        """Per engine: (index, server pid, node id, node address), None for an engine whose actor
-        does not answer within `timeout_s` (its actor answers while its server is stuck)."""
-        calls = [engine.process.remote() for engine in self.engines]
-        found = []
-        for index, call in enumerate(calls):
-            try:
-                found.append((index, *ray.get(call, timeout=timeout_s)))
-            except Exception:  # noqa: BLE001 - a dead or stuck actor: its stacks cannot be read
-                found.append(None)
-        return found
 
-    def score(self, sequences: list[list[int]], engine_index: int = 0) -> list[list[float]]:
-        return ray.get(self.engines[engine_index].score.remote(sequences))
 
-    def score_with_images(self, sequence: list[int], images: tuple[bytes, ...],
-                          engine_index: int = 0) -> tuple[list[int], list[float]]:
-        return ray.get(self.engines[engine_index].score_with_images.remote(sequence, images))
 
-    def health(self, timeout_s: float = 10.0) -> list[dict]:
-        """Per engine: alive, memory_bytes, url; a dead or unresponsive actor reads as not alive."""
-        reports = []
-        for index, engine in enumerate(self.engines):
-            try:
-                report = ray.get(engine.health.remote(), timeout=timeout_s)
-            except Exception as error:  # noqa: BLE001 - the actor itself may be gone
-                report = {"alive": False, "memory_bytes": None, "url": "", "error": str(error)[:200]}
-            reports.append({"index": index, **report})
-        return reports
 
-    def memory(self) -> list[dict]:
-        """Per engine: device bytes (None on CPU), host RSS of its processes, released regions."""
-        return self._on_every_engine("memory")
 
-    def release_memory(self, tags: list[str]) -> list[dict]:
-        """Every engine gives the tagged regions back to the device; their memory reports."""
-        return self._on_every_engine("release_memory", list(tags))
 
-    def resume_memory(self, tags: list[str]) -> list[dict]:
-        """Every engine takes back those of the tagged regions it had released."""
-        return self._on_every_engine("resume_memory", list(tags))
 
-    def _on_every_engine(self, method: str, *args) -> list:
-        """`method` on every engine; an engine found dead is restarted (brought up to date by
-        `events.engine_restarted`) and asked again."""
-        calls = [getattr(engine, method).remote(*args) for engine in self.engines]
-        answers = []
-        for index, call in enumerate(calls):
-            try:
-                answers.append(ray.get(call))
-            except (RayActorError, RayTaskError) as error:
-                self.recover(index, error)
-                answers.append(ray.get(getattr(self.engines[index], method).remote(*args)))
-        return answers
 
-    def restart_random_streams(self, seed: int) -> None:
-        """Every engine's sampling stream restarted at `seed` (a run attached to standing engines,
-        after its first weight push: its samples then follow from its seed alone)."""
-        self._on_every_engine("restart_random_stream", seed)
 
-    def end_abandoned_weight_updates(self) -> list[bool]:
-        """After a trainer rank died mid-sync: close the weight-update session it left open."""
-        return self._on_every_engine("end_abandoned_weight_update")
 
-    def weight_versions(self) -> list[int]:
-        return ray.get([e.weight_version.remote() for e in self.engines])
 
-    @staticmethod
-    def stop_engine(engine) -> None:
-        try:
-            ray.get(engine.shutdown.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - kill the actor even if its server is already gone
-            pass
-        ray.kill(engine)
 
-    def shutdown(self) -> None:
-        """Stop the engines; a standing set's are left running and ready for the next run instead."""
-        if self.standing is not None:
-            self._leave_ready()
-        else:
-            for engine in self.engines:
-                self.stop_engine(engine)
-        self.engines = []
-        self._loop.close()
 
-    def _leave_ready(self) -> None:
-        for index, engine in enumerate(self.engines):
-            try:
-                ray.get(engine.make_ready.remote(), timeout=60)
-            except Exception as error:  # noqa: BLE001 - a dead one is restarted by the next run that attaches
-                logger.warning("standing engine-%d could not be left ready: %s", index,
-                               str(getattr(error, "cause", None) or error).splitlines()[0])
 
 
 def _user_code_line(error: BaseException) -> str:

@@ -1,6 +1,6 @@
 """Partial rollouts: groups whose samples may stop part-way (an abort) and continue later.
 
-A step of `rollout.partial_rollouts` stops generating once it has the groups it needs and aborts
+A step of `rollout.mode: partial` stops generating once it has the groups it needs and aborts
 the rest on the engines; each aborted sample keeps its tokens and log-probs, and the next round
 continues it from prompt + tokens so far, with whatever weights the engines then hold. So one
 response can hold tokens of several weight versions: `Generation.token_versions` says which

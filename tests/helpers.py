@@ -160,15 +160,15 @@ def standing_rollout(name: str, log_dir: Path):
 
     record = ray.get(service(name).record.remote())
     lease = Lease.take(name, "test", str(log_dir))
-    rollout = RolloutManager(record.spec, record.topology.num_engines, str(log_dir), [], standing=record)
+    rollout = RolloutManager.start(record.spec, record.topology.num_engines, str(log_dir), [], standing=record)
     try:
-        rollout.wait_ready()
-        ray.get([engine.make_ready.remote() for engine in rollout.engines])
-        ray.get([engine.load_weights_from_disk.remote(record.model_path, 0) for engine in rollout.engines])
+        rollout.fleet.wait_ready()
+        ray.get([engine.make_ready.remote() for engine in rollout.fleet.engines])
+        ray.get([engine.load_weights_from_disk.remote(record.model_path, 0) for engine in rollout.fleet.engines])
         yield rollout
     finally:
         if revive_dead_engines(record):
-            rollout.engines = [engine_handle(record, index) for index in range(len(rollout.engines))]
+            rollout.fleet.engines = [engine_handle(record, index) for index in range(len(rollout.fleet.engines))]
         rollout.shutdown()
         lease.release()
 

@@ -47,7 +47,7 @@ class CoordinatorState:
     data_epoch: int
     data_index: int
     python_random_state: list | None = None
-    # rollout.partial_rollouts: the groups in flight after step `next_step - 1` (rollout/partial.py's
+    # rollout.mode partial: the groups in flight after step `next_step - 1` (rollout/partial.py's
     # JSON form), set when a checkpoint is taken
     partial_groups: list | None = None
 
@@ -204,7 +204,7 @@ class Checkpointer:
         self.interval = interval
         self.total_steps = total_steps
         self.parts = parts  # the trainer group may be replaced (auto-resume): looked up at save time
-        # rollout.partial_rollouts: the groups in flight, serialised only when a checkpoint is taken
+        # rollout.mode partial: the groups in flight, serialised only when a checkpoint is taken
         # (they can hold many tokens: not every step)
         self.partial_groups = partial_groups
 

@@ -79,18 +79,18 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
         logger.info("placement.env of the trainer ranks and engine servers: %s",
                     " ".join(f"{name}={value}" for name, value in sorted(config.placement.env.items())))
     server = server_spec(config, topology, parts.cpu_sharers[1])
-    parts.rollout = RolloutManager(server, topology.num_engines, str(run_dir / "logs"),
+    parts.rollout = RolloutManager.start(server, topology.num_engines, str(run_dir / "logs"),
                                    parts.placement.engine_options(), standing=attached.record if attached else None,
                                    hangs_dir=str(run_dir / "hangs"), events=events)
     if topology.engines_start_first:
-        parts.rollout.wait_ready()
+        parts.rollout.fleet.wait_ready()
     parts.trainer = _trainer_group(config, parts, partial(judge_memory_plan, config, topology, nodes))
     ranks = parts.trainer.describe()
     logger.info(f"trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
                 f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads "
                 f"each{'' if ranks['context_parallel'] == 'off' else ', context parallel: ' + ranks['context_parallel']})"
                 f" ready after {time.perf_counter() - start:.1f} s")
-    parts.topology = topology.with_engines(parts.rollout.wait_ready())
+    parts.topology = topology.with_engines(parts.rollout.fleet.wait_ready())
     logger.info("%d SGLang engine(s) ready after %.1f s", topology.num_engines, time.perf_counter() - start)
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
     parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
@@ -101,7 +101,7 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
 def _trainer_group(config: RunConfig, parts: Components,
                    judge_model: Callable[[ModelShape], None] | None = None) -> TrainerGroup:
     spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
-    standing = parts.rollout.standing if parts.rollout is not None else None
+    standing = parts.rollout.fleet.standing if parts.rollout is not None else None
     if standing is not None and standing.warm_trainers:  # the ranks the set keeps (actors/warm_ranks.py)
         return warm_trainer_group(standing.name, spec, parts.topology.num_ranks, parts.placement.trainer_options(),
                                   trainer_env(config), judge_model, parts.events)
@@ -125,7 +125,7 @@ def restart_trainers(config: RunConfig, parts: Components) -> None:
 def bring_engines_up_to_date(config: RunConfig, parts: Components, weight_version: int) -> None:
     """After an engine restart: reconnect the trainer ranks to the engines' new addresses and
     push the trainer's weights with `weight_version` (waking a sleeping trainer for it)."""
-    parts.topology = parts.topology.with_engines(parts.rollout.addresses)
+    parts.topology = parts.topology.with_engines(parts.rollout.fleet.addresses)
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
     asleep = parts.trainer.asleep
     if asleep:
@@ -144,11 +144,11 @@ def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> d
             cause = str(getattr(error, "cause", None) or error).strip().splitlines()
             parts.events.collect_stacks(f"weight sync to version {weight_version} failed: "
                                         f"{cause[-1] if cause else error}")
-        dead = parts.rollout.dead_engines()
+        dead = parts.rollout.fleet.dead_engines()
         if not dead:
             raise
         for index in dead:
-            parts.rollout.restart(index, f"it died during a weight sync: {getattr(error, 'cause', None) or error}")
+            parts.rollout.fleet.restart(index, f"it died during a weight sync: {getattr(error, 'cause', None) or error}")
         return push_weights(config, parts, weight_version)
 
 
@@ -166,7 +166,7 @@ def push_weights(config: RunConfig, parts: Components, weight_version: int) -> d
     if config.weight_sync.verify:
         # The probes need the engines' KV cache: back beside the awake trainer (a debugging aid,
         # it costs the memory that the hand-off otherwise saves).
-        parts.rollout.resume_memory(list(ALL_REGIONS))
+        parts.rollout.fleet.resume_memory(list(ALL_REGIONS))
         verify_engine_weights(parts.trainer, parts.rollout, weight_version, config.weight_sync.verify_tolerance,
                               config.seed, config.model.dtype, model_depth(config.model.path),
                               ImageProbe.of(config.model.path))
@@ -176,11 +176,11 @@ def push_weights(config: RunConfig, parts: Components, weight_version: int) -> d
 def restore(config: RunConfig, parts: Components, checkpoint: Path | None) -> CoordinatorState:
     """Load the trainer from `checkpoint` and bring the engines to the same weights and version."""
     if checkpoint is None:
-        if parts.rollout.standing is not None:
+        if parts.rollout.fleet.standing is not None:
             # Standing engines hold whatever the last run left: this run's weights, as version 0,
             # and its seed's random stream (else what it samples depends on the runs before it).
             push_weights(config, parts, 0)
-            parts.rollout.restart_random_streams(config.seed)
+            parts.rollout.fleet.restart_random_streams(config.seed)
         return CoordinatorState(next_step=0, weight_version=0, data_epoch=0, data_index=0)
     state = CheckpointStore.load_state(checkpoint)
     parts.trainer.load_checkpoint(str(checkpoint))

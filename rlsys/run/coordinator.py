@@ -58,7 +58,7 @@ def train_loop(run: Run) -> None:
             row.update(batches.metrics(batch, state.weight_version))
             state.finish_step(step, *batch.end)  # an in-flight next batch is generated again after a resume
             row.update(_rollout_metrics(batch.generations), synced_weight_version=state.weight_version,
-                       engine_restarts=parts.rollout.restarts, trainer_restarts=run.trainer_restarts)
+                       engine_restarts=parts.rollout.fleet.restarts, trainer_restarts=run.trainer_restarts)
             if run.checkpointer.due(state.next_step, run.status.take_checkpoint_request(), run.status.stop_requested,
                                     last_step):
                 with run.phase(row, "checkpointing", "checkpoint"):

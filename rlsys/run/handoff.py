@@ -91,10 +91,10 @@ class DeviceHandoff:
         if not self.enabled:
             return
         self.step = row.get("step", self.step)  # the later turns of this step are recorded under it
-        serving = self.rollout.memory()
+        serving = self.rollout.fleet.memory()
         row["memory_engine_serving_bytes"] = _engines_held(serving)
         row["memory_engine_releasable_bytes"] = _engines_releasable(serving)
-        released = self.rollout.release_memory(list(ALL_REGIONS))
+        released = self.rollout.fleet.release_memory(list(ALL_REGIONS))
         row["memory_engine_released_bytes"] = _engines_held(released)
         self._record("engines_release", row, engines=released)
         report = self.trainer.wake_up()
@@ -108,7 +108,7 @@ class DeviceHandoff:
         otherwise keep the step's activations and gradients reserved beside them)."""
         if self.enabled:
             self._record("trainer_release_cache", row, trainer=self.trainer.release_cached_memory())
-            self._record("engines_resume_weights", row, engines=self.rollout.resume_memory([WEIGHTS]))
+            self._record("engines_resume_weights", row, engines=self.rollout.fleet.resume_memory([WEIGHTS]))
 
     def to_engines(self, row: dict) -> None:
         """Trainer sleeps and empties its cache, then the engines take everything back."""
@@ -117,7 +117,7 @@ class DeviceHandoff:
         report = self.trainer.sleep()
         row["memory_trainer_asleep_bytes"] = report["held_bytes"]
         self._record("trainer_sleep", row, trainer=report)
-        self._record("engines_resume_all", row, engines=self.rollout.resume_memory(list(ALL_REGIONS)))
+        self._record("engines_resume_all", row, engines=self.rollout.fleet.resume_memory(list(ALL_REGIONS)))
 
     def _record(self, event: str, row: dict | None, engines: list[dict] | None = None,
                 trainer: dict | None = None) -> None:

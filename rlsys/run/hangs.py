@@ -38,7 +38,7 @@ class HangReporter:
             refs += [ProcessRef(f"trainer rank {rank}", pid, node_id, address, answers_signal=True)
                      for rank, (pid, node_id, address) in enumerate(self.parts.trainer.processes)]
         if self.parts.rollout is not None:
-            for engine in self.parts.rollout.server_processes():
+            for engine in self.parts.rollout.fleet.server_processes():
                 if engine is not None and engine[1] is not None:
                     index, pid, node_id, address = engine
                     refs.append(ProcessRef(f"engine-{index}", pid, node_id, address, with_children=True))

@@ -26,7 +26,7 @@ from rlsys.observability.metrics import MetricsLog
 from rlsys.observability.status.state import RunStatus
 from rlsys.observability.tracking import Trackers, check_backends_installed
 from rlsys.rewards.pool import make_reward_scorer
-from rlsys.rollout.manager import EngineRestartLimit
+from rlsys.rollout.fleet import EngineRestartLimit
 from rlsys.run.absolute_paths import default_run_dir, with_absolute_paths
 from rlsys.run.assets import RunAssets, load_assets, refuse_incompatible_checkpoint
 from rlsys.run.checkpointing import Checkpointer, CheckpointStore, CoordinatorState, checkpoint_to_resume, disk_full_failure
@@ -83,7 +83,7 @@ def _train_resuming_dead_trainers(run: Run, store: CheckpointStore) -> None:
                                run.config.checkpoint.max_auto_resumes)
             # A rank killed between /begin_weight_update and /end_weight_update leaves the engines'
             # session open, and they would refuse the next sync.
-            run.parts.rollout.end_abandoned_weight_updates()
+            run.parts.rollout.fleet.end_abandoned_weight_updates()
             restart_trainers(run.config, run.parts)
             logger.info("trainer ranks are back, on node(s) %s", ", ".join(sorted(set(run.parts.trainer.nodes))))
             run.continue_from(checkpoint)

@@ -31,7 +31,7 @@ def collect_actor_health(trainer, rollout) -> list[ActorHealth]:
         ActorHealth(name=f"engine-{e['index']}", kind="engine", alive=e["alive"],
                     last_heartbeat=now if e["alive"] else None, memory_bytes=e["memory_bytes"],
                     detail=e.get("error", e.get("url", "")))
-        for e in rollout.health()
+        for e in rollout.fleet.health()
     ]
     return actors
 

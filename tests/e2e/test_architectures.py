@@ -65,7 +65,7 @@ def served(ray_cluster, tmp_path_factory):
 
 def _engine_gap(rollout: RolloutManager, trainer: TrainerGroup) -> float:
     expected = trainer.compute_log_probs([TrainSequence(tokens, prompt_len=1) for tokens in FIXED])
-    served = rollout.score(FIXED, engine_index=0)
+    served = rollout.fleet.score(FIXED, engine_index=0)
     return max(abs(x - y) for a, b in zip(served, expected, strict=True) for x, y in zip(a, b, strict=True))
 
 
@@ -80,7 +80,7 @@ def test_one_engine_serves_what_two_sharded_ranks_hold_through_both_transports(a
             for version, mode in enumerate(("colocated", "disaggregated"), start=1):
                 trainer.train_step(random_sequences(version, count=16, vocab=80))
                 assert _engine_gap(rollout, trainer) > 10 * BOUND  # the engine still serves the old weights
-                topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
+                topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.fleet.addresses)
                 trainer.connect_engines(topology, timeout_s=60)
                 trainer.sync_weights(16 * 2**20, weight_version=version)
                 assert _engine_gap(rollout, trainer) < BOUND, f"{arch}, {mode} sync"

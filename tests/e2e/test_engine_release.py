@@ -19,7 +19,7 @@ TOKENS = 48  # 64 samples x 48 tokens: seconds of decoding on these CPUs, the re
 def test_a_release_sent_while_a_generation_decodes_waits_for_it_and_the_engine_serves_on(quickstart_engines,
                                                                                           tmp_path):
     with standing_rollout("quickstart", tmp_path) as rollout:
-        engine, client = rollout.engines[0], SGLangClient(rollout.addresses[0])
+        engine, client = rollout.fleet.engines[0], SGLangClient(rollout.fleet.addresses[0])
         sampling = SamplingParams(temperature=1.0, max_new_tokens=TOKENS, ignore_eos=True)
         decoding = engine.generate.remote([[5, 9, 14, 3], [40, 41, 42, 6]], sampling, 32)
         deadline = time.monotonic() + 60

@@ -248,19 +248,19 @@ def test_a_request_that_kills_its_freshly_restarted_engine_is_not_sent_again(qui
     from rlsys.rollout.manager import PoisonRequest
 
     with standing_rollout("quickstart", tmp_path) as rollout:
-        assert rollout.max_restarts == 3
+        assert rollout.fleet.max_restarts == 3
         # SGLang pads its embedding to a multiple of 64 rows: an id past the padding too
         past_the_embedding = rollout.vocab_size + 500
         rollout.vocab_size += 1000
         with pytest.raises(PoisonRequest) as error:
             rollout.generate([[5, 9, past_the_embedding]], SamplingParams(max_new_tokens=2), n=1)
-        assert rollout.restarts == 1
+        assert rollout.fleet.restarts == 1
         message = str(error.value)
         assert message.startswith("engine-0 died again just after its restart, with prompts 0..0 of the batch (the "
                                   f"first's token ids begin [5, 9, {past_the_embedding}]) in flight both times: that "
                                   "request, not the engine, is taken to be the cause, and it is not sent again "
                                   "(restarts used: 1 of 3)")
-        assert "IndexError" in (Path(rollout.standing.log_dir) / "engine_0.log").read_text()  # what killed it
+        assert "IndexError" in (Path(rollout.fleet.standing.log_dir) / "engine_0.log").read_text()  # what killed it
 
 
 @pytest.mark.own_engines
@@ -275,7 +275,7 @@ def test_a_replacement_engine_lost_before_it_is_up_is_launched_again_in_the_same
     from rlsys.records import SamplingParams
 
     with standing_rollout("quickstart", tmp_path) as rollout:  # the set's slot takes the replacements
-        launch, launched = rollout._launch, []
+        launch, launched = rollout.fleet._launch, []
 
         def first_one_lost(index):
             actor = launch(index)
@@ -284,9 +284,9 @@ def test_a_replacement_engine_lost_before_it_is_up_is_launched_again_in_the_same
                 ray.kill(actor)  # gone before its start() answers, as on a node being declared dead
             return actor
 
-        monkeypatch.setattr(rollout, "_launch", first_one_lost)
-        ray.kill(rollout.engines[0])
-        rollout.restart(0, "its node was lost")
-        assert len(launched) == 2 and rollout.restarts == 1
+        monkeypatch.setattr(rollout.fleet, "_launch", first_one_lost)
+        ray.kill(rollout.fleet.engines[0])
+        rollout.fleet.restart(0, "its node was lost")
+        assert len(launched) == 2 and rollout.fleet.restarts == 1
         generations = rollout.generate([[5, 9, 14]], SamplingParams(max_new_tokens=2, ignore_eos=True), n=2)
         assert [len(g.response_ids) for g in generations] == [2, 2]

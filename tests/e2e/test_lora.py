@@ -46,7 +46,7 @@ def test_adapters_train_the_base_stays_and_the_engine_serves_the_merged_weights(
             adapters = [name for name in before if ".lora_" in name]
             assert len(adapters) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 decoder layers
             assert all(not before[name].any() for name in adapters if ".lora_B." in name)  # the policy starts as the base
-            served = rollout.score(FIXED, engine_index=0)  # the engine serves the checkpoint: the base
+            served = rollout.fleet.score(FIXED, engine_index=0)  # the engine serves the checkpoint: the base
             assert _gap(served, trainer.compute_log_probs(fixed)) < BOUND
 
             for version, mode in enumerate(("colocated", "disaggregated"), start=1):
@@ -60,10 +60,10 @@ def test_adapters_train_the_base_stays_and_the_engine_serves_the_merged_weights(
                 if version == 1:
                     assert _gap(served, trainer.compute_log_probs(fixed, reference=True)) < BOUND
                     assert _gap(served, trainer.compute_log_probs(fixed)) > 10 * BOUND
-                topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.addresses)
+                topology = Topology(mode, 2, 1, 1, has_gpu=False, trainers_sleep=False).with_engines(rollout.fleet.addresses)
                 trainer.connect_engines(topology, timeout_s=60)
                 trainer.sync_weights(16 * 2**10, weight_version=version)  # 16 KiB: buckets smaller than some weights
-                assert _gap(rollout.score(FIXED, engine_index=0), trainer.compute_log_probs(fixed)) < BOUND, mode
+                assert _gap(rollout.fleet.score(FIXED, engine_index=0), trainer.compute_log_probs(fixed)) < BOUND, mode
                 assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
     finally:
         trainer.shutdown()

@@ -27,7 +27,7 @@ def test_a_seeded_sample_draws_the_same_tokens_whatever_the_engine_drew_before_a
         together = _tokens(rollout.generate(PROMPTS, SAMPLING, N, seeds=seeds))
         assert all(len(tokens) == 8 for tokens in together)
 
-        rollout.restart_random_streams(12345)  # another state of the engine's own generator
+        rollout.fleet.restart_random_streams(12345)  # another state of the engine's own generator
         rollout.generate(PROMPTS, SAMPLING, N)  # and unseeded draws from it in between
         alone = [tokens for prompt, seed in zip(PROMPTS, seeds, strict=True)
                  for tokens in _tokens(rollout.generate([prompt], SAMPLING, N, seeds=[seed]))]
@@ -35,7 +35,7 @@ def test_a_seeded_sample_draws_the_same_tokens_whatever_the_engine_drew_before_a
 
         # reversed, and beside greedy requests (SGLang: top_k=1 for the whole batch's path) and
         # unseeded ones, in one engine request
-        engine = rollout.engines[0]
+        engine = rollout.fleet.engines[0]
         rows = [prompt for prompt in PROMPTS for _ in range(N)]
         row_seeds = [seed for prompt_seed in seeds for seed in sample_seeds(prompt_seed, N)]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)

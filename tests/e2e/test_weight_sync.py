@@ -37,16 +37,16 @@ def _topology(mode: str, engines: list[EngineAddress], num_ranks: int = 2) -> To
 
 def _engines_match_trainer(rollout, trainer) -> list[float]:
     expected = trainer.compute_log_probs([TrainSequence(tokens, prompt_len=1) for tokens in FIXED])
-    return [_max_diff(rollout.score(FIXED, engine_index=i), expected) for i in range(len(rollout.engines))]
+    return [_max_diff(rollout.fleet.score(FIXED, engine_index=i), expected) for i in range(len(rollout.fleet.engines))]
 
 
 @pytest.fixture(scope="module")
 def two_engines_two_ranks(ray_cluster, tiny_model_dir, tmp_path_factory):
     engine = EngineConfig(skip_tokenizer_init=True, context_length=64, max_total_tokens=4096, request_timeout_s=120)
     spec = ServerSpec(ModelConfig(path=str(tiny_model_dir)), engine)
-    rollout = RolloutManager(spec, 2, str(tmp_path_factory.mktemp("logs")), [{"num_cpus": 1}] * 2)
+    rollout = RolloutManager.start(spec, 2, str(tmp_path_factory.mktemp("logs")), [{"num_cpus": 1}] * 2)
     trainer = TrainerGroup(trainer_spec(tiny_model_dir, lr=1e-2), num_ranks=2)
-    rollout.wait_ready()
+    rollout.fleet.wait_ready()
     yield rollout, trainer
     rollout.shutdown()
     trainer.shutdown()
@@ -55,17 +55,17 @@ def two_engines_two_ranks(ray_cluster, tiny_model_dir, tmp_path_factory):
 def test_colocated_sync_puts_trainer_weights_on_every_engine(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
     assert max(_engines_match_trainer(rollout, trainer)) < 1e-3  # same initial weights
-    assert rollout.weight_versions() == [0, 0]
+    assert rollout.fleet.weight_versions() == [0, 0]
 
     trainer.train_step(_batch(0))
     assert min(_engines_match_trainer(rollout, trainer)) > 1e-2  # engines still hold the old weights
     with pytest.raises(WeightSyncMismatch, match="weight versions"):
         verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0)
 
-    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)  # rank i -> engine i
+    trainer.connect_engines(_topology("colocated", rollout.fleet.addresses), timeout_s=60)  # rank i -> engine i
     trainer.sync_weights(16 * 2**20, weight_version=1)
     assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
-    assert rollout.weight_versions() == [1, 1]
+    assert rollout.fleet.weight_versions() == [1, 1]
     assert verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0) < 1e-3
     generations = rollout.generate([FIXED[0][:3], FIXED[1][:3]], SamplingParams(max_new_tokens=6, ignore_eos=True), n=2)
     assert [g.weight_version for g in generations] == [1, 1, 1, 1]
@@ -74,7 +74,7 @@ def test_colocated_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
 
 def test_bucket_smaller_than_largest_tensor_still_syncs_pipelined_or_serial(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
-    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)
+    trainer.connect_engines(_topology("colocated", rollout.fleet.addresses), timeout_s=60)
     for version, pipelined in [(2, True), (3, False)]:
         trainer.train_step(_batch(version))
         assert min(_engines_match_trainer(rollout, trainer)) > 1e-2
@@ -83,12 +83,12 @@ def test_bucket_smaller_than_largest_tensor_still_syncs_pipelined_or_serial(two_
         assert [rank["gathered_by"] for rank in stats] == ["all_gather"] * 2  # each rank feeds an engine
         assert stats[0]["pipelined"] is pipelined
         assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
-        assert rollout.weight_versions() == [version, version]
+        assert rollout.fleet.weight_versions() == [version, version]
 
 
 def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
-    trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=60)
+    trainer.connect_engines(_topology("disaggregated", rollout.fleet.addresses), timeout_s=60)
     for version, bucket_bytes, pipelined in [(4, 16 * 2**20, True), (5, 4096, True), (6, 4096, False)]:
         trainer.train_step(_batch(version))
         assert min(_engines_match_trainer(rollout, trainer)) > 1e-2
@@ -96,12 +96,12 @@ def test_broadcast_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
         assert stats[0]["bytes"] > 0 and stats[1]["bytes"] == 0  # only rank 0 sends
         assert [rank["gathered_by"] for rank in stats] == ["point_to_point"] * 2  # shards to rank 0 by gloo
         assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
-        assert rollout.weight_versions() == [version, version]
+        assert rollout.fleet.weight_versions() == [version, version]
 
 
 def test_single_engine_sync_gathers_to_rank_zero_only(two_engines_two_ranks):
     rollout, trainer = two_engines_two_ranks
-    trainer.connect_engines(_topology("colocated", rollout.addresses[:1]), timeout_s=60)  # engine 1 unfed
+    trainer.connect_engines(_topology("colocated", rollout.fleet.addresses[:1]), timeout_s=60)  # engine 1 unfed
     for version, pipelined in [(7, True), (8, False)]:
         trainer.train_step(_batch(version))
         before = _engines_match_trainer(rollout, trainer)
@@ -113,7 +113,7 @@ def test_single_engine_sync_gathers_to_rank_zero_only(two_engines_two_ranks):
         after = _engines_match_trainer(rollout, trainer)
         assert after[0] < 1e-3  # engine 0 got every tensor, bucket by bucket
         assert after[1] == pytest.approx(before[1]) and after[1] > 1e-2  # engine 1 was not touched
-        assert rollout.weight_versions()[0] == version
+        assert rollout.fleet.weight_versions()[0] == version
 
 
 def test_an_engine_nobody_answers_at_is_named_when_the_trainer_connects(ray_cluster, tiny_model_dir):
@@ -136,14 +136,14 @@ def test_a_session_left_open_by_a_dead_trainer_is_closed_and_the_next_sync_goes_
     from rlsys.rollout.sglang.client import SGLangClient
 
     rollout, trainer = two_engines_two_ranks
-    for address in rollout.addresses:
+    for address in rollout.fleet.addresses:
         SGLangClient(address).begin_weight_update()  # what the dead rank got as far as
-    assert rollout.end_abandoned_weight_updates() == [True, True]
-    assert rollout.end_abandoned_weight_updates() == [False, False]  # nothing open: nothing to close
-    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)
-    version = max(rollout.weight_versions()) + 1
+    assert rollout.fleet.end_abandoned_weight_updates() == [True, True]
+    assert rollout.fleet.end_abandoned_weight_updates() == [False, False]  # nothing open: nothing to close
+    trainer.connect_engines(_topology("colocated", rollout.fleet.addresses), timeout_s=60)
+    version = max(rollout.fleet.weight_versions()) + 1
     trainer.sync_weights(16 * 2**20, weight_version=version)
-    assert rollout.weight_versions() == [version, version]
+    assert rollout.fleet.weight_versions() == [version, version]
 
 
 def test_partial_rollouts_continue_aborted_samples_token_by_token_with_the_new_weights(two_engines_two_ranks):
@@ -155,8 +155,8 @@ def test_partial_rollouts_continue_aborted_samples_token_by_token_with_the_new_w
     from rlsys.rollout.partial import GroupInFlight
 
     rollout, trainer = two_engines_two_ranks
-    trainer.connect_engines(_topology("colocated", rollout.addresses), timeout_s=60)
-    old = max(rollout.weight_versions())
+    trainer.connect_engines(_topology("colocated", rollout.fleet.addresses), timeout_s=60)
+    old = max(rollout.fleet.weight_versions())
     # About one token in 20 ends a response: lengths long-tailed, some up to max_new_tokens (a long
     # window to abort in, still clear of the engine's context of 64 tokens, which ends one earlier).
     limit = 50
@@ -181,7 +181,7 @@ def test_partial_rollouts_continue_aborted_samples_token_by_token_with_the_new_w
         assert len(sample.response_ids) < limit and sample.response_ids[-1] not in sampling.stop_token_ids
         assert sample.token_versions == [old] * len(sample.response_ids)
         prompt = groups[g].prompt.token_ids
-        scored = rollout.score([prompt + sample.response_ids])[0][len(prompt) - 1:]
+        scored = rollout.fleet.score([prompt + sample.response_ids])[0][len(prompt) - 1:]
         assert _max_diff([scored], [sample.logprobs]) < 1e-3
 
     trainer.train_step(_batch(20))
@@ -199,7 +199,7 @@ def test_partial_rollouts_continue_aborted_samples_token_by_token_with_the_new_w
             assert sample.response_ids[:kept] == cut[g, k].response_ids and len(sample.response_ids) > kept
             assert sample.token_versions == [old] * kept + [old + 1] * (len(sample.response_ids) - kept)
             assert sample.weight_version == old
-            scored = rollout.score([prompt + sample.response_ids])[0][len(prompt) - 1:]
+            scored = rollout.fleet.score([prompt + sample.response_ids])[0][len(prompt) - 1:]
             assert _max_diff([scored[kept:]], [sample.logprobs[kept:]]) < 1e-3  # the new tokens: new weights'
 
 
@@ -229,8 +229,8 @@ def test_broadcast_to_a_stopped_engine_fails_within_the_timeout_naming_it(two_en
     from rlsys.run.hangs import HangReporter
 
     rollout, trainer = two_engines_two_ranks
-    trainer.connect_engines(_topology("disaggregated", rollout.addresses), timeout_s=5)
-    frozen = _server_processes(rollout.addresses[1].url)
+    trainer.connect_engines(_topology("disaggregated", rollout.fleet.addresses), timeout_s=5)
+    frozen = _server_processes(rollout.fleet.addresses[1].url)
     for process in frozen:
         process.suspend()
     start = time.monotonic()

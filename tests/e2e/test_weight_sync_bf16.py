@@ -30,11 +30,11 @@ def test_a_bf16_engine_receives_bf16_buckets_and_matches_the_trainer(bf16_engine
             for version, mode in [(1, "colocated"), (2, "disaggregated")]:
                 trainer.train_step(_batch(version))
                 assert min(_engines_match_trainer(rollout, trainer)) > 5e-2  # the engine holds older weights
-                trainer.connect_engines(_topology(mode, rollout.addresses), timeout_s=60)
+                trainer.connect_engines(_topology(mode, rollout.fleet.addresses), timeout_s=60)
                 stats = trainer.sync_weights(16 * 2**20, weight_version=version)
                 assert stats[0]["bytes"] <= fp32_bytes // 2 + 64 * stats[0]["buckets"]  # bf16 on the wire
                 assert max(_engines_match_trainer(rollout, trainer)) < 5e-2  # bf16 rounding of this 2-layer model
-                assert rollout.weight_versions() == [version]
+                assert rollout.fleet.weight_versions() == [version]
     finally:
         trainer.shutdown()
 
@@ -66,7 +66,7 @@ def test_verify_passes_a_bf16_engine_and_names_a_stale_or_missing_tensor(bf16_en
 
     try:
         with standing_rollout("bf16", tmp_path) as rollout:
-            trainer.connect_engines(_topology("colocated", rollout.addresses, num_ranks=1), timeout_s=60)
+            trainer.connect_engines(_topology("colocated", rollout.fleet.addresses, num_ranks=1), timeout_s=60)
             sync_with(1)
             good = verify_engine_weights(trainer, rollout, 1, **check)
             bound = rounding_tolerance("bfloat16", check["num_layers"], _mean_abs_probe_logprob(trainer))

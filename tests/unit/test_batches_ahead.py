@@ -18,7 +18,7 @@ from rlsys.algorithms.samples import ScoredBatch
 from rlsys.algorithms.shaping import drop_stale_groups
 from rlsys.data.datasets import PromptSampler
 from rlsys.records import EncodedPrompt, Generation, PromptRecord, Sample
-from rlsys.rollout.manager import EngineCallFailed
+from rlsys.rollout.fleet import EngineCallFailed
 from rlsys.run import batches
 from rlsys.run.batches import StepBatch
 from rlsys.run.rollout_modes import ahead as ahead_module

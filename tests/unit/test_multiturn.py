@@ -167,14 +167,12 @@ def test_a_generate_function_that_raises_stops_the_run_with_its_traceback():
     """Not a ToolError: a bug in the function, reported with the prompt and the traceback (the
     manager is built without engines: the function fails before it calls one)."""
     from rlsys.errors import RunFailed
-    from rlsys.rollout.dispatch import Dispatcher, LoopThread
     from rlsys.rollout.manager import GenerateFunctionError, RolloutManager
 
     async def buggy(prompt, ctx):
         return {"tokens": []}["missing"]
 
-    manager = RolloutManager.__new__(RolloutManager)
-    manager._loop, manager.dispatcher, manager.engines = LoopThread(), Dispatcher(1), []
+    manager = RolloutManager(_no_engines(), vocab_size=64)
     try:
         prompt = EncodedPrompt(PromptRecord("4 7 2>", "2"), [1, 2])
         with pytest.raises(GenerateFunctionError, match="(?s)raised on prompt '4 7 2>'.*KeyError: 'missing'") as error:
@@ -213,15 +211,13 @@ def test_a_generate_function_that_sends_an_out_of_vocabulary_id_stops_the_run_na
     the check would fail differently), with the function's path, the id, its position and the
     function's line."""
     from rlsys.errors import RunFailed
-    from rlsys.rollout.dispatch import Dispatcher, LoopThread
     from rlsys.rollout.manager import GenerateFunctionError, RolloutManager
 
     async def appends_a_bad_id(prompt, ctx):
         ctx.append([ctx.tokenizer.convert_tokens_to_ids("7"), 97])
         await ctx.generate()
 
-    manager = RolloutManager.__new__(RolloutManager)
-    manager._loop, manager.dispatcher, manager.engines, manager.vocab_size = LoopThread(), Dispatcher(1), [], 97
+    manager = RolloutManager(_no_engines(), vocab_size=97)
     try:
         prompt = EncodedPrompt(PromptRecord("4 7 2>", "2"), [1, 2])
         with pytest.raises(GenerateFunctionError) as error:
@@ -242,9 +238,20 @@ def test_prompt_token_ids_outside_the_vocabulary_never_reach_an_engine():
     from rlsys.errors import RunFailed
     from rlsys.rollout.manager import RolloutManager
 
-    manager = RolloutManager.__new__(RolloutManager)
-    manager.engines, manager.vocab_size = [], 50
-    with pytest.raises(RunFailed, match=r"prompt 1 of the batch: token id 50 at position 0 of 2 input_ids is outside "
-                                        r"the model's vocabulary .*the tokenizer \(model.tokenizer_path\) does not "
-                                        r"match the model"):
-        manager.generate([[1, 2], [50, 3]], SamplingParams(), 2)
+    manager = RolloutManager(_no_engines(), vocab_size=50)
+    try:
+        with pytest.raises(RunFailed, match=r"prompt 1 of the batch: token id 50 at position 0 of 2 input_ids is "
+                                            r"outside the model's vocabulary .*the tokenizer \(model.tokenizer_path\) "
+                                            r"does not match the model"):
+            manager.generate([[1, 2], [50, 3]], SamplingParams(), 2)
+    finally:
+        manager._loop.close()
+
+
+def _no_engines():
+    """A fleet of no engines (the tests using it fail before a request would reach one)."""
+    from rlsys.rollout.fleet import EngineFleet
+
+    fleet = object.__new__(EngineFleet)
+    fleet.engines = []
+    return fleet

@@ -18,7 +18,7 @@ from rlsys.config import RunConfig
 from rlsys.data.datasets import PromptSampler
 from rlsys.errors import RunFailed
 from rlsys.records import EncodedPrompt, Generation, PromptRecord, SamplingParams
-from rlsys.rollout.dispatch import Dispatcher, LoopThread
+from rlsys.rollout.fleet import EngineFleet
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.partial import GroupInFlight, continuation, settle, stitch
 from rlsys.run.rollout_modes import runner_for
@@ -87,12 +87,10 @@ class StandInEngine:
 
 def _manager(engines: list[StandInEngine]) -> RolloutManager:
     """The run's RolloutManager around stand-in engines (no Ray actors behind it)."""
-    manager = object.__new__(RolloutManager)
-    manager.engines, manager.vocab_size = engines, 1000
-    manager.max_restarts, manager.restarts, manager.launched_after = 2, 0, [0] * len(engines)
-    manager.addresses, manager.events = [], None
-    manager._loop, manager.dispatcher = LoopThread(), Dispatcher(len(engines))
-    return manager
+    fleet = object.__new__(EngineFleet)  # its engines' lives are not this test's: no actors, no restart of its own
+    fleet.engines, fleet.max_restarts, fleet.restarts, fleet.launched_after = engines, 2, 0, [0] * len(engines)
+    fleet.addresses, fleet.events, fleet.standing = [], None, None
+    return RolloutManager(fleet, vocab_size=1000)
 
 
 def _partials(max_age: int | None = None) -> PartialRollouts:
@@ -210,10 +208,10 @@ def test_a_group_whose_engine_died_is_sent_again_as_it_stood_once_the_engine_is_
     def restart(index, reason):
         restarted.append(index)
         engines[index].dead = False
-        manager.restarts += 1
-        manager.launched_after[index] = manager.restarts
+        manager.fleet.restarts += 1
+        manager.fleet.launched_after[index] = manager.fleet.restarts
 
-    monkeypatch.setattr(manager, "restart", restart)
+    monkeypatch.setattr(manager.fleet, "restart", restart)
     first = _steps(partials, manager, sampler, world, 0, 3)
     engines[1].dead = True
     later = _steps(partials, manager, sampler, world, 3, 8)

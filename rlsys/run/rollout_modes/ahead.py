@@ -11,7 +11,7 @@ from ray.exceptions import RayError
 from rlsys.algorithms.shaping import drop_stale_groups
 from rlsys.config import AsyncMode
 from rlsys.records import SamplingParams
-from rlsys.rollout.manager import EngineCallFailed, is_engine_death
+from rlsys.rollout.fleet import EngineCallFailed, is_engine_death
 from rlsys.run.batches import StepBatch, StepBatches, collect_step_batch
 from rlsys.run.rollout_modes.base import ModeRunner, runs_mode
 from rlsys.run.run_state import Run
