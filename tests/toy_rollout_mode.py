@@ -32,9 +32,9 @@ class ReusedBatches(StepBatches):
         super().__init__(run, sampling)
         self.reuse, self.last = reuse, None
 
-    def take(self, row: dict, step: int, trainer_version: int) -> StepBatch:
+    def take(self, step: int, trainer_version: int) -> StepBatch:
         if self.last is None or step % self.reuse == 0:
-            self.last = super().take(row, step, trainer_version)
+            self.last = super().take(step, trainer_version)
             self.last.metrics["batch_reused"] = 0
         else:
             self.last.metrics["batch_reused"] = 1

@@ -116,10 +116,9 @@ class StepBatches:
     def __init__(self, run: Run, sampling: SamplingParams):
         self.run, self.sampling = run, sampling
 
-    def take(self, row: dict, step: int, trainer_version: int) -> StepBatch:
-        """The step's batch; the time it takes counts as the step's `generate` phase."""
-        with self.run.phase(row, "rollout", "generate"):
-            return collect_step_batch(self.run, self.sampling, step)
+    def take(self, step: int, trainer_version: int) -> StepBatch:
+        """The step's batch (the loop counts the time it takes as the step's `generate` phase)."""
+        return collect_step_batch(self.run, self.sampling, step)
 
     def before_training(self, step: int, step_start: float) -> None:
         """The step's batch is taken and evaluated; the trainer trains next."""

@@ -93,7 +93,7 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     parts.topology = topology.with_engines(parts.rollout.fleet.wait_ready())
     logger.info("%d SGLang engine(s) ready after %.1f s", topology.num_engines, time.perf_counter() - start)
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
-    parts.handoff = DeviceHandoff(parts.trainer, parts.rollout, topology.trainers_sleep,
+    parts.handoff = DeviceHandoff(parts.trainer, parts.rollout.fleet, topology.trainers_sleep,
                                   run_dir / "logs" / "device_handoff.jsonl")
     return parts
 
@@ -129,10 +129,10 @@ def bring_engines_up_to_date(config: RunConfig, parts: Components, weight_versio
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
     asleep = parts.trainer.asleep
     if asleep:
-        parts.handoff.to_trainer({})
+        parts.handoff.to_trainer()
     push_weights(config, parts, weight_version)
     if asleep:
-        parts.handoff.to_engines({})
+        parts.handoff.to_engines()
 
 
 def sync_engines(config: RunConfig, parts: Components, weight_version: int) -> dict:

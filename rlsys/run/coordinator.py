@@ -25,7 +25,6 @@ from rlsys.run.run_state import Run
 logger = logging.getLogger(__name__)
 
 
-
 def train_loop(run: Run) -> None:
     config, parts, state = run.config, run.parts, run.state
     sampling = sampling_params(config, run.assets, config.rollout.temperature, config.rollout.top_p)
@@ -35,7 +34,8 @@ def train_loop(run: Run) -> None:
             row: dict = {"step": step}
             run.profiler.step_starting(step)
             step_start = time.perf_counter()
-            batch = batches.take(row, step, state.weight_version)
+            with run.phase(row, "rollout", "generate"):  # generated now, or waited for when made ahead
+                batch = batches.take(step, state.weight_version)
             row.update(batch.metrics, data_epoch=batch.start[0], data_index=batch.start[1])
             row.update(batch.scored.reward_metrics())  # task rewards, before any penalty
             shown = _shown_samples(config, step, batch.scored)
@@ -48,7 +48,7 @@ def train_loop(run: Run) -> None:
 
             if parts.handoff.enabled:
                 with run.phase(row, "training", "offload"):
-                    parts.handoff.to_trainer(row)  # engines release their memory, the trainer wakes
+                    row.update(parts.handoff.to_trainer(step))  # engines release their memory, the trainer wakes
             with run.phase(row, "training", "train"):
                 run.trainer_version = state.weight_version + 1  # what the sync below pushes, trained or skipped
                 row.update(_train(run, step, batch.scored))
@@ -67,7 +67,7 @@ def train_loop(run: Run) -> None:
                     run.checkpointer.save(state, StepRecord({**row, "timestamp": time.time()}, shown))
             if parts.handoff.enabled:
                 with run.phase(row, "training", "offload"):
-                    parts.handoff.to_engines(row)  # the trainer sleeps, the engines take their memory back
+                    row.update(parts.handoff.to_engines(step))  # the trainer sleeps, the engines take theirs back
 
             row["time_step_s"] = time.perf_counter() - step_start
             logger.debug("step %d: %s; the whole step %.2f s", step, _phase_seconds(row), row["time_step_s"])
@@ -97,7 +97,7 @@ def _checkpoint_before_stopping(run: Run) -> None:
         return
     run.status.set_state("checkpointing")
     if run.parts.trainer.asleep:
-        run.parts.handoff.to_trainer({})  # a sleeping trainer's storages are empty
+        run.parts.handoff.to_trainer()  # a sleeping trainer's storages are empty
     run.checkpointer.save(run.state)
 
 

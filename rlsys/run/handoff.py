@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the checks below run without Ray (deploy/gpu_smoke.sh reads a finished run's metrics)
     from rlsys.actors.group import TrainerGroup
-    from rlsys.rollout.manager import RolloutManager
+    from rlsys.rollout.fleet import EngineFleet
 
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags
 ALL_REGIONS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
@@ -80,53 +80,55 @@ def trainer_gave_memory_back(row: dict) -> bool:
 @dataclass
 class DeviceHandoff:
     trainer: TrainerGroup
-    rollout: RolloutManager
+    engines: EngineFleet
     enabled: bool  # topology.trainers_sleep
     log_path: Path | None = None
     step: int = -1
     events: list[str] = field(default_factory=list)  # this process's record, newest last
 
-    def to_trainer(self, row: dict) -> None:
-        """Engines release everything, then the trainer wakes (before a train phase)."""
+    def to_trainer(self, step: int | None = None) -> dict:
+        """Engines release everything, then the trainer wakes (before a train phase); what it moved,
+        as the step's metrics."""
         if not self.enabled:
-            return
-        self.step = row.get("step", self.step)  # the later turns of this step are recorded under it
-        serving = self.rollout.fleet.memory()
-        row["memory_engine_serving_bytes"] = _engines_held(serving)
-        row["memory_engine_releasable_bytes"] = _engines_releasable(serving)
-        released = self.rollout.fleet.release_memory(list(ALL_REGIONS))
-        row["memory_engine_released_bytes"] = _engines_held(released)
-        self._record("engines_release", row, engines=released)
+            return {}
+        serving = self.engines.memory()
+        released = self.engines.release_memory(list(ALL_REGIONS))
+        self._record("engines_release", step, engines=released)
         report = self.trainer.wake_up()
-        row["offload_bytes"] = report["bytes"]
-        row["memory_trainer_awake_bytes"] = report["held_bytes"]
-        self._record("trainer_wake", row, trainer=report)
+        self._record("trainer_wake", step, trainer=report)
+        return {"memory_engine_serving_bytes": _engines_held(serving),
+                "memory_engine_releasable_bytes": _engines_releasable(serving),
+                "memory_engine_released_bytes": _engines_held(released),
+                "offload_bytes": report["bytes"], "memory_trainer_awake_bytes": report["held_bytes"]}
 
-    def weights_to_engines(self, row: dict | None = None) -> None:
+    def weights_to_engines(self, step: int | None = None) -> None:
         """The trainer returns its train step's cached blocks to the device, then the engines take
         their weight memory back so that a sync can write into it (the caching allocator would
         otherwise keep the step's activations and gradients reserved beside them)."""
         if self.enabled:
-            self._record("trainer_release_cache", row, trainer=self.trainer.release_cached_memory())
-            self._record("engines_resume_weights", row, engines=self.rollout.fleet.resume_memory([WEIGHTS]))
+            self._record("trainer_release_cache", step, trainer=self.trainer.release_cached_memory())
+            self._record("engines_resume_weights", step, engines=self.engines.resume_memory([WEIGHTS]))
 
-    def to_engines(self, row: dict) -> None:
-        """Trainer sleeps and empties its cache, then the engines take everything back."""
+    def to_engines(self, step: int | None = None) -> dict:
+        """Trainer sleeps and empties its cache, then the engines take everything back; what the
+        trainer still holds asleep, as the step's metrics."""
         if not self.enabled:
-            return
+            return {}
         report = self.trainer.sleep()
-        row["memory_trainer_asleep_bytes"] = report["held_bytes"]
-        self._record("trainer_sleep", row, trainer=report)
-        self._record("engines_resume_all", row, engines=self.rollout.fleet.resume_memory(list(ALL_REGIONS)))
+        self._record("trainer_sleep", step, trainer=report)
+        self._record("engines_resume_all", step, engines=self.engines.resume_memory(list(ALL_REGIONS)))
+        return {"memory_trainer_asleep_bytes": report["held_bytes"]}
 
-    def _record(self, event: str, row: dict | None, engines: list[dict] | None = None,
+    def _record(self, event: str, step: int | None, engines: list[dict] | None = None,
                 trainer: dict | None = None) -> None:
+        """`event` in this process's record and the hand-off log, under `step` (None: the step of
+        the turn before it: the later turns of a step are recorded under it)."""
         self.events.append(event)
+        if step is not None:
+            self.step = step
         if self.log_path is None:
             return
-        entry = {"time": time.time(), "step": (row or {}).get("step", self.step), "event": event}
-        if row is not None and "step" in row:
-            self.step = row["step"]
+        entry = {"time": time.time(), "step": self.step, "event": event}
         if engines is not None:
             entry["engines"] = engines
         if trainer is not None:

@@ -124,7 +124,7 @@ class Run:
         self.trainer_version = self.state.weight_version
         self.rounds.restore(self.state.partial_groups)
         self.health.refresh(self.status)
-        self.parts.handoff.to_engines({})  # a sleeping trainer leaves the device to the engines
+        self.parts.handoff.to_engines()  # a sleeping trainer leaves the device to the engines
 
     def steps(self) -> Iterator[int]:
         """The steps still to run, with a progress bar; waits while paused, ends on a stop request."""

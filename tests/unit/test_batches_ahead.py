@@ -76,7 +76,7 @@ def _train(run, ahead: BatchesAhead, engines: Engines, steps: int, slow_trainer:
     are generated (the order a trainer slower than the engines makes, without timing)."""
     trained = []
     for step in range(steps):
-        batch = ahead.take({}, step, trainer_version=step)
+        batch = ahead.take(step, trainer_version=step)
         ahead.before_training(step, time.perf_counter())
         if slow_trainer:
             concurrent.futures.wait(list(ahead._pending))
@@ -125,7 +125,7 @@ def test_a_dead_engine_drops_every_batch_ahead_and_the_loop_generates_again(monk
     ahead = BatchesAhead(run, None, 2)
     first = _train(run, ahead, engines, steps=3)  # steps 3 and 4 are ahead; 3's engine dies
     engines.fail_step = None
-    again = ahead.take({}, 3, trainer_version=3)  # generated in the loop's thread, which restarts the engine
+    again = ahead.take(3, trainer_version=3)  # generated in the loop's thread, which restarts the engine
     assert again.start == first[-1].end  # step 4's prompts too are drawn again, after step 3's
     assert again.end == (run.sampler.epoch, run.sampler.index) == (0, first[-1].end[1] + 2)
     ahead.close()

@@ -62,12 +62,11 @@ class _Engines:
 
 def _step(handoff: DeviceHandoff) -> None:
     """The hand-off turns of one step, as train_loop and push_weights take them."""
-    row = {"step": 0}
-    handoff.to_trainer(row)
+    handoff.to_trainer(step=0)
     # ... train_step: the caching allocator now holds the step's activations and gradients
     handoff.weights_to_engines()
     # ... sync_weights, checkpoint
-    handoff.to_engines(row)
+    handoff.to_engines(step=0)
 
 
 def test_engines_take_their_weights_back_only_after_the_trainer_returned_its_train_peak(tmp_path):
@@ -95,9 +94,8 @@ def test_without_sleeping_trainers_there_are_no_turns():
 
 def test_each_step_records_what_the_engines_release_must_free():
     calls = _Calls()
-    row = {"step": 0}
-    DeviceHandoff(_Trainer(calls), _Engines(calls), enabled=True).to_trainer(row)
-    assert row["memory_engine_releasable_bytes"] == 5  # the least of the engines' weights + KV cache
+    metrics = DeviceHandoff(_Trainer(calls), _Engines(calls), enabled=True).to_trainer(step=0)
+    assert metrics["memory_engine_releasable_bytes"] == 5  # the least of the engines' weights + KV cache
 
 
 # The smoke model on one GPU (issue 47): ~2 GB of CUDA contexts and workspaces stay in the device-wide

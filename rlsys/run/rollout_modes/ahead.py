@@ -44,21 +44,20 @@ class BatchesAhead(StepBatches):
         self._next_step = 0
         self._after_taken: tuple[int, int] | None = None  # data position after the last batch trained
 
-    def take(self, row: dict, step: int, trainer_version: int) -> StepBatch:
+    def take(self, step: int, trainer_version: int) -> StepBatch:
         """The oldest batch ahead (waiting for it counts as `generate`), without its groups that
         hold a sample more than max_staleness versions older than the trainer (counted). With none
         ahead, or when their generation hit a dead engine (every batch ahead is dropped), the step's
         batch is generated here, where a dead engine is restarted."""
-        batch = self._take_ahead(row, trainer_version)
-        return batch if batch is not None else super().take(row, step, trainer_version)
+        batch = self._take_ahead(trainer_version)
+        return batch if batch is not None else super().take(step, trainer_version)
 
-    def _take_ahead(self, row: dict, trainer_version: int) -> StepBatch | None:
+    def _take_ahead(self, trainer_version: int) -> StepBatch | None:
         if not self._pending:
             return None
         future = self._pending.pop(0)
         try:
-            with self.run.phase(row, "rollout", "generate"):
-                batch = future.result()
+            batch = future.result()
         except (RayError, EngineCallFailed) as error:
             if not is_engine_death(getattr(error, "error", error)):
                 raise
