@@ -333,7 +333,7 @@ def trainer_plan(proof: Proof, phase: str) -> dict[str, int]:
     total = torch.cuda.get_device_properties(proof.device).total_memory if proof.gpu else 0
     plan = plan_memory(config, ModelShape.from_model_dir(proof.model_dir), total or 2**40, on_gpu=proof.gpu,
                        flash_attention=proof.worker.backend.attn_implementation == "flash_attention_2")
-    return {name: plan.terms[name] for name in plan.trainer_terms[phase]}
+    return {name: plan.terms[name] for name in plan.trainer_terms[phase] if name in plan.terms}  # (vision: VLMs only)
 
 
 def _compare(fields: dict, predicted: int, measured: int | None) -> None:

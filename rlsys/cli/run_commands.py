@@ -53,7 +53,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.gpus_per_node < 1:
         raise UsageError(f"--gpus-per-node must be >= 1 (got {args.gpus_per_node})")
-    plan = memory_plan(load_config(args.config, list(args.overrides)), args.gpus_per_node)
+    config = load_config(args.config, list(args.overrides))
+    images = None
+    if config.data.has_images:  # the vision tower's terms follow the training prompts' images: read them
+        from rlsys.run.assets import load_assets
+
+        images = load_assets(config).image_load
+    plan = memory_plan(config, args.gpus_per_node, images)
     print_plan(plan, args.json)
     return 0 if plan.fits else 1
 

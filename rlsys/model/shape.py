@@ -16,6 +16,23 @@ GiB = 2**30  # the unit the plan reports in
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """A vision tower's shapes, as the plan sizes its activations (Qwen2.5-VL's vision_config)."""
+
+    hidden: int
+    intermediate: int
+    blocks: int
+    heads: int
+    patches_per_token: int  # spatial_merge_size squared: patches the merger folds into one image token
+
+    @classmethod
+    def of(cls, vision_config) -> VisionShape:
+        merge = getattr(vision_config, "spatial_merge_size", 1) or 1
+        return cls(hidden=vision_config.hidden_size, intermediate=vision_config.intermediate_size,
+                   blocks=vision_config.depth, heads=vision_config.num_heads, patches_per_token=merge * merge)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     params: int  # distinct parameters (tied weights once)
     layer_params: int  # the largest decoder layer's
@@ -39,6 +56,9 @@ class ModelShape:
     param_shapes: tuple[tuple[int, ...], ...] = ()
     layer_shapes: tuple[tuple[int, ...], ...] = ()  # the largest decoder layer's
     root_shapes: tuple[tuple[int, ...], ...] = ()  # outside the decoder layers (embeddings, norm, lm_head)
+    # A vision-language model's vision tower (0 for a text model): its blocks' width, MLP width,
+    # heads and depth, and how many of its patches merge into one image token of the language model.
+    vision: VisionShape | None = None
 
     @classmethod
     def from_model_dir(cls, path: str | Path, lora=None) -> ModelShape:
@@ -78,6 +98,7 @@ class ModelShape:
             param_shapes=tuple(tuple(p.shape) for _, p in model.named_parameters()),
             layer_shapes=tuple(tuple(p.shape) for p in largest.parameters()),
             root_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in in_layers),
+            vision=VisionShape.of(architecture.vision_config) if vision_language else None,
         )
 
 

@@ -77,6 +77,10 @@ class VisionInputs:
             return EncodedImages(torch.zeros(0, self.patch_dim), [])
         return EncodedImages(torch.cat([pixels for pixels, _ in encoded]), [grid for _, grid in encoded])
 
+    def grid(self, image: bytes) -> tuple[int, int, int]:
+        """The image's patch grid (t, h, w) before merging, as the processor makes it."""
+        return self._one(image)[1]
+
     def tokens_of(self, grid: Sequence[int]) -> int:
         """Tokens one image of patch grid (t, h, w) takes after merging."""
         t, h, w = grid
@@ -85,7 +89,7 @@ class VisionInputs:
     def placeholder_len(self, images: Sequence[bytes]) -> int:
         """How many tokens the engine's expansion of these images' placeholders adds (each image's
         one placeholder becomes `tokens_of` its grid)."""
-        return sum(self.tokens_of(self._one(image)[1]) - 1 for image in images)
+        return sum(self.tokens_of(self.grid(image)) - 1 for image in images)
 
     @property
     def patch_dim(self) -> int:

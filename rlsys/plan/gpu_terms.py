@@ -6,14 +6,17 @@ with its unsharded gradients (`gradient_reduce_bytes`); the weight sync's stagin
 largest bucket, at least the largest tensor, one with `weight_sync.pipelined` off (`staging_bytes`);
 and what an engine keeps outside SGLang's static pool, so through /release_memory_occupation: its
 attention workspace and the caching allocator's blocks of its last forward
-(`engine_unreleased_bytes`). Every process on a GPU also holds a CUDA context and NCCL buffers
+(`engine_unreleased_bytes`); a vision-language model's vision tower on a micro-batch's images
+(`vision_terms`). Every process on a GPU also holds a CUDA context and NCCL buffers
 (`CUDA_CONTEXT_BYTES`, `NCCL_BUFFER_BYTES`)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from rlsys.model.shape import GiB, ModelShape
+from rlsys.multimodal.image_load import ImageLoad
 
 # Per process on a GPU and outside any tensor (torch.cuda.memory_allocated never shows them):
 # the CUDA context (kernels loaded lazily, cuBLAS workspaces) and NCCL's communicator buffers.
@@ -36,6 +39,32 @@ def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> i
     kv_dim = shape.kv_heads * shape.head_dim
     elements = 8 * shape.hidden + 2 * kv_dim + 4 * (shape.active_intermediate or shape.intermediate)
     return elements * compute_bytes + 2 * shape.hidden * 4
+
+
+def vision_terms(shape: ModelShape, images: ImageLoad | None, tokens: int, compute_bytes: int, on_gpu: bool,
+                 checkpointing: bool) -> dict[str, int]:
+    """A vision-language model's vision tower on a micro-batch of `tokens` (no terms for a text
+    model; 0 for a dataset without images): its blocks run on every patch of the micro-batch's images,
+    at most `images.token_share` of its tokens times the patches merged into each. What a block
+    keeps for backward per patch is a decoder layer's (`activation_bytes_per_token_layer` with the
+    tower's widths; no grouped KV heads); with gradient checkpointing, each block's input and one
+    block. Its attention on CPU (SDPA's math kernel) keeps each image's fp32 [heads, patches,
+    patches] scores per block: at most the micro-batch's patches times the largest image's; on
+    GPU SDPA's fused kernels keep nothing quadratic."""
+    vision = shape.vision
+    if vision is None:
+        return {}
+    if images is None:
+        return {"vision_activations": 0, "vision_attention_scores": 0}
+    patches = math.ceil(tokens * images.token_share) * vision.patches_per_token
+    block = replace(shape, hidden=vision.hidden, kv_heads=vision.heads, head_dim=vision.hidden // vision.heads,
+                    intermediate=vision.intermediate, active_intermediate=vision.intermediate)
+    per_block = activation_bytes_per_token_layer(block, compute_bytes) * patches
+    kept_blocks = 1 if checkpointing else vision.blocks
+    activations = (vision.blocks * patches * vision.hidden * compute_bytes + per_block if checkpointing
+                   else vision.blocks * per_block)
+    scores = 0 if on_gpu else patches * min(images.max_patches, patches) * vision.heads * 4 * kept_blocks
+    return {"vision_activations": activations, "vision_attention_scores": scores}
 
 
 def logprob_head_backward_bytes(shape: ModelShape, weight_bytes: int) -> int:

@@ -38,6 +38,7 @@ from rlsys.actors.cp_layout import check_ulysses_heads
 from rlsys.actors.parallelize import uses_fsdp
 from rlsys.config import ConfigError, RunConfig
 from rlsys.model.shape import GiB, ModelShape
+from rlsys.multimodal.image_load import ImageLoad
 from rlsys.plan.context_parallel_plan import context_parallel_terms, rank_share, rank_tokens, smallest_context_parallel
 from rlsys.plan.gpu_terms import (
     CUDA_CONTEXT_BYTES,
@@ -47,6 +48,7 @@ from rlsys.plan.gpu_terms import (
     gradient_reduce_bytes,
     logprob_head_backward_bytes,
     staging_bytes,
+    vision_terms,
 )
 from rlsys.plan.host_memory import host_terms
 from rlsys.system.backend import engine_dtype
@@ -63,6 +65,10 @@ ADVICE = {
     "activations": "set trainer.gradient_checkpointing=true or lower trainer.max_tokens_per_microbatch",
     "attention_scores": "install flash-attn with model.dtype=bfloat16, or lower trainer.max_tokens_per_microbatch",
     "logits_chunk": "lower trainer.logprob_chunk_tokens",
+    "vision_activations": "set trainer.gradient_checkpointing=true or lower trainer.max_tokens_per_microbatch (the "
+                          "vision tower runs on every patch of a micro-batch's images; smaller images have fewer)",
+    "vision_attention_scores": "lower trainer.max_tokens_per_microbatch or use smaller images (the vision attention's "
+                               "fp32 scores per image, on CPU)",
     "attention_saved": "set trainer.gradient_checkpointing=true or raise trainer.context_parallel_size (the CP "
                        "attention's fp32 output and log-sum-exp, per layer)",
     "attention_block": "raise trainer.context_parallel_size (style ring: the exact fp32 block's scores shrink with "
@@ -117,7 +123,7 @@ class MemoryPlan:
         unit = "GPU" if self.device.startswith("GPU") or not self.device else "process (CPU)"
         lines = [f"memory plan ({self.mode}), per {unit} of {self.gpu_memory_bytes / GiB:.1f} GiB"
                  + (f" ({self.device})" if self.device else "") + ":"]
-        lines += [f"  {name:<22} {value / GiB:9.2f} GiB" for name, value in self.terms.items()]
+        lines += [f"  {name:<23} {value / GiB:8.2f} GiB" for name, value in self.terms.items()]
         lines.append(f"  KV cache holds {self.kv_cache_tokens:,} tokens")
         share = rank_share(self.longest_sequence, self.context_parallel_size)
         lines.append(f"  micro-batch of {self.rank_tokens:,} tokens a rank; longest sequence {self.longest_sequence:,} "
@@ -125,11 +131,11 @@ class MemoryPlan:
         if self.smallest_context_parallel is not None:
             lines.append("  smallest trainer.context_parallel_size that fits: "
                          + (str(self.smallest_context_parallel) if self.smallest_context_parallel else "none"))
-        lines += [f"  phase {name:<16} {value / GiB:9.2f} GiB" for name, value in self.phases.items()]
+        lines += [f"  phase {name:<17} {value / GiB:8.2f} GiB" for name, value in self.phases.items()]
         verdict = "fits" if self.fits else f"does NOT fit: {self.advice}"
         lines.append(f"  peak {self.per_gpu_bytes / GiB:.2f} GiB of {self.gpu_memory_bytes / GiB:.1f} GiB: {verdict}")
         lines.append("host memory beyond the devices', per trainer rank:")
-        lines += [f"  {name:<22} {value / GiB:9.2f} GiB" for name, value in self.host_terms.items()]
+        lines += [f"  {name:<23} {value / GiB:8.2f} GiB" for name, value in self.host_terms.items()]
         lines.append(f"  per rank {self.host_per_rank_bytes / GiB:.2f} GiB; per node {self.host_per_node_bytes / GiB:.2f} "
                      f"GiB ({self.ranks_per_node} trainer ranks; not counted: each process's own runtime, "
                      "the engines' host memory)")
@@ -138,15 +144,17 @@ class MemoryPlan:
 
 
 def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, flash_attention: bool,
-          gpus_per_node: int, longest: int) -> MemoryPlan:
+          gpus_per_node: int, longest: int, images: ImageLoad | None) -> MemoryPlan:
     """The plan of `config` whose longest sequence is `longest` tokens."""
     t, ranks = config.trainer, config.trainer.num_ranks
     tokens = rank_tokens(config, longest)
     terms = {**_trainer_terms(config, shape, on_gpu, flash_attention, tokens, longest),
+             **vision_terms(shape, images, tokens, DTYPE_BYTES[config.model.dtype], on_gpu,
+                            t.gradient_checkpointing),
              **_engine_terms(config, shape, gpu_memory, on_gpu)}
     kv_room, kv_tokens = terms.pop("kv_room"), terms.pop("kv_tokens")
     members, train, sync = _phase_members(terms, config, on_gpu)
-    phases = {name: sum(terms[k] for k in names) for name, names in members.items()}
+    phases = {name: sum(terms.get(k, 0) for k in names) for name, names in members.items()}  # (vision: VLMs)
     notes = []
     per_gpu = max(phases.values())
     fits = per_gpu <= gpu_memory and kv_room > 0
@@ -157,11 +165,14 @@ def _plan(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool, f
                   f"x GPU ({engine.mem_fraction_static} x {gpu_memory / GiB:.1f} GiB): {ADVICE['engine_weights']}")
     elif not fits:
         worst_phase = max(phases, key=phases.get)
-        largest = max(members[worst_phase], key=lambda name: terms[name])
+        largest = max(members[worst_phase], key=lambda name: terms.get(name, 0))
         advice = (f"{worst_phase} needs {phases[worst_phase] / GiB:.1f} GiB of {gpu_memory / GiB:.1f} GiB; "
                   f"largest term {largest} {terms[largest] / GiB:.1f} GiB: {ADVICE[largest]}")
     if kv_tokens and kv_tokens < config.rollout.max_new_tokens + 64:
         notes.append(f"the KV cache holds only {kv_tokens} tokens")
+    if images is not None and shape.vision is not None:
+        notes.append(f"images: up to {images.token_share:.0%} of a micro-batch's tokens are image tokens, the largest "
+                     f"image {images.max_patches:,} patches (from the {images.images:,} images of the training prompts)")
     host = host_terms(config, shape, on_gpu)
     ranks_per_node = min(ranks, gpus_per_node) if on_gpu else ranks
     return MemoryPlan(fits, per_gpu, gpu_memory, terms, phases, kv_tokens, config.placement.mode, advice, notes,
@@ -260,7 +271,8 @@ def _phase_members(terms: dict[str, int], config: RunConfig, on_gpu: bool) -> tu
     # Held by every process through every phase; colocated, the released engine's leftovers too.
     runtime = ("cuda_contexts", "nccl_buffers") + (("engine_unreleased",) if colocated else ())
     train = ("trainer_params", "trainer_grads", "optimizer_states", "unsharded_layers", "unsharded_root",
-             "activations", "attention_scores", "attention_saved", "logits_chunk", "reference_model", *transient)
+             "activations", "attention_scores", "attention_saved", "logits_chunk", "reference_model",
+             "vision_activations", "vision_attention_scores", *transient)
     sync = ("trainer_params", "optimizer_states", "unsharded_layers", "weight_sync_staging", "engine_weights")
     serving = ("engine_weights", "engine_kv_cache")
     if config.trainer.sleeps_between_steps(colocated, on_gpu):
@@ -275,9 +287,10 @@ def _phase_members(terms: dict[str, int], config: RunConfig, on_gpu: bool) -> tu
 
 
 def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,
-                flash_attention: bool = False, gpus_per_node: int = 8) -> MemoryPlan:
+                flash_attention: bool = False, gpus_per_node: int = 8, images: ImageLoad | None = None) -> MemoryPlan:
     """The plan (module docstring); `gpus_per_node`: how many trainer ranks a node holds at most,
-    for the host figure per node (on CPU every rank is on one node).
+    for the host figure per node (on CPU every rank is on one node); `images`: what the training
+    prompts' images can take of a micro-batch (a vision-language model's; None: no vision terms).
 
     The longest sequence is rollout.engine.context_length tokens (a prompt of up to context_length -
     max_new_tokens and its response). When the plan does not fit, the same trainer with that
@@ -299,7 +312,7 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
         if budget and not t.packing:  # a padded micro-batch of one row
             trainer = trainer.model_copy(update={"micro_batch_size": 1})
         return _plan(config.model_copy(update={"trainer": trainer}), shape, gpu_memory, on_gpu, flash_attention,
-                     gpus_per_node, sequence)
+                     gpus_per_node, sequence, images)
 
     result = plan()
     if result.fits:
@@ -319,9 +332,10 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
     return result
 
 
-def memory_plan(config: RunConfig, gpus_per_node: int = 8) -> MemoryPlan:
+def memory_plan(config: RunConfig, gpus_per_node: int = 8, images: ImageLoad | None = None) -> MemoryPlan:
     """`rlsys plan`: the plan of `config` on the devices `plan_device` decides (the cluster's GPUs
-    from a GPU-less head, not its RAM), with the host memory of nodes of `gpus_per_node` GPUs."""
+    from a GPU-less head, not its RAM), with the host memory of nodes of `gpus_per_node` GPUs;
+    `images`: the training prompts' image load (`rlsys plan` reads the data of a config with images)."""
     import os
 
     import psutil
@@ -339,19 +353,19 @@ def memory_plan(config: RunConfig, gpus_per_node: int = 8) -> MemoryPlan:
                                          (lambda: cluster_gpus_and_memory(address)) if address else None)
     flash = choose_attention(on_gpu, config.model.dtype, on_gpu and flash_attn_available()) == "flash_attention_2"
     shape = ModelShape.from_model_dir(config.model.path, config.model.lora)
-    plan = plan_memory(config, shape, memory, on_gpu, flash, gpus_per_node)
+    plan = plan_memory(config, shape, memory, on_gpu, flash, gpus_per_node, images)
     plan.device = f"{'GPUs' if on_gpu else 'CPUs'}: {source}"
     return plan
 
 
 def plan_for_devices(config: RunConfig, shape: ModelShape, on_gpu: bool, device_memory: int,
-                     flash_attention: bool) -> MemoryPlan:
+                     flash_attention: bool, images: ImageLoad | None = None) -> MemoryPlan:
     """`rlsys train`'s plan: for the model's shapes and the devices its placement got (on_gpu and
     their memory read on the nodes, rlsys/system/node_checks.py; placement.gpu_memory_gb when set),
     refusing a config that cannot fit (ConfigError naming the term to change)."""
     if config.placement.gpu_memory_gb is not None:
         device_memory = int(config.placement.gpu_memory_gb * GiB)
-    plan = plan_memory(config, shape, device_memory, on_gpu, flash_attention)
+    plan = plan_memory(config, shape, device_memory, on_gpu, flash_attention, images=images)
     if not plan.fits:
         raise ConfigError(f"memory plan: {plan.advice} (rlsys plan CONFIG shows every term)")
     return plan

@@ -16,6 +16,7 @@ from rlsys.model.architecture import (
     text_settings,
 )
 from rlsys.model.built import trained_model
+from rlsys.multimodal.image_load import ImageLoad
 from rlsys.records import EncodedPrompt, PromptRecord
 from rlsys.rewards.loading import load_reward_function
 
@@ -41,6 +42,7 @@ class RunAssets:
     skipped_rows: int
     too_long_prompts: int
     eval_sets: list[EvalSetAssets] = field(default_factory=list)
+    image_load: ImageLoad | None = None  # what the training prompts' images take of a micro-batch (the plan's)
 
 
 def _encode(tokenizer, record: PromptRecord, chat: bool, system_prompt: str | None = None,
@@ -182,7 +184,18 @@ def load_assets(config: RunConfig) -> RunAssets:
         tokenizer=tokenizer, train=train, eval=eval_,
         stop_token_ids=_stop_token_ids(config, tokenizer),
         skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval, eval_sets=eval_sets,
+        image_load=_image_load(config, train),
     )
+
+
+def _image_load(config: RunConfig, train: list[EncodedPrompt]) -> ImageLoad | None:
+    """What the training prompts' images take of a micro-batch (None without images)."""
+    if not any(prompt.record.images for prompt in train):
+        return None
+    from rlsys.multimodal.image_load import image_load
+    from rlsys.multimodal.vision_inputs import VisionInputs
+
+    return image_load(train, VisionInputs.for_model(config.model.path))
 
 
 def _refuse_conversation_images(config: RunConfig, records: list[PromptRecord]) -> None:

@@ -21,6 +21,7 @@ from rlsys.actors.trainer import TrainerSpec
 from rlsys.actors.warm_ranks import warm_trainer_group
 from rlsys.config import RunConfig
 from rlsys.model.shape import ModelShape
+from rlsys.multimodal.image_load import ImageLoad
 from rlsys.rollout.manager import RolloutManager
 from rlsys.run.attach import attach
 from rlsys.run.checkpointing import CheckpointStore, CoordinatorState, restore_python_random_state
@@ -59,10 +60,11 @@ class Components:
 
 
 def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack: ExitStack,
-                     events: RunEvents | None = None) -> Components:
+                     events: RunEvents | None = None, images: ImageLoad | None = None) -> Components:
     """Engines start in the background while the trainer ranks build their models (on GPUs,
     colocated, the engines first: `Topology.engines_start_first`); then each rank is connected to
-    the engine(s) it feeds. `stack` stops them, whatever happens. `events`: what they report to."""
+    the engine(s) it feeds. `stack` stops them, whatever happens. `events`: what they report to;
+    `images`: the training prompts' image load, for the memory plan."""
     start = time.perf_counter()
     attached = None
     if config.rollout.attach:  # standing engines: checked and leased before any trainer starts
@@ -84,7 +86,7 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
                                    hangs_dir=str(run_dir / "hangs"), events=events)
     if topology.engines_start_first:
         parts.rollout.fleet.wait_ready()
-    parts.trainer = _trainer_group(config, parts, partial(judge_memory_plan, config, topology, nodes))
+    parts.trainer = _trainer_group(config, parts, partial(judge_memory_plan, config, topology, nodes, images=images))
     ranks = parts.trainer.describe()
     logger.info(f"trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
                 f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads "

@@ -268,7 +268,7 @@ def run(config: RunConfig) -> Path:
         logger.info("rewards from %s", _describe_rewards(config))
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
-        parts = start_components(config, topology, run_dir, stack, events)
+        parts = start_components(config, topology, run_dir, stack, events, assets.image_load)
         evaluator = Evaluator(config, assets, parts.rollout, rewards.score, maker)
         stack.callback(evaluator.close)  # the reward workers of eval sets with a reward function of their own
         run = _new_run(config, assets, parts, status, log, store, evaluator, rewards, trackers, maker)

@@ -14,6 +14,7 @@ from rlsys.config import RunConfig
 from rlsys.errors import RunFailed
 from rlsys.model.checks import model_report
 from rlsys.model.shape import ModelShape
+from rlsys.multimodal.image_load import ImageLoad
 from rlsys.plan.memory_plan import plan_for_devices
 from rlsys.system.backend import BackendError, cluster_gpus, decide_has_gpu
 from rlsys.system.node import node_address
@@ -71,14 +72,15 @@ def judge_placement_nodes(config: RunConfig, topology: Topology, reports: list[N
     judge_memory_plan(config, topology, reports, model_report(config.model.path, config.model.lora))
 
 
-def judge_memory_plan(config: RunConfig, topology: Topology, reports: list[NodeReport], shape: ModelShape) -> None:
-    """ConfigError when the memory plan of a model of `shape` does not fit the nodes' devices; logs
-    the plan and the nodes."""
+def judge_memory_plan(config: RunConfig, topology: Topology, reports: list[NodeReport], shape: ModelShape,
+                      images: ImageLoad | None = None) -> None:
+    """ConfigError when the memory plan of a model of `shape` (trained on prompts whose images take
+    `images` of a micro-batch) does not fit the nodes' devices; logs the plan and the nodes."""
     memory, source = device_memory_budget(reports, topology.has_gpu)
     trainer_nodes = [r for r in reports if any(role.startswith("trainer") for role in r.roles)]
     flash = (topology.has_gpu and config.model.dtype in ("bfloat16", "float16")
              and all(r.flash_attn_installed for r in trainer_nodes))
-    plan = plan_for_devices(config, shape, topology.has_gpu, memory, flash)
+    plan = plan_for_devices(config, shape, topology.has_gpu, memory, flash, images)
     budget = "placement.gpu_memory_gb" if config.placement.gpu_memory_gb is not None else source
     logger.info("memory plan: peak %.2f GiB per device of %.1f GiB (%s; rlsys plan CONFIG for every term)",
                 plan.per_gpu_bytes / 2**30, plan.gpu_memory_bytes / 2**30, budget)

@@ -714,3 +714,52 @@ def test_the_long_sequences_page_figures_are_the_plans(tmp_path):
         assert f"{rows[name]} {ring / GiB:.2f} GiB | {heads / GiB:.2f} GiB |" in page, name
     step = 256 * (sequence["checkpointed"][0] + 2 * sequence["forward"][0])
     assert f"= {step / 2**40:.1f} TiB over ring" in page
+
+
+def test_a_vision_language_run_plans_its_vision_tower_on_the_training_images_as_the_hand_sum(tmp_path):
+    """The vision tower runs on every patch of a micro-batch's images: at most the training prompts'
+    largest image-token share of its tokens, times the patches merged into each; its blocks keep
+    what a decoder layer of its widths keeps (all of them, or their inputs and one under gradient
+    checkpointing), and on CPU its attention's fp32 scores, at most the patches times the largest
+    image's. A text model, or data without images, plans none of it."""
+    from rlsys.multimodal.image_load import image_load
+    from rlsys.multimodal.vision_inputs import VisionInputs
+    from rlsys.plan.gpu_terms import activation_bytes_per_token_layer
+    from rlsys.run.assets import load_assets
+    from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    vlm = make_tiny_model(tmp_path / "vlm", TinyModelSpec(arch="qwen2_5_vl"))
+    config = load_config(REPO / "configs" / "quickstart_vlm.yaml", [f"model.path={vlm}", "data.synthetic.num_train=40"])
+    assets = load_assets(config)
+    vision = VisionInputs.for_model(vlm)
+    load = assets.image_load
+    grid = vision.grid(assets.train[0].record.images[0])
+    image_tokens = vision.tokens_of(grid)
+    shortest = min(len(p.token_ids) for p in assets.train)  # every prompt holds one image of this grid
+    assert load == image_load(assets.train, vision)
+    assert load.images == 40 and load.max_patches == math.prod(grid) == 4 * image_tokens
+    # its placeholder becomes the image's tokens; one response token at least
+    assert load.token_share == image_tokens / (shortest - 1 + image_tokens + 1)
+    shape = ModelShape.from_model_dir(vlm)
+    v = shape.vision
+    assert (v.hidden, v.intermediate, v.blocks, v.heads, v.patches_per_token) == (32, 64, 2, 2, 4)
+
+    plan = plan_memory(config, shape, gpu_memory=8 * GiB, on_gpu=False, images=load)
+    patches = math.ceil(plan.rank_tokens * load.token_share) * 4
+    per_patch_block = (8 * 32 + 2 * 32 + 4 * 64) * 4 + 2 * 32 * 4  # fp32; a block's q, k, v are all 32 wide
+    assert activation_bytes_per_token_layer(
+        type(shape)(**{**shape.__dict__, "hidden": 32, "kv_heads": 2, "head_dim": 16, "intermediate": 64,
+                       "active_intermediate": 64}), 4) == per_patch_block
+    assert plan.terms["vision_activations"] == 2 * per_patch_block * patches
+    assert plan.terms["vision_attention_scores"] == patches * load.max_patches * 2 * 4 * 2  # heads, fp32, blocks
+    assert any(note.startswith("images: up to ") for note in plan.notes)
+    train = plan.phases["all_at_once"]
+    assert train >= plan.terms["vision_activations"] + plan.terms["vision_attention_scores"]
+
+    checkpointed = plan_memory(config.model_copy(update={"trainer": config.trainer.model_copy(
+        update={"gradient_checkpointing": True})}), shape, gpu_memory=8 * GiB, on_gpu=False, images=load)
+    assert checkpointed.terms["vision_activations"] == 2 * patches * 32 * 4 + per_patch_block * patches
+    assert checkpointed.terms["vision_attention_scores"] == patches * load.max_patches * 2 * 4  # one block's
+    on_gpu = plan_memory(config, shape, gpu_memory=80 * GiB, on_gpu=True, images=load)
+    assert on_gpu.terms["vision_attention_scores"] == 0  # fused kernels keep nothing quadratic
+    assert plan_memory(config, shape, gpu_memory=8 * GiB, on_gpu=False).terms["vision_activations"] == 0
