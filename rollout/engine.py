@@ -290,20 +290,16 @@ class RolloutEngine:
     def restart_random_stream(self, seed: int) -> None:
         """Restart the server's sampling random stream at `seed`, as a fresh server started with
         `--random-seed seed` holds it: an attached run then samples the same whatever earlier runs
-        drew from this engine. Sent as a weightless entry through our weight loader, the one piece
-        of our code that runs inside the server (weight_sync/engine_loader.py)."""
-        import torch
-
+        drew from this engine. Sent as a tensor update with its own load format, whose function runs
+        in the server's sampling worker (weight_sync/engine_loader.py `restart_random_streams`)."""
         from rlsys.weight_sync.colocated import serialize_named_tensors
-        from rlsys.weight_sync.engine_loader import LOAD_FORMAT, random_seed_entry
+        from rlsys.weight_sync.engine_loader import SEED_LOAD_FORMAT, seed_entry
 
-        # An empty tensor pickles without any shared memory (torch's reductions special-case size 0),
-        # so the entry reaches a server on another node too.
-        payload = serialize_named_tensors([(random_seed_entry(seed), torch.empty(0))])
+        payload = serialize_named_tensors([seed_entry(seed)])
         self._call(self.client.begin_weight_update)
         try:
             self._call(lambda: self.client.update_weights_from_tensor([payload] * self.server.spec.engine.tp_size,
-                                                                      LOAD_FORMAT))
+                                                                      SEED_LOAD_FORMAT))
         finally:
             self._call(self.client.end_weight_update)
 

@@ -38,24 +38,31 @@ LOAD_THREADS_ENV = "RLSYS_WEIGHT_LOAD_THREADS"
 # (one request fewer than a separate empty bucket: each costs a round trip through the scheduler).
 END_OF_SYNC = "rlsys.end_of_sync"
 _KEPT_STORAGE_ATTR = "_rlsys_kept_staging_storage"
-# An entry named this plus a number carries no weights: it restarts the engine's random streams at
-# that seed, as `--random-seed` did at start-up. A run attached to standing engines sends it after
-# its first weight push, so what it samples follows from its own seed, not from what earlier runs
-# drew from the same engine (`RolloutEngine.restart_random_stream`).
-RANDOM_SEED_ENTRY = "rlsys.random_seed="
+# Not a weight load: SGLang runs a request's custom `load_format` function in the TP worker that
+# samples (the one piece of our code inside the server), and this one restarts that worker's random
+# streams at the seed its one entry names, as `--random-seed` did at start-up. A run attached to
+# standing engines sends it after its first weight push, so what it samples follows from its own
+# seed, not from what earlier runs drew from the same engine (`RolloutEngine.restart_random_stream`).
+SEED_LOAD_FORMAT = "rlsys.weight_sync.engine_loader.restart_random_streams"
 
 
-def random_seed_entry(seed: int) -> str:
-    return f"{RANDOM_SEED_ENTRY}{int(seed)}"
+def seed_entry(seed: int) -> tuple[str, torch.Tensor]:
+    """The one entry of a SEED_LOAD_FORMAT request: the seed as its name, and an empty tensor (it
+    pickles without shared memory, so the request reaches a server on another node too)."""
+    import torch
+
+    return str(int(seed)), torch.empty(0)
+
+
+def restart_random_streams(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SEED_LOAD_FORMAT's function: `model` is not touched."""
+    [(seed, _)] = named_tensors
+    _restart_random_streams(int(seed))
 
 
 def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     ends_sync = not named_tensors or named_tensors[-1][0] == END_OF_SYNC
-    for name, _ in named_tensors:
-        if name.startswith(RANDOM_SEED_ENTRY):
-            _restart_random_streams(int(name[len(RANDOM_SEED_ENTRY):]))
-    weights = [(name, tensor) for name, tensor in named_tensors
-               if name != END_OF_SYNC and not name.startswith(RANDOM_SEED_ENTRY)]
+    weights = [(name, tensor) for name, tensor in named_tensors if name != END_OF_SYNC]
     if weights:
         first = weights[0][1]
         _keep_host_staging_mapped(model, first)

@@ -151,8 +151,9 @@ def build_command(spec: ServerSpec, backend: Backend, host: str, port: int, api_
         "--random-seed", str(spec.seed),
         "--skip-server-warmup",
         "--weight-version", "0",
-        # The colocated transport loads its buckets through our loader (weight_sync/engine_loader.py).
-        "--custom-weight-loader", engine_loader.LOAD_FORMAT,
+        # The colocated transport loads its buckets through our loader, and an attached run restarts the
+        # engine's random streams through the second (weight_sync/engine_loader.py).
+        "--custom-weight-loader", engine_loader.LOAD_FORMAT, engine_loader.SEED_LOAD_FORMAT,
     ]
     if api_key and api_key_in(engine.extra_args) is None:
         # The server listens on its node's address: every request, weight updates included, must

@@ -22,7 +22,7 @@ from torch.multiprocessing import reductions
 from rlsys.system.backend import make_backend
 from rlsys.weight_sync import colocated
 from rlsys.weight_sync.colocated import DEVICE_ARG_INDEX, ColocatedWeightSender, serialize_named_tensors, with_device_uuid
-from rlsys.weight_sync.engine_loader import END_OF_SYNC, load_bucket, random_seed_entry
+from rlsys.weight_sync.engine_loader import END_OF_SYNC, load_bucket, restart_random_streams, seed_entry
 from rlsys.weight_sync.sync import SyncPlan, sync_weights
 
 # ---------------------------------------------------------------- (a) a failed sync shares nothing it never handed over
@@ -166,17 +166,18 @@ def test_the_engine_loader_does_not_touch_cuda_for_host_tensors(stream_syncs):
     assert events == [("load", ["a"])]
 
 
-def test_a_random_seed_entry_restarts_the_engines_random_streams_and_loads_nothing(stream_syncs):
-    """The entry an attached run sends after its first push (RolloutEngine.restart_random_stream):
-    through the payload a server on another node gets (an empty tensor, no shared memory), it
-    restarts torch's (and Python's) streams where `--random-seed` starts them, and is no weight."""
+def test_the_seed_load_format_restarts_the_engines_random_streams_and_loads_nothing(stream_syncs):
+    """The request an attached run sends after its first push (RolloutEngine.restart_random_stream):
+    through the payload a server on another node gets (an empty tensor, no shared memory), its load
+    format's function restarts torch's (and Python's) streams where `--random-seed` starts them and
+    loads no weight."""
     import random
 
     events = stream_syncs
-    payload = serialize_named_tensors([(random_seed_entry(1234), torch.empty(0))])
+    payload = serialize_named_tensors([seed_entry(1234)])
     opened = pickle.loads(base64.b64decode(payload))
     torch.manual_seed(99), random.seed(99)  # a stream earlier runs moved on
-    load_bucket(_RecordingModel(events), opened)
+    restart_random_streams(_RecordingModel(events), opened)
     drawn = (torch.rand(3), random.random())
     torch.manual_seed(1234), random.seed(1234)
     assert torch.equal(drawn[0], torch.rand(3)) and drawn[1] == random.random()
