@@ -71,7 +71,12 @@ def test_wandb_runs_offline_in_the_run_directory(tracked):
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
                for r in records
                if r.WhichOneof("record_type") == "history"]
-    assert [(h["_step"], h["reward_mean"], h["loss"]) for h in history] == [(0, 0.0, 1.0), (1, 0.25, 0.0), (2, 0.5, -1.0)]
+    # (a CI run on 2026-12-05 read no history here, not reproduced in 25 runs since: if again, what the
+    # file held and wandb's own log say why)
+    seen = [r.WhichOneof("record_type") for r in records]
+    internal = sorted(glob.glob(str(tracked / "wandb" / "offline-run-*" / "logs" / "debug-internal.log")))
+    assert [(h["_step"], h["reward_mean"], h["loss"]) for h in history] == [
+        (0, 0.0, 1.0), (1, 0.25, 0.0), (2, 0.5, -1.0)], (seen, open(internal[-1]).read()[-3000:] if internal else "")
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in run.config.update}
     assert config["trainer"]["lr"] == 0.001 and run.display_name == "run-a"
