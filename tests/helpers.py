@@ -497,18 +497,19 @@ def check_tracking(run_dir: Path, rows: list[dict]) -> None:
     assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
 
 
-def image_sensitive_vlm(directory: Path) -> Path:
-    """The tiny Qwen2.5-VL (`rlsys make-tiny-model --arch qwen2_5_vl`) with its merger's output 4x
-    larger. At random init the model's answers hardly depend on the image (two images move a
-    log-prob by ~1e-5), which would let a wrong or stale image feature pass a comparison of
-    log-probs; here two images move it by ~0.08."""
+def image_sensitive_vlm(directory: Path, arch: str = "qwen2_5_vl") -> Path:
+    """The tiny Qwen2.5-VL (`rlsys make-tiny-model --arch qwen2_5_vl`; or Qwen3-VL, `arch`) with its
+    mergers' output 4x larger. At random init the model's answers hardly depend on the image (two
+    images move a log-prob by ~1e-5), which would let a wrong or stale image feature pass a
+    comparison of log-probs; here two images move it by ~0.08."""
     from safetensors.torch import load_file, save_file
 
     from rlsys.tools.tiny_model import TinyModelSpec, make_tiny_model
 
-    model = make_tiny_model(directory, TinyModelSpec(arch="qwen2_5_vl"))
+    model = make_tiny_model(directory, TinyModelSpec(arch=arch))
     weights = load_file(model / "model.safetensors")
-    for name in [name for name in weights if name.startswith("visual.merger.mlp.2.")]:
+    outputs = ("visual.merger.mlp.2.", "model.visual.merger.linear_fc2.", "model.visual.deepstack_merger_list.0.linear_fc2.")
+    for name in [name for name in weights if name.startswith(outputs)]:
         weights[name] = weights[name] * 4
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     return model

@@ -298,8 +298,8 @@ def add_make_tiny_model_command(commands) -> None:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--init-std", type=float, default=0.02,
                       help="std of the random weights (0.1: a base a LoRA run can learn on, docs/operations.md)")
-    tiny.add_argument("--arch", default="qwen2", help="qwen2 (default), qwen3, llama, qwen3_moe, or qwen2_5_vl (a "
-                      "vision-language model: a 2-block vision tower, and Qwen2.5-VL's processor saved beside it with "
-                      "the vision markers in the tokenizer and a chat template that renders images)")
+    tiny.add_argument("--arch", default="qwen2", help="qwen2 (default), qwen3, llama, qwen3_moe, qwen2_5_vl or "
+                      "qwen3_vl (a vision-language model: a 2-block vision tower, and the model's processor saved "
+                      "beside it with the vision markers in the tokenizer and a chat template that renders images)")
     tiny.add_argument("--chat", action="store_true", help="a tokenizer with a Qwen-style chat template")
     tiny.set_defaults(handler=_make_tiny_model)

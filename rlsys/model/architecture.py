@@ -25,9 +25,9 @@ def read_model_config(model_dir: str | Path) -> dict:
     return model_config
 
 
-# Vision-language model types rlsys trains: their multimodal rotary positions are Qwen2.5-VL's
+# Vision-language model types rlsys trains: their multimodal rotary positions for still images are Qwen2.5-VL's
 # (rlsys/multimodal/positions.py) and SGLang's weight names theirs (actors/checkpoint_layout.py).
-VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
+VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 
 
 def text_settings(model_config: dict) -> dict:
@@ -41,7 +41,7 @@ def refuse_untrained_vision_language(model_dir: str | Path, model_config: dict) 
     if model_config.get("model_type") not in VISION_LANGUAGE_MODEL_TYPES:
         named = f"model type {model_config.get('model_type')!r} (architectures {model_config.get('architectures')})"
         raise ConfigError(f"invalid config: model.path {model_dir}: {named} is a vision-language model rlsys does "
-                          f"not train; it trains {', '.join(VISION_LANGUAGE_MODEL_TYPES)} (Qwen2.5-VL) among them")
+                          f"not train; it trains {', '.join(VISION_LANGUAGE_MODEL_TYPES)} (Qwen2.5-VL, Qwen3-VL)")
 
 
 def read_architecture(model_dir: str | Path):

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from rlsys.errors import UsageError, why_not_a_directory
-from rlsys.tools.tiny_parts import ARCHITECTURES, TinyModelSpec, build_tokenizer
+from rlsys.tools.tiny_parts import ARCHITECTURES, VISION_LANGUAGE, TinyModelSpec, build_tokenizer
 from rlsys.tools.tiny_vlm import make_tiny_vlm
 
 
@@ -38,7 +38,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, chat
 
     spec = spec or TinyModelSpec()
     out_dir = _make_output_dir(out_dir)
-    if spec.arch == "qwen2_5_vl":  # a chat model with a processor, whatever `chat` says
+    if spec.arch in VISION_LANGUAGE:  # a chat model with a processor, whatever `chat` says
         return make_tiny_vlm(out_dir, spec, _save_tokenizer)
     tokenizer = build_tokenizer(chat)
     # Twice: beside the model, and alone in tokenizer/ (for model.tokenizer_path: the same tokenizer

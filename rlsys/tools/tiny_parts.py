@@ -47,10 +47,10 @@ class TinyModelSpec:
             raise UsageError(f"--init-std must be a finite number >= 0, got {self.init_std}")
         if self.arch not in ARCHITECTURES:
             raise UsageError(f"--arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
-        if self.arch == "qwen2_5_vl" and (self.hidden_size // self.num_heads % 8 or self.intermediate_size % 32):
+        if self.arch in VISION_LANGUAGE and (self.hidden_size // self.num_heads % 8 or self.intermediate_size % 32):
             # the 3-row RoPE splits a head's rotary pairs in four quarters (2:1:1); SGLang pads an
             # intermediate size to a multiple of 32 on the CPU, which would change the weights' shapes
-            raise UsageError("--arch qwen2_5_vl needs a head size (--hidden-size / --num-heads) divisible by 8 and an "
+            raise UsageError(f"--arch {self.arch} needs a head size (--hidden-size / --num-heads) divisible by 8 and an "
                              f"--intermediate-size divisible by 32, got {self.hidden_size // self.num_heads} and "
                              f"{self.intermediate_size}")
 
@@ -77,7 +77,9 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),  # with its processor: tiny_vlm.py
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),  # Qwen3 text, deepstack vision: tiny_vlm.py
 }
+VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl")
 
 
 # Chat variant: Qwen's turn markers (special tokens at the end of the vocabulary, so the plain

@@ -1,5 +1,8 @@
 """A tiny random-init Qwen2.5-VL (a vision tower of 2 blocks on a small patch grid, a 2-layer
-language model) with a processor that loads offline: `rlsys make-tiny-model --arch qwen2_5_vl`.
+language model) with a processor that loads offline: `rlsys make-tiny-model --arch qwen2_5_vl`; and
+its Qwen3-VL twin (`--arch qwen3_vl`: a Qwen3 language model with interleaved 3-row RoPE, a vision
+tower of 16-pixel patches with learned position embeddings, and one deepstack merger feeding the
+first decoder layer), built from the same tokenizer and chat template.
 
 The shapes keep to what both sides of a VLM run read the same way (sglang 0.5.23's
 models/qwen2_5_vl.py and transformers 5's modeling_qwen2_5_vl.py):
@@ -39,6 +42,10 @@ VLM_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 VISION_DEPTH, VISION_HIDDEN, VISION_HEADS, VISION_INTERMEDIATE = 2, 32, 2, 64
+# Qwen3-VL's patches are 16 pixels; its image processor then sizes an image to 32 x 32 .. 64 x 64
+# pixels: the same 4 x 4 patch grid at most, 4 image tokens.
+QWEN3_PATCH_SIZE = 16
+QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32, 64 * 64
 
 
 def build_vlm_tokenizer():
@@ -80,12 +87,47 @@ def vlm_config(spec: TinyModelSpec, tokenizer):
                             torch_dtype="float32", **ids)
 
 
-def vlm_processor(tokenizer):
-    """Qwen2.5-VL's processor: its image and video processors at the tiny patch grid, this tokenizer."""
-    from transformers import Qwen2_5_VLProcessor
+def qwen3_vl_config(spec: TinyModelSpec, tokenizer):
+    """A Qwen3VLConfig of `spec`'s text shapes (Qwen3: its own head_dim, q/k norms; interleaved
+    3-row RoPE), a tiny vision tower with one deepstack merger, and this tokenizer's ids."""
+    from transformers import Qwen3VLConfig
+
+    base = vlm_config(spec, tokenizer)  # the ids and the text shapes, checked, as Qwen2.5-VL's
+    text = base.text_config.to_dict()
+    quarter = spec.hidden_size // spec.num_heads // 8
+    text = {key: text[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                        "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                        "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")}
+    text.update(head_dim=spec.hidden_size // spec.num_heads, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                 "mrope_section": [2 * quarter, quarter, quarter], "mrope_interleaved": True})
+    vision = dict(
+        depth=VISION_DEPTH, hidden_size=VISION_HIDDEN, intermediate_size=VISION_INTERMEDIATE, num_heads=VISION_HEADS,
+        in_channels=3, patch_size=QWEN3_PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE, out_hidden_size=spec.hidden_size, num_position_embeddings=16,
+        deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh", initializer_range=spec.init_std,
+    )
+    ids = {name: getattr(base, name) for name in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                    "vision_end_token_id")}
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    config.dtype = "float32"
+    return config
+
+
+def vlm_processor(tokenizer, arch: str = "qwen2_5_vl"):
+    """The model's processor (Qwen2.5-VL's, or Qwen3-VL's): its image and video processors at the
+    tiny patch grid, this tokenizer."""
+    from transformers import Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+    if arch == "qwen3_vl":
+        size = {"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}
+        grid = dict(patch_size=QWEN3_PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE)
+        return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(size=size, **grid),
+                                video_processor=Qwen3VLVideoProcessor(size=size, **grid),
+                                tokenizer=tokenizer, chat_template=VLM_CHAT_TEMPLATE)
     size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     grid = dict(patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE)
     return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=size, **grid),
@@ -95,17 +137,18 @@ def vlm_processor(tokenizer):
 
 def make_tiny_vlm(out_dir: Path, spec: TinyModelSpec, save_tokenizer) -> Path:
     """Write the processor (tokenizer, image and video processors, chat template) and a random-init
-    Qwen2.5-VL of `spec`'s text shapes (fp32, untied head) to `out_dir`."""
+    Qwen2.5-VL (or, spec.arch qwen3_vl, Qwen3-VL) of `spec`'s text shapes (fp32, untied head) to `out_dir`."""
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     tokenizer = build_vlm_tokenizer()
     for directory in (out_dir, out_dir / "tokenizer"):
         save_tokenizer(tokenizer, directory)
-    vlm_processor(tokenizer).save_pretrained(str(out_dir))
-    config = vlm_config(spec, tokenizer)
+    vlm_processor(tokenizer, spec.arch).save_pretrained(str(out_dir))
+    qwen3 = spec.arch == "qwen3_vl"
+    config = qwen3_vl_config(spec, tokenizer) if qwen3 else vlm_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = (Qwen3VLForConditionalGeneration if qwen3 else Qwen2_5_VLForConditionalGeneration)(config).to(torch.float32)
     model.save_pretrained(str(out_dir), safe_serialization=True)  # the released checkpoints' names
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
         str(out_dir))

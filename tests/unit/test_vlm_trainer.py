@@ -22,6 +22,10 @@ def vlm_dir(tmp_path_factory):
 def cases(vlm_dir):
     """(TrainSequence, transformers' inputs for it) for prompts of 0, 1 and 2 images, each with a
     response of random tokens, as the engine would have returned them (placeholders expanded)."""
+    return _cases(vlm_dir, with_a_sampled_image_token=True)
+
+
+def _cases(vlm_dir, with_a_sampled_image_token: bool):
     from transformers import AutoProcessor
 
     from rlsys.multimodal.images import decoded
@@ -35,7 +39,8 @@ def cases(vlm_dir):
                                                   ([png_bytes((0, 0, 255), (60, 30)), png_bytes((0, 255, 0), (40, 40))],
                                                    "which?", False),
                                                   ([], "3 4>", False),
-                                                  ([png_bytes((9, 9, 9), (28, 28))], "dark?", True)]:
+                                                  ([png_bytes((9, 9, 9), (28, 28))], "dark?", True)][
+                                                      :4 if with_a_sampled_image_token else 3]:
         content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
         text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         inputs = processor(text=[text], images=[decoded(image) for image in images] or None, return_tensors="pt")
@@ -182,3 +187,33 @@ def test_the_reference_model_and_gradient_checkpointing_take_the_images_too(vlm_
     # not compared: AdamW's first step is ~lr * sign(g), which rounding flips where a gradient is ~0)
     assert abs(plain["grad_norm"] - checkpointed["grad_norm"]) <= 1e-5 * plain["grad_norm"]
     assert abs(plain["loss"] - checkpointed["loss"]) <= 1e-5 * max(abs(plain["loss"]), 1e-6)
+
+
+def test_qwen3_vl_trains_through_the_same_path_its_log_probs_equal_transformers(tmp_path_factory):
+    """Qwen3-VL (`--arch qwen3_vl`: a Qwen3 language model with interleaved 3-row RoPE, a deepstack
+    merger feeding a decoder layer): the trainer's log-probs equal transformers' own forward, packed
+    and padded, beside a text-only sequence; a step trains the vision tower too, and a sync sends the
+    names SGLang's qwen3_vl loader takes (it strips `model.language_model.` and `model.` itself)."""
+    vlm_dir = image_sensitive_vlm(tmp_path_factory.mktemp("qwen3-vl"), "qwen3_vl")
+    cases = _cases(vlm_dir, with_a_sampled_image_token=False)
+    expected = torch.tensor([lp for row in _reference_logprobs(vlm_dir, cases) for lp in row])
+    sequences = [sequence for sequence, _ in cases]
+    bound = 64 * torch.finfo(torch.float32).eps * expected.abs().max().item()
+    for packing in (True, False):
+        worker = _worker(vlm_dir, packing=packing, lr=1e-2)
+        try:
+            got = torch.tensor([lp for row in worker.compute_log_probs(sequences) for lp in row])
+            assert (got - expected).abs().max().item() <= bound, packing
+            if packing:
+                for sequence, advantage in zip(sequences, (1.0, -1.0, 0.5), strict=True):
+                    sequence.advantage = advantage
+                before = {name: param.detach().clone() for name, param in worker.model.named_parameters()}
+                worker.train_step([sequences])
+                changed = {name for name, param in worker.model.named_parameters()
+                           if not torch.equal(param, before[name])}
+                assert any(name.startswith("model.visual.deepstack_merger_list.") for name in changed)
+                assert any(name.startswith("model.language_model.") for name in changed)
+                names = [name for name, _ in engine_parameters(worker.models, False)[0]]
+                assert "model.visual.blocks.0.attn.qkv.weight" in names and "lm_head.weight" in names
+        finally:
+            worker.shutdown()
