@@ -360,7 +360,7 @@ class Lease:
                                  "may attach to them", self.name, LEASE_TTL_S)
             except RayActorError:
                 # The set's record is gone (`rlsys engines down --force`): said once; the run fails at its
-                # next engine call, naming it (RolloutManager.restart).
+                # next engine call, naming it (EngineFleet.restart).
                 logger.warning("standing engines %r were stopped while this run holds them", self.name)
                 return
             except Exception as error:  # noqa: BLE001 - the set may be gone; the run finds out at its next call

@@ -271,7 +271,7 @@ def _stop_set(name: str, group, ranks_in_use: bool = False) -> None:
     from ray.util.placement_group import remove_placement_group
 
     from rlsys.actors.warm_ranks import stop_warm_ranks
-    from rlsys.rollout.manager import RolloutManager
+    from rlsys.rollout.fleet import EngineFleet
 
     if not ranks_in_use:
         stop_warm_ranks(name)
@@ -287,5 +287,5 @@ def _stop_set(name: str, group, ranks_in_use: bool = False) -> None:
             engine = engine_handle(record, index)
         except ValueError:
             continue  # dead, or never launched
-        RolloutManager.stop_engine(engine)
+        EngineFleet.stop_engine(engine)
     remove_placement_group(group)

@@ -73,7 +73,7 @@ def _env_text(env: dict[str, str]) -> str:
 
 def revive_dead_engines(record: StandingRecord) -> list[int]:
     """Start again, in its slot, each engine of the set whose actor or server is gone."""
-    from rlsys.rollout.manager import RolloutManager
+    from rlsys.rollout.fleet import EngineFleet
 
     revived = []
     for index in range(record.topology.num_engines):
@@ -81,7 +81,7 @@ def revive_dead_engines(record: StandingRecord) -> list[int]:
             engine = engine_handle(record, index)
             if ray.get(engine.health.remote(), timeout=30)["alive"]:
                 continue
-            RolloutManager.stop_engine(engine)
+            EngineFleet.stop_engine(engine)
         except Exception:  # noqa: BLE001 - no actor by that name, or one that does not answer
             pass
         logger.warning("standing engine-%d of %r is not running; starting it again", index, record.name)
