@@ -169,7 +169,7 @@ def push_weights(config: RunConfig, parts: Components, weight_version: int) -> d
         # The probes need the engines' KV cache: back beside the awake trainer (a debugging aid,
         # it costs the memory that the hand-off otherwise saves).
         parts.rollout.fleet.resume_memory(list(ALL_REGIONS))
-        verify_engine_weights(parts.trainer, parts.rollout, weight_version, config.weight_sync.verify_tolerance,
+        verify_engine_weights(parts.trainer, parts.rollout.fleet, weight_version, config.weight_sync.verify_tolerance,
                               config.seed, config.model.dtype, model_depth(config.model.path),
                               ImageProbe.of(config.model.path))
     return metrics

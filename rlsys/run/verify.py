@@ -120,27 +120,28 @@ class ImageProbe:
         picture.save(out, format="PNG")
         return out.getvalue()
 
-    def agreement(self, trainer, rollout, engine_index: int, tokens: list[int]) -> ProbeAgreement:
+    def agreement(self, trainer, engines, engine_index: int, tokens: list[int]) -> ProbeAgreement:
         """Engine and trainer log-probs of the tokens after the image, through the vision tower."""
         image = self.image()
-        expanded, engine = rollout.fleet.score_with_images(self.placeholder + tokens, (image,), engine_index)
+        expanded, engine = engines.score_with_images(self.placeholder + tokens, (image,), engine_index)
         after = len(expanded) - len(tokens)  # the first token after vision end
         trainer_logprobs, = trainer.compute_log_probs([TrainSequence(expanded, prompt_len=after, images=(image,))],
                                                       temperature=SCORE_TEMPERATURE)
         return compare_logprobs([engine[after - 1:]], [trainer_logprobs])
 
 
-def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: float | None, seed: int,
+def verify_engine_weights(trainer, engines, weight_version: int, tolerance: float | None, seed: int,
                           dtype: str = "float32", num_layers: int = 1, image_probe: ImageProbe | None = None) -> float:
-    """Returns the largest mean |engine - trainer| probe log-prob over the engines; raises
+    """`engines`: the run's EngineFleet. Returns the largest mean |engine - trainer| probe log-prob
+    over the engines; raises
     WeightSyncMismatch above `tolerance` (None: `rounding_tolerance` for `num_layers` and the dtype
     the engines serve model.dtype `dtype` in: bf16 on GPUs, rlsys/system/backend.py engine_dtype).
 
     Both sides score the probes at the engine's score temperature (SCORE_TEMPERATURE: SGLang's
     prefill log-probs ignore the request's temperature), not at rollout.temperature. `image_probe`: a
     vision-language model's (`ImageProbe.of`), which checks the vision tower's weights too."""
-    served = engine_dtype(rollout.fleet.spec.has_gpu, dtype)
-    versions = rollout.fleet.weight_versions()
+    served = engine_dtype(engines.spec.has_gpu, dtype)
+    versions = engines.weight_versions()
     stale = [i for i, version in enumerate(versions) if version != weight_version]
     if stale:
         raise WeightSyncMismatch(f"engine(s) {stale} report weight versions {versions}, expected {weight_version}")
@@ -149,10 +150,10 @@ def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: floa
     expected = trainer.compute_log_probs([TrainSequence(p, prompt_len=1) for p in probes],
                                          temperature=SCORE_TEMPERATURE)
     worst = 0.0
-    for index in range(len(rollout.fleet.engines)):
-        agreement = compare_logprobs(rollout.fleet.score(probes, engine_index=index), expected)
+    for index in range(len(engines.engines)):
+        agreement = compare_logprobs(engines.score(probes, engine_index=index), expected)
         if image_probe is not None:  # the vision tower's weights too
-            agreement = max(agreement, image_probe.agreement(trainer, rollout, index, probes[0]),
+            agreement = max(agreement, image_probe.agreement(trainer, engines, index, probes[0]),
                             key=lambda found: found.mean_abs_diff)
         bound = tolerance if tolerance is not None else rounding_tolerance(served, num_layers,
                                                                            agreement.mean_abs_logprob)
@@ -161,7 +162,7 @@ def verify_engine_weights(trainer, rollout, weight_version: int, tolerance: floa
                     agreement.tokens, bound)
         if agreement.mean_abs_diff > bound:
             raise WeightSyncMismatch(
-                f"engine {index} ({rollout.fleet.addresses[index].url}) disagrees with the trainer after syncing weight "
+                f"engine {index} ({engines.addresses[index].url}) disagrees with the trainer after syncing weight "
                 f"version {weight_version}: mean |logprob diff| {agreement.mean_abs_diff:.3g} over {agreement.tokens} probe "
                 f"tokens (max {agreement.max_abs_diff:.3g}) > {bound:.3g}, more than {served} rounding over "
                 f"{num_layers} layers explains: a weight tensor is missing, stale, transposed or cast wrong on "

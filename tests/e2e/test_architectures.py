@@ -84,7 +84,7 @@ def test_one_engine_serves_what_two_sharded_ranks_hold_through_both_transports(a
                 trainer.connect_engines(topology, timeout_s=60)
                 trainer.sync_weights(16 * 2**20, weight_version=version)
                 assert _engine_gap(rollout, trainer) < BOUND, f"{arch}, {mode} sync"
-                assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
+                assert verify_engine_weights(trainer, rollout.fleet, version, BOUND, seed=0) < BOUND
     finally:
         trainer.shutdown()
 

@@ -64,7 +64,7 @@ def test_adapters_train_the_base_stays_and_the_engine_serves_the_merged_weights(
                 trainer.connect_engines(topology, timeout_s=60)
                 trainer.sync_weights(16 * 2**10, weight_version=version)  # 16 KiB: buckets smaller than some weights
                 assert _gap(rollout.fleet.score(FIXED, engine_index=0), trainer.compute_log_probs(fixed)) < BOUND, mode
-                assert verify_engine_weights(trainer, rollout, version, BOUND, seed=0) < BOUND
+                assert verify_engine_weights(trainer, rollout.fleet, version, BOUND, seed=0) < BOUND
     finally:
         trainer.shutdown()
 

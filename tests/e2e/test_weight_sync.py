@@ -60,13 +60,13 @@ def test_colocated_sync_puts_trainer_weights_on_every_engine(two_engines_two_ran
     trainer.train_step(_batch(0))
     assert min(_engines_match_trainer(rollout, trainer)) > 1e-2  # engines still hold the old weights
     with pytest.raises(WeightSyncMismatch, match="weight versions"):
-        verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0)
+        verify_engine_weights(trainer, rollout.fleet, 1, 1e-3, seed=0)
 
     trainer.connect_engines(_topology("colocated", rollout.fleet.addresses), timeout_s=60)  # rank i -> engine i
     trainer.sync_weights(16 * 2**20, weight_version=1)
     assert max(_engines_match_trainer(rollout, trainer)) < 1e-3
     assert rollout.fleet.weight_versions() == [1, 1]
-    assert verify_engine_weights(trainer, rollout, 1, 1e-3, seed=0) < 1e-3
+    assert verify_engine_weights(trainer, rollout.fleet, 1, 1e-3, seed=0) < 1e-3
     generations = rollout.generate([FIXED[0][:3], FIXED[1][:3]], SamplingParams(max_new_tokens=6, ignore_eos=True), n=2)
     assert [g.weight_version for g in generations] == [1, 1, 1, 1]
     assert [len(g.response_ids) for g in generations] == [6] * 4  # ignore_eos reached the engine

@@ -68,22 +68,22 @@ def test_verify_passes_a_bf16_engine_and_names_a_stale_or_missing_tensor(bf16_en
         with standing_rollout("bf16", tmp_path) as rollout:
             trainer.connect_engines(_topology("colocated", rollout.fleet.addresses, num_ranks=1), timeout_s=60)
             sync_with(1)
-            good = verify_engine_weights(trainer, rollout, 1, **check)
+            good = verify_engine_weights(trainer, rollout.fleet, 1, **check)
             bound = rounding_tolerance("bfloat16", check["num_layers"], _mean_abs_probe_logprob(trainer))
             assert good < bound / 4  # bf16 rounding sits far below what the bound allows
 
             stale = trainer.full_state_dict()["lm_head.weight"]  # version 1's
             sync_with(2, "lm_head.weight", stale)
             with pytest.raises(WeightSyncMismatch, match=r"engine 0 .* weight version 2: mean \|logprob diff\|"):
-                verify_engine_weights(trainer, rollout, 2, **check)
+                verify_engine_weights(trainer, rollout.fleet, 2, **check)
 
             missing = torch.zeros_like(trainer.full_state_dict()["model.layers.1.self_attn.o_proj.weight"])
             sync_with(3, "model.layers.1.self_attn.o_proj.weight", missing)
             with pytest.raises(WeightSyncMismatch, match="missing, stale, transposed or cast wrong"):
-                verify_engine_weights(trainer, rollout, 3, **check)
+                verify_engine_weights(trainer, rollout.fleet, 3, **check)
 
             sync_with(4)  # a whole sync repairs the engine
-            assert verify_engine_weights(trainer, rollout, 4, **check) < bound / 4
+            assert verify_engine_weights(trainer, rollout.fleet, 4, **check) < bound / 4
     finally:
         trainer.shutdown()
 
