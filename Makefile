@@ -22,19 +22,21 @@ check-python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else \
 		"rlsys: needs Python 3.11 (sglang 0.5.23, torch 2.14.1); $(PYTHON) is %d.%d: set PYTHON=/path/to/python3.11" % sys.version_info[:2])'
 
-$(STAMP): pyproject.toml requirements/sglang-cpu.txt
+$(STAMP): pyproject.toml requirements/sglang-cpu.txt requirements/environments.txt
 	@$(MAKE) --no-print-directory check-python
-	@echo "rlsys: [1/5] virtualenv $(VENV)"
+	@echo "rlsys: [1/6] virtualenv $(VENV)"
 	@$(PYTHON) -m venv $(VENV)
 	@$(PIP) --upgrade pip
-	@echo "rlsys: [2/5] torch 2.14.1 (from local disk)"
+	@echo "rlsys: [2/6] torch 2.14.1 (from local disk)"
 	@$(PIP) torch==2.14.1 torchvision==0.29.1
-	@echo "rlsys: [3/5] SGLang's runtime dependencies (CPU: no CUDA kernels)"
+	@echo "rlsys: [3/6] SGLang's runtime dependencies (CPU: no CUDA kernels)"
 	@$(PIP) --no-warn-conflicts -r requirements/sglang-cpu.txt
-	@echo "rlsys: [4/5] sglang 0.5.23 (without its dependency list)"
+	@echo "rlsys: [4/6] sglang 0.5.23 (without its dependency list)"
 	@$(PIP) --no-warn-conflicts --no-deps sglang==0.5.23
-	@echo "rlsys: [5/5] rlsys and its test, data, plot and tracking extras"
+	@echo "rlsys: [5/6] rlsys and its test, data, plot and tracking extras"
 	@PYTHONWARNINGS=ignore $(PIP) --no-warn-conflicts -e '.[test]'
+	@echo "rlsys: [6/6] environment hubs: verifiers 0.3.1, openenv-core 0.3.0 (pinned, without their dependency lists)"
+	@$(PIP) --no-warn-conflicts --no-deps -r requirements/environments.txt
 	@$(BIN)/python requirements/declare_top_level.py
 	@touch $(STAMP)
 	@echo "rlsys: installed into $(VENV)"
@@ -53,6 +55,7 @@ install-gpu: check-python
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q sglang==0.5.23
 	$(BIN)/pip install -q --no-build-isolation -e '.[test,gpu]'
+	$(BIN)/pip install -q --no-deps -r requirements/environments.txt
 	touch $(STAMP)
 
 $(MODEL_DIR)/config.json: $(STAMP)
