@@ -31,6 +31,8 @@ class PromptRecord:
     # each image part {"type": "image"} where it stands (its bytes in `images`, in order); `prompt` is
     # then the last user turn's text. Empty: `prompt` is the prompt.
     messages: tuple[dict, ...] = ()
+    # Tools the chat template shows the model (OpenAI's function form: a verifiers environment's); none: ().
+    tools: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class RewardCall:
 class RewardOutcome:
     value: float | None = None
     error: str | None = None  # a short traceback or reason when the call gave no value
+    parts: dict[str, float] | None = None  # a rubric's value of each of its functions (logged as rubric_<name>)
 
 
 @dataclass

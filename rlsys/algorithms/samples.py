@@ -25,6 +25,7 @@ class ScoredBatch:
     sampling_rounds: int = 1
     task_rewards: list[float] = field(default_factory=list)  # of every scored group, filtered or not
     penalties: list[float] = field(default_factory=list)  # overlong penalties of the same samples
+    parts: dict[str, list[float]] = field(default_factory=dict)  # a rubric's functions' values, of the same samples
 
     def merge(self, other: ScoredBatch) -> None:
         """Add another sampling round's groups and counts to this step's."""
@@ -37,6 +38,8 @@ class ScoredBatch:
         self.filtered_groups += other.filtered_groups
         self.task_rewards += other.task_rewards
         self.penalties += other.penalties
+        for name, values in other.parts.items():
+            self.parts.setdefault(name, []).extend(values)
 
     def reward_metrics(self) -> dict:
         """Task rewards of every sample scored this step (before dynamic sampling drops any), and
@@ -52,6 +55,8 @@ class ScoredBatch:
         }
         if self.penalties:
             metrics["overlong_penalty_mean"] = sum(self.penalties) / len(self.penalties)
+        for name, values in sorted(self.parts.items()):
+            metrics[f"rubric_{name}"] = sum(values) / len(values)
         return metrics
 
 
@@ -109,6 +114,8 @@ def score_groups(
                 batch.penalties.append(add_overlong_penalty(sample, overlong, max_new_tokens))
             batch.samples.append(sample)
             batch.task_rewards.append(sample.reward)
+            for name, value in (outcomes[i].parts or {}).items():
+                batch.parts.setdefault(name, []).append(value)
     return batch
 
 

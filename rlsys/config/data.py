@@ -44,7 +44,8 @@ class DataConfig(Section):
     eval_split: str = Field("test", description="The split of a saved DatasetDict that eval_path names.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Held out of train_path when no eval_path.")
     synthetic: SyntheticTaskConfig | None = Field(
-        None, description="Generate a built-in task instead of reading train_path (exactly one of the two).",
+        None, description="Generate a built-in task instead of reading train_path (exactly one of the two, or "
+        "task.verifiers).",
     )
     prompts_per_step: int = Field(16, ge=1, description="Prompts (GRPO groups) per training step.")
     apply_chat_template: bool = Field(
@@ -61,7 +62,8 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if (self.train_path is None) == (self.synthetic is None):
+        # Neither: the prompts come from task.verifiers, or nowhere (config/rules.py `check_task` says which).
+        if self.train_path is not None and self.synthetic is not None:
             raise ValueError("set exactly one of data.train_path or data.synthetic")
         if self.system_prompt is not None and not self.apply_chat_template:
             raise ValueError("data.system_prompt needs data.apply_chat_template: true (it is a turn of the chat template)")

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from rlsys.config.data import DataConfig
     from rlsys.config.observability import ProfileConfig
     from rlsys.config.placement import PlacementConfig
+    from rlsys.config.reward import RewardConfig
     from rlsys.config.rollout import RolloutConfig
+    from rlsys.config.task import TaskConfig
 
 
 def check_across_sections(*, data: DataConfig, rollout: RolloutConfig, trainer: TrainerConfig,
@@ -111,3 +113,31 @@ def check_placement(placement: PlacementConfig, rollout: RolloutConfig, trainer:
         raise ValueError(f"colocated placement runs each engine on its trainer rank's GPU, so rollout.engine.tp_size "
                          f"must be 1 (got {rollout.engine.tp_size}); use placement.mode=disaggregated for "
                          "tensor-parallel engines")
+
+
+DEFAULT_REWARD_FUNCTION = "rlsys.rewards:exact_match"
+
+
+def check_task(task: TaskConfig, data: DataConfig, reward: RewardConfig, rollout: RolloutConfig) -> None:
+    """Where the prompts, the reward and the turns come from: one source of each. A verifiers
+    environment brings its dataset, its rubric and (multi-turn) its turns."""
+    has_data = data.train_path is not None or data.synthetic is not None
+    if task.verifiers is not None:
+        if has_data:
+            raise ValueError("task.verifiers brings its own dataset: leave data.train_path and data.synthetic unset "
+                             "(data.prompts_per_step still counts the prompts of a step)")
+        if data.eval_path is not None or data.eval_fraction > 0:
+            raise ValueError("task.verifiers: the eval prompts are the environment's eval_dataset (task.verifiers."
+                             "num_eval), not data.eval_path or data.eval_fraction")
+        if data.system_prompt is not None:
+            raise ValueError("task.verifiers: the environment's system_prompt is used; leave data.system_prompt unset")
+    elif not has_data:
+        raise ValueError("set exactly one of data.train_path, data.synthetic or task.verifiers (where the prompts "
+                         "come from)")
+    if task.is_set:
+        if reward.url is not None or reward.function != DEFAULT_REWARD_FUNCTION:
+            raise ValueError("the reward comes from task.verifiers (its rubric): leave reward.function and reward.url "
+                             "unset")
+        if rollout.generate_function is not None:
+            raise ValueError("the turns come from task.verifiers (a MultiTurnEnv's env_response): leave "
+                             "rollout.generate_function unset")

@@ -14,7 +14,8 @@ from rlsys.config.observability import LoggingConfig, ProfileConfig, StatusConfi
 from rlsys.config.placement import PlacementConfig
 from rlsys.config.reward import RewardConfig
 from rlsys.config.rollout import RolloutConfig
-from rlsys.config.rules import check_across_sections
+from rlsys.config.rules import check_across_sections, check_task
+from rlsys.config.task import TaskConfig
 from rlsys.config.trainer import TrainerConfig
 from rlsys.config.weight_sync import WeightSyncConfig
 from rlsys.section import Section
@@ -25,7 +26,9 @@ class RunConfig(Section):
     seed: int = Field(0, description="Seed of the data split and prompt order, the engines' sampling and the "
                       "trainers' torch RNG.")
     model: ModelConfig = Field(description="The policy model.")
-    data: DataConfig = Field(description="Training and eval prompts.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training and eval prompts.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="A task from an environment hub (verifiers, "
+                             "OpenEnv) instead of a dataset and a reward function.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How samples are scored.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation by the SGLang engines.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The FSDP2 trainer ranks.")
@@ -45,6 +48,7 @@ class RunConfig(Section):
         self.rollout.mode.check(self)
         check_across_sections(data=self.data, rollout=self.rollout, trainer=self.trainer, algorithm=self.algorithm,
                               placement=self.placement, profile=self.profile)
+        check_task(self.task, self.data, self.reward, self.rollout)
         return self
 
 

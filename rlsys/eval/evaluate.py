@@ -13,7 +13,7 @@ from rlsys.actors.placement import create_placement
 from rlsys.config import ConfigError, RunConfig
 from rlsys.errors import UsageError
 from rlsys.model.architecture import read_architecture
-from rlsys.rewards.pool import make_reward_scorer
+from rlsys.rewards.pool import make_run_scorer
 from rlsys.rollout.manager import RolloutManager
 from rlsys.rollout.sglang.server import ServerSpec
 from rlsys.run.assets import load_assets
@@ -77,7 +77,7 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
         if not assets.eval and not assets.eval_sets:
             raise ConfigError("invalid config: nothing to evaluate: the config has no eval prompts (data.eval_path, "
                               "data.eval_fraction or a synthetic task's num_eval) and no eval.datasets")
-        maker = SampleMaker(config, assets.tokenizer)
+        maker = SampleMaker(config, assets.tokenizer, assets.environment)
         if config.rollout.attach:
             return _evaluate_on_standing_engines(config, assets, maker, model_dir, checkpoint or model, shown)
         engines = Topology("disaggregated", 0, config.rollout.num_engines, config.rollout.engine.tp_size,
@@ -96,7 +96,7 @@ def evaluate_model(config: RunConfig, checkpoint: Path | None = None, model: Pat
                                 radix_cache=config.rollout.uses_radix_cache(has_gpu), env=dict(config.placement.env))
             rollout = RolloutManager.start(server, engines.num_engines, scratch, placement.engine_options())
             stack.callback(rollout.shutdown)
-            rewards = make_reward_scorer(config.reward)
+            rewards = make_run_scorer(config, assets.environment)
             stack.callback(rewards.close)
             rewards.start()
             rollout.fleet.wait_ready()
@@ -136,7 +136,7 @@ def _evaluate_on_standing_engines(config: RunConfig, assets, maker: SampleMaker,
         rollout.fleet.wait_ready()
         ray.get([engine.load_weights_from_disk.remote(str(model_dir.resolve()), 0) for engine in rollout.fleet.engines])
         rollout.fleet.restart_random_streams(config.seed)  # pass@k samples follow from the seed, not from earlier runs
-        rewards = make_reward_scorer(config.reward)
+        rewards = make_run_scorer(config, assets.environment)
         stack.callback(rewards.close)
         rewards.start()
         logger.info("%d standing engine(s) %r serving %s", len(rollout.fleet.engines), record.name, source)

@@ -297,3 +297,11 @@ def make_reward_scorer(config):
         return RemoteReward(config.url, config.batch_size, config.timeout_s, config.max_retries,
                             config.retry_backoff_s, config.max_concurrency)
     return RewardPool(config.function, config.num_workers, config.timeout_s)
+
+
+def make_run_scorer(config, environment=None):
+    """The run's scorer: its task environment's (a verifiers rubric), or
+    the `reward` section's (`make_reward_scorer`)."""
+    if environment is not None:
+        return environment.scorer(config.reward.timeout_s)
+    return make_reward_scorer(config.reward)

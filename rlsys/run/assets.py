@@ -10,6 +10,7 @@ from pathlib import Path
 from rlsys.config import ConfigError, EvalSetConfig, RunConfig
 from rlsys.data.datasets import Columns, DatasetError, load_splits, read_records
 from rlsys.data.tokenizer import load_tokenizer
+from rlsys.environments.task_environment import load_task_environment
 from rlsys.model.architecture import (
     read_model_config,
     refuse_untrained_vision_language,
@@ -43,6 +44,8 @@ class RunAssets:
     too_long_prompts: int
     eval_sets: list[EvalSetAssets] = field(default_factory=list)
     image_load: ImageLoad | None = None  # what the training prompts' images take of a micro-batch (the plan's)
+    # task.verifiers: the loaded environment (rlsys/environments/), None without one.
+    environment: object | None = None
 
 
 def _encode(tokenizer, record: PromptRecord, chat: bool, system_prompt: str | None = None,
@@ -63,7 +66,8 @@ def _encode(tokenizer, record: PromptRecord, chat: bool, system_prompt: str | No
             messages.append({"role": "user", "content": content})
         # Rendered to text, then tokenised without added special tokens (the template holds them
         # all): the same ids whatever apply_chat_template(tokenize=True) returns in a given version.
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=list(record.tools) or None, add_generation_prompt=True,
+                                             tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     ids = tokenizer(record.prompt, add_special_tokens=True)["input_ids"]
     return ids if not record.images else list(image_placeholder) * len(record.images) + ids
@@ -158,12 +162,16 @@ def load_assets(config: RunConfig) -> RunAssets:
     if config.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"invalid config: data.apply_chat_template is on but the tokenizer in {tokenizer_dir} "
                           "has no chat template")
-    if config.reward.url is None:
+    environment = load_task_environment(config)  # task.verifiers: its dataset and rubric, loaded once
+    if config.reward.url is None and environment is None:
         load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
     for eval_set in config.eval.datasets:
         if eval_set.reward_function:
             load_reward_function(eval_set.reward_function, f"eval.datasets[{eval_set.name}].reward_function")
-    splits = load_splits(config.data, config.seed)
+    splits = environment.splits() if hasattr(environment, "splits") else load_splits(config.data, config.seed)
+    if config.task.verifiers is not None and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"invalid config: task.verifiers' prompts are chat messages, and the tokenizer in "
+                          f"{tokenizer_dir} has no chat template to render them")
     _refuse_conversation_images(config, splits.train + splits.eval)
     budget = config.rollout.engine.context_length - config.rollout.max_new_tokens
     if budget < 1:
@@ -184,7 +192,7 @@ def load_assets(config: RunConfig) -> RunAssets:
         tokenizer=tokenizer, train=train, eval=eval_,
         stop_token_ids=_stop_token_ids(config, tokenizer),
         skipped_rows=splits.skipped_rows, too_long_prompts=too_long_train + too_long_eval, eval_sets=eval_sets,
-        image_load=_image_load(config, train),
+        image_load=_image_load(config, train), environment=environment,
     )
 
 

@@ -47,9 +47,14 @@ def load_generate_function(import_path: str) -> GenerateFunction:
 class SampleMaker:
     """`samples(rollout, prompts, sampling, n)`: n generations per prompt, grouped by prompt."""
 
-    def __init__(self, config: RunConfig, tokenizer):
+    def __init__(self, config: RunConfig, tokenizer, environment=None):
+        """`environment`: the run's task environment (RunAssets.environment), whose turns, if it has
+        any, make the samples (a verifiers MultiTurnEnv's)."""
         self.path = config.rollout.generate_function
         self.function = load_generate_function(self.path) if self.path else None
+        if environment is not None and environment.generate_function() is not None:
+            self.function, self.path = environment.generate_function(), f"task {environment.describe()}"
+
         self.tokenizer = tokenizer
         self.tool_timeout_s = config.rollout.tool_timeout_s
 

@@ -25,7 +25,7 @@ from rlsys.errors import RunFailed
 from rlsys.observability.metrics import MetricsLog
 from rlsys.observability.status.state import RunStatus
 from rlsys.observability.tracking import Trackers, check_backends_installed
-from rlsys.rewards.pool import make_reward_scorer
+from rlsys.rewards.pool import make_run_scorer
 from rlsys.rollout.fleet import EngineRestartLimit
 from rlsys.run.absolute_paths import default_run_dir, with_absolute_paths
 from rlsys.run.assets import RunAssets, load_assets, refuse_incompatible_checkpoint
@@ -176,7 +176,9 @@ def _describe_data(assets: RunAssets) -> str:
             + (f" ({', '.join(dropped)})" if dropped else "") + (f"; eval sets: {sets}" if sets else ""))
 
 
-def _describe_rewards(config: RunConfig) -> str:
+def _describe_rewards(config: RunConfig, environment) -> str:
+    if environment is not None:
+        return environment.describe()
     if config.reward.url:
         return f"the reward service at {config.reward.url} (reward.function is not used)"
     return f"{config.reward.function} in {config.reward.num_workers} worker process(es)"
@@ -232,7 +234,7 @@ def run(config: RunConfig) -> Path:
     if config.model.hub_id:
         logger.info("model %s at commit %s: %s", config.model.hub_id, config.model.revision, config.model.path)
     assets = load_assets(config)  # every input check happens before any actor starts
-    maker = SampleMaker(config, assets.tokenizer)  # loads rollout.generate_function, if any
+    maker = SampleMaker(config, assets.tokenizer, assets.environment)  # loads rollout.generate_function, if any
     random.seed(config.seed)
     config = with_absolute_paths(config, config.run_dir or default_run_dir())
     run_dir = Path(config.run_dir)
@@ -264,8 +266,8 @@ def run(config: RunConfig) -> Path:
         _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
         topology = Topology.from_config(config, run_uses_gpus(config, layout))
-        rewards = make_reward_scorer(config.reward)
-        logger.info("rewards from %s", _describe_rewards(config))
+        rewards = make_run_scorer(config, assets.environment)
+        logger.info("rewards from %s", _describe_rewards(config, assets.environment))
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
         parts = start_components(config, topology, run_dir, stack, events, assets.image_load)

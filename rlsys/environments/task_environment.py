@@ -1,0 +1,15 @@
+"""The run's task environment from its `task` section (None without one): loaded once, before
+anything starts, by load_assets; the run takes its prompts, reward scorer and generate function."""
+
+from __future__ import annotations
+
+from rlsys.config import RunConfig
+
+
+def load_task_environment(config: RunConfig):
+    """A VerifiersTask, or None."""
+    if config.task.verifiers is not None:
+        from rlsys.environments.verifiers_task import VerifiersTask
+
+        return VerifiersTask.load(config.task.verifiers)
+    return None
