@@ -145,6 +145,22 @@ def disaggregated_engines(ray_cluster, tiny_model_dir, tmp_path_factory) -> str:
                         tmp_path_factory.getbasetemp() / "standing-engines")
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with a chat template (rlsys make-tiny-model --chat): Qwen's turn markers, <|im_end|> as EOS."""
+    from rlsys.tools.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-chat-model"), chat=True)
+
+
+@pytest.fixture(scope="session")
+def chat_engines(ray_cluster, tiny_chat_model_dir, tmp_path_factory) -> str:
+    """Standing engines for configs/examples/verifiers_digits.yaml on the tiny chat model (colocated, 2
+    trainer ranks, 1 engine): chat-message tasks (a verifiers environment's); the override that attaches."""
+    return standing_set("chat", "examples/verifiers_digits.yaml", [f"model.path={tiny_chat_model_dir}"],
+                        tmp_path_factory.getbasetemp() / "standing-engines")
+
+
 # The disaggregated set's context: the long-tailed copy task's (bench/long_tail.py), whose runs share it.
 DISAGGREGATED_CONTEXT = 320
 
@@ -342,7 +358,8 @@ def leftovers(monkeypatch):
 
 # The session's engine sets, by the fixture that stands each up: the set's name (`standing_set`). A test
 # that asks for one shares its engines with every test of its identity.
-ENGINE_SETS = {"quickstart_engines": "quickstart", "disaggregated_engines": "disaggregated", "bf16_engines": "bf16"}
+ENGINE_SETS = {"quickstart_engines": "quickstart", "disaggregated_engines": "disaggregated", "bf16_engines": "bf16",
+               "chat_engines": "chat"}
 
 
 class _EngineSetLives:

@@ -27,8 +27,8 @@ class RunConfig(Section):
                       "trainers' torch RNG.")
     model: ModelConfig = Field(description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training and eval prompts.")
-    task: TaskConfig = Field(default_factory=TaskConfig, description="A task from an environment hub (verifiers, "
-                             "OpenEnv) instead of a dataset and a reward function.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="A task from an environment hub (a verifiers "
+                             "environment) instead of a dataset and a reward function.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How samples are scored.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation by the SGLang engines.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The FSDP2 trainer ranks.")
