@@ -129,7 +129,7 @@ def group_from_json(data: dict) -> GroupInFlight:
     import numpy as np
 
     record = {**data["prompt"], "images": tuple(base64.b64decode(image) for image in data["prompt"].get("images", ())),
-              "messages": tuple(data["prompt"].get("messages", ()))}
+              "messages": tuple(data["prompt"].get("messages", ())), "tools": tuple(data["prompt"].get("tools", ()))}
     prompt = EncodedPrompt(PromptRecord(**record), list(data["token_ids"]), data.get("seed"))  # (older: no seed)
     samples = [None if s is None else Generation(**{**s, "routes": None if s.get("routes") is None else
                                                     np.asarray(s["routes"], dtype=np.int16)})

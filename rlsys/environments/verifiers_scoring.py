@@ -15,14 +15,15 @@ import re
 import traceback
 
 from rlsys.environments.event_loop import LoopThread
-from rlsys.environments.verifiers_task import ROW_KEY, VerifiersTask
+from rlsys.environments.verifiers_rows import ROW_KEY
 from rlsys.records import RewardCall, RewardOutcome
 
 STATE_KEY = "verifiers_state"  # a multi-turn generation's info: the id of the state its turns built
 
 
 class RubricScorer:
-    def __init__(self, task: VerifiersTask, timeout_s: float, states: dict | None = None):
+    def __init__(self, task, timeout_s: float, states: dict | None = None):
+        """`task`: the VerifiersTask (rlsys/environments/verifiers_task.py) whose rubric scores."""
         self.task = task
         self.timeout_s = timeout_s
         self.states = states if states is not None else {}  # filled by the multi-turn generate function

@@ -18,15 +18,9 @@ from dataclasses import dataclass, field
 from rlsys.config import VerifiersTaskConfig
 from rlsys.data.conversations import ConversationError, read_conversation
 from rlsys.data.datasets import DatasetError, PromptSplits
-from rlsys.errors import UserError
+from rlsys.environments.verifiers_rows import ROW_KEY, VerifiersTaskError, plain_message
 from rlsys.plugins import load_user_function
 from rlsys.records import PromptRecord
-
-ROW_KEY = "verifiers_row"  # a record's metadata: (split, index) of its dataset row
-
-
-class VerifiersTaskError(UserError):
-    """task.verifiers cannot be loaded or used; the message says what to change."""
 
 
 def load_environment(config: VerifiersTaskConfig):
@@ -52,13 +46,6 @@ def openai_tools(environment) -> tuple[dict, ...]:
     return tuple({"type": "function", "function": {"name": tool.name, "description": tool.description,
                                                    "parameters": tool.parameters}}
                  for tool in environment.tool_defs or [])
-
-
-def _plain(message) -> dict:
-    """A message as a JSON-able dict (a dataset row's, or a vf.Message the environment returned)."""
-    if hasattr(message, "model_dump"):
-        message = message.model_dump(exclude_none=True)
-    return {key: value for key, value in dict(message).items() if value is not None}
 
 
 @dataclass
@@ -101,7 +88,7 @@ class VerifiersTask:
         if not isinstance(prompt, list):
             raise DatasetError(f"{where}: its prompt is {type(prompt).__name__}, not a list of chat messages")
         try:
-            messages, images, text = read_conversation([_plain(m) for m in prompt], None)
+            messages, images, text = read_conversation([plain_message(m) for m in prompt], None)
         except ConversationError as error:
             raise DatasetError(f"{where}: prompt{error}") from None
         answer = row.get("answer", "")

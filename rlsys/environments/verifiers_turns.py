@@ -18,8 +18,8 @@ import json
 import re
 import uuid
 
+from rlsys.environments.verifiers_rows import VerifiersTaskError, plain_message
 from rlsys.environments.verifiers_scoring import STATE_KEY
-from rlsys.environments.verifiers_task import VerifiersTask, VerifiersTaskError, _plain
 from rlsys.records import EncodedPrompt
 from rlsys.rollout.trajectory import RolloutContext, Trajectory
 
@@ -48,7 +48,7 @@ def parse_assistant_turn(text: str):
 
 def template_message(message) -> dict:
     """A vf message as chat templates read it (tool calls in OpenAI's function form)."""
-    plain = _plain(message)
+    plain = plain_message(message)
     if plain.get("tool_calls"):
         plain["tool_calls"] = [{"type": "function", "id": call["id"],
                                 "function": {"name": call["name"], "arguments": _arguments(call["arguments"])}}
@@ -66,7 +66,8 @@ def _arguments(arguments: str):
 class VerifiersTurns:
     """`await turns(prompt, ctx)`: one sample's trajectory through the environment's turns."""
 
-    def __init__(self, task: VerifiersTask, states: dict):
+    def __init__(self, task, states: dict):
+        """`task`: the VerifiersTask (rlsys/environments/verifiers_task.py) whose environment runs the turns."""
         self.task = task
         self.states = states  # state id -> the vf.State its turns built, for the rubric
 
