@@ -283,6 +283,16 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_tiny_judge(args: argparse.Namespace) -> int:
+    from rlsys.tools.tiny_judge import make_tiny_judge
+
+    with library_output_hidden(args.log_level):
+        quality = make_tiny_judge(args.out_dir, args.seed)
+    logger.info("tiny judge written to %s: right on %.0f%% of its examples; p(y) >= %.3f on a right answer, <= %.3f on "
+                "a wrong one", args.out_dir, 100 * quality["accuracy"], quality["lowest_right"], quality["highest_wrong"])
+    return 0
+
+
 def add_make_tiny_model_command(commands) -> None:
     tiny = commands.add_parser(
         "make-tiny-model", help="build a local random-init model + tokenizer",
@@ -303,3 +313,11 @@ def add_make_tiny_model_command(commands) -> None:
                       "beside it with the vision markers in the tokenizer and a chat template that renders images)")
     tiny.add_argument("--chat", action="store_true", help="a tokenizer with a Qwen-style chat template")
     tiny.set_defaults(handler=_make_tiny_model)
+    judge = commands.add_parser(
+        "make-tiny-judge", help="build a tiny judge model for the quickstart task (reward.judge)",
+        description="The tiny model fine-tuned on the CPU (about a minute) to answer y after '{response}={label}?' "
+                    "when the response is the label's digit, n otherwise: the judge of "
+                    "configs/examples/judge_quickstart.yaml.")
+    judge.add_argument("out_dir", help="the directory to write")
+    judge.add_argument("--seed", type=int, default=0)
+    judge.set_defaults(handler=_make_tiny_judge)

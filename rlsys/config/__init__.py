@@ -16,7 +16,7 @@ from rlsys.config.loading import ConfigError, apply_override, dump_config, load_
 from rlsys.config.model import LoraConfig, ModelConfig
 from rlsys.config.observability import LoggingConfig, ProfileConfig, StatusConfig
 from rlsys.config.placement import PlacementConfig
-from rlsys.config.reward import RewardConfig
+from rlsys.config.reward import JudgeConfig, RewardConfig
 from rlsys.config.rollout import STANDING_NAME_PATTERN, RolloutConfig
 from rlsys.config.rollout_modes import (
     ROLLOUT_MODES,
@@ -35,9 +35,9 @@ from rlsys.config.weight_sync import WeightSyncConfig
 __all__ = [
     "CPU_STARTUP_TIMEOUT_S", "GPU_STARTUP_TIMEOUT_S", "ROLLOUT_MODES", "STANDING_NAME_PATTERN", "AlgorithmConfig",
     "AsyncMode", "CheckpointConfig", "ConfigError", "DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig",
-    "LoggingConfig", "LoraConfig", "ModelConfig", "OverlongPenaltyConfig",
-    "PartialMode", "PlacementConfig", "ProfileConfig", "RewardConfig", "RolloutConfig", "RolloutMode", "RunConfig",
-    "SamplingConfig", "StatusConfig", "SyncMode", "SyntheticTaskConfig", "TaskConfig", "TrainerConfig",
-    "VerifiersTaskConfig", "WeightSyncConfig", "apply_override", "check_context_parallel", "dump_config", "load_config",
+    "JudgeConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OverlongPenaltyConfig", "PartialMode",
+    "PlacementConfig", "ProfileConfig", "RewardConfig", "RolloutConfig", "RolloutMode", "RunConfig", "SamplingConfig",
+    "StatusConfig", "SyncMode", "SyntheticTaskConfig", "TaskConfig", "TrainerConfig", "VerifiersTaskConfig",
+    "WeightSyncConfig", "apply_override", "check_context_parallel", "dump_config", "load_config",
     "register_rollout_mode", "resolve_derived_settings",
 ]

@@ -135,9 +135,9 @@ def check_task(task: TaskConfig, data: DataConfig, reward: RewardConfig, rollout
         raise ValueError("set exactly one of data.train_path, data.synthetic or task.verifiers (where the prompts "
                          "come from)")
     if task.is_set:
-        if reward.url is not None or reward.function != DEFAULT_REWARD_FUNCTION:
-            raise ValueError("the reward comes from task.verifiers (its rubric): leave reward.function and reward.url "
-                             "unset")
+        if reward.url is not None or reward.judge is not None or reward.function != DEFAULT_REWARD_FUNCTION:
+            raise ValueError("the reward comes from task.verifiers (its rubric): leave reward.function, reward.url "
+                             "and reward.judge unset")
         if rollout.generate_function is not None:
             raise ValueError("the turns come from task.verifiers (a MultiTurnEnv's env_response): leave "
                              "rollout.generate_function unset")

@@ -299,9 +299,16 @@ def make_reward_scorer(config):
     return RewardPool(config.function, config.num_workers, config.timeout_s)
 
 
-def make_run_scorer(config, environment=None):
-    """The run's scorer: its task environment's (a verifiers rubric), or
-    the `reward` section's (`make_reward_scorer`)."""
+def make_run_scorer(config, environment=None, has_gpu: bool = False):
+    """The run's scorer: its task environment's (a verifiers rubric), a judge on engines of its own
+    (reward.judge, its logs in RUN_DIR/logs/judge), or the `reward` section's (`make_reward_scorer`)."""
     if environment is not None:
         return environment.scorer(config.reward.timeout_s)
+    if config.reward.judge is not None:
+        from pathlib import Path
+
+        from rlsys.rewards.judge import JudgeScorer
+
+        log_dir = Path(config.run_dir or ".") / "logs" / "judge"
+        return JudgeScorer(config.reward.judge, log_dir, config.seed, has_gpu, dict(config.placement.env))
     return make_reward_scorer(config.reward)

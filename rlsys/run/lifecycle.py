@@ -179,6 +179,9 @@ def _describe_data(assets: RunAssets) -> str:
 def _describe_rewards(config: RunConfig, environment) -> str:
     if environment is not None:
         return environment.describe()
+    if config.reward.judge is not None:
+        judge = config.reward.judge
+        return f"the judge {judge.model} ({judge.parse}) on {judge.engines} SGLang engine(s) of its own"
     if config.reward.url:
         return f"the reward service at {config.reward.url} (reward.function is not used)"
     return f"{config.reward.function} in {config.reward.num_workers} worker process(es)"
@@ -266,7 +269,7 @@ def run(config: RunConfig) -> Path:
         _stop_on_signals(status)  # after ray.init, which installs a SIGTERM handler of its own
         stack.enter_context(_failures_reported(status))  # entered before the components: reports after they stop
         topology = Topology.from_config(config, run_uses_gpus(config, layout))
-        rewards = make_run_scorer(config, assets.environment)
+        rewards = make_run_scorer(config, assets.environment, topology.has_gpu)
         logger.info("rewards from %s", _describe_rewards(config, assets.environment))
         stack.callback(rewards.close)
         rewards.start()  # its workers load the reward function while the engines start
