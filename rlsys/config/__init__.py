@@ -28,14 +28,14 @@ from rlsys.config.rollout_modes import (
 )
 from rlsys.config.rules import check_context_parallel
 from rlsys.config.run import RunConfig, resolve_derived_settings
-from rlsys.config.task import TaskConfig, VerifiersTaskConfig
+from rlsys.config.task import OpenEnvTaskConfig, TaskConfig, VerifiersTaskConfig
 from rlsys.config.trainer import TrainerConfig
 from rlsys.config.weight_sync import WeightSyncConfig
 
 __all__ = [
     "CPU_STARTUP_TIMEOUT_S", "GPU_STARTUP_TIMEOUT_S", "ROLLOUT_MODES", "STANDING_NAME_PATTERN", "AlgorithmConfig",
     "AsyncMode", "CheckpointConfig", "ConfigError", "DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig",
-    "JudgeConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OverlongPenaltyConfig", "PartialMode",
+    "JudgeConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OpenEnvTaskConfig", "OverlongPenaltyConfig", "PartialMode",
     "PlacementConfig", "ProfileConfig", "RewardConfig", "RolloutConfig", "RolloutMode", "RunConfig", "SamplingConfig",
     "StatusConfig", "SyncMode", "SyntheticTaskConfig", "TaskConfig", "TrainerConfig", "VerifiersTaskConfig",
     "WeightSyncConfig", "apply_override", "check_context_parallel", "dump_config", "load_config",

@@ -120,7 +120,8 @@ DEFAULT_REWARD_FUNCTION = "rlsys.rewards:exact_match"
 
 def check_task(task: TaskConfig, data: DataConfig, reward: RewardConfig, rollout: RolloutConfig) -> None:
     """Where the prompts, the reward and the turns come from: one source of each. A verifiers
-    environment brings its dataset, its rubric and (multi-turn) its turns."""
+    environment brings its dataset, its rubric and (multi-turn) its turns; an OpenEnv environment
+    its reward and turns, on the data section's prompts."""
     has_data = data.train_path is not None or data.synthetic is not None
     if task.verifiers is not None:
         if has_data:
@@ -135,9 +136,9 @@ def check_task(task: TaskConfig, data: DataConfig, reward: RewardConfig, rollout
         raise ValueError("set exactly one of data.train_path, data.synthetic or task.verifiers (where the prompts "
                          "come from)")
     if task.is_set:
+        which = "task.verifiers (its rubric)" if task.verifiers is not None else "task.openenv (its step rewards)"
         if reward.url is not None or reward.judge is not None or reward.function != DEFAULT_REWARD_FUNCTION:
-            raise ValueError("the reward comes from task.verifiers (its rubric): leave reward.function, reward.url "
-                             "and reward.judge unset")
+            raise ValueError(f"the reward comes from {which}: leave reward.function, reward.url and reward.judge "
+                             "unset")
         if rollout.generate_function is not None:
-            raise ValueError("the turns come from task.verifiers (a MultiTurnEnv's env_response): leave "
-                             "rollout.generate_function unset")
+            raise ValueError(f"the turns come from {which.split()[0]}: leave rollout.generate_function unset")

@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 import traceback
 
-from rlsys.environments.event_loop import LoopThread
 from rlsys.environments.verifiers_rows import ROW_KEY
 from rlsys.records import RewardCall, RewardOutcome
+from rlsys.rollout.dispatch import LoopThread
 
 STATE_KEY = "verifiers_state"  # a multi-turn generation's info: the id of the state its turns built
 
@@ -46,7 +46,12 @@ class RubricScorer:
     def _score_group(self, calls: list[RewardCall]) -> list[RewardOutcome]:
         try:
             states = [self._state(call) for call in calls]
-            self.loop.run(self.task.environment.rubric.score_group(states), self.timeout_s)
+            future = self.loop.submit(self.task.environment.rubric.score_group(states))
+            try:
+                future.result(self.timeout_s)
+            except TimeoutError:
+                future.cancel()
+                raise
         except TimeoutError:
             return [RewardOutcome(error=f"the rubric took longer than {self.timeout_s:g}s on a group "
                                         "(reward.timeout_s)")] * len(calls)

@@ -11,6 +11,8 @@ rollout.n_samples_per_prompt answers to one prompt, one after another):
     loss_mask                    per response token, 1 where the loss counts it; null: every token
     reward, score, advantage     the task's reward, with the algorithm's shaping, and the advantage trained on
     finish_reason, weight_version
+    info                         what a generate function or an environment attached to the sample (an
+                                 OpenEnv episode's reset and steps); only when there is any
 
 A step's file is written whole (a temporary file renamed), so a resumed run that runs a step again
 replaces it rather than adding to it.
@@ -34,6 +36,7 @@ def rollout_rows(samples: list[Sample], sequences: list[TrainSequence]) -> list[
     """One row per sample with the sequence the trainer got for it (same order, same length)."""
     return [
         {
+            **({"info": sample.generation.info} if sample.generation.info else {}),
             "prompt": sample.record.prompt, "label": sample.record.label, "response": sample.response_text,
             "prompt_ids": sample.generation.prompt_ids, "response_ids": sample.generation.response_ids,
             "engine_logprobs": sample.generation.logprobs, "loss_mask": sequence.loss_mask,

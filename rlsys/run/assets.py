@@ -44,7 +44,7 @@ class RunAssets:
     too_long_prompts: int
     eval_sets: list[EvalSetAssets] = field(default_factory=list)
     image_load: ImageLoad | None = None  # what the training prompts' images take of a micro-batch (the plan's)
-    # task.verifiers: the loaded environment (rlsys/environments/), None without one.
+    # task.verifiers / task.openenv: the loaded environment (rlsys/environments/), None without one.
     environment: object | None = None
 
 

@@ -106,3 +106,36 @@ def test_a_verifiers_environment_trains_and_its_rubric_is_the_reward(tmp_path, m
                 injected = tokenizer.decode(ids[first:last], skip_special_tokens=False)
                 assert "<|im_start|>user\nheard " in injected and injected.endswith("again><|im_end|>\n" + TURN)
                 assert 1 <= first <= 2 and 1 <= len(mask) - last <= 2  # each turn: the engine's tokens (max_new_tokens 2)
+
+
+def test_an_openenv_environments_reward_trains_a_run_and_every_episode_is_logged(tmp_path, tiny_model_dir, ray_address,
+                                                                                 quickstart_engines):
+    """configs/examples/openenv_echo.yaml: rlsys starts the echo server on loopback, plays one episode per
+    sample (reset, step with the answer), trains on the episodes' rewards and stops the server."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    command = train_command("examples/openenv_echo.yaml", tiny_model_dir, run_dir, "trainer.total_steps=2",
+                            "eval.interval=100", ray_address, quickstart_engines)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in metrics] == [0, 1] and all(row["reward_errors"] == 0 for row in metrics)
+    special = load_tokenizer(tiny_model_dir).all_special_tokens
+    for step, row in enumerate(metrics):
+        saved = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert len(saved) == 16 * 8
+        for sample in saved:
+            episode = sample["info"]["openenv_episode"]
+            assert episode["reset"] == {"echoed_message": ""} and episode["error"] is None
+            [step_record] = episode["steps"]
+            said = sample["response"]  # a trajectory's text keeps special tokens; the action is sent without them
+            for token in special:
+                said = said.replace(token, "")
+            assert step_record["action"] == {"message": said}
+            assert step_record["observation"] == {"echoed_message": said} and step_record["done"]
+            right = len(said.strip()) == 1 and said.strip().isdigit()
+            assert sample["reward"] == step_record["reward"] == episode["reward"] == (1.0 if right else 0.0)
+        assert row["reward_mean"] == pytest.approx(sum(s["reward"] for s in saved) / len(saved), abs=1e-12)
+    servers = [p for p in psutil.process_iter(["cmdline"]) if "openenv_echo_server.py" in " ".join(p.info["cmdline"] or [])]
+    assert servers == []  # stopped with the run

@@ -26,7 +26,7 @@ def _config(**sections) -> RunConfig:
 @pytest.mark.parametrize("sections, refused", [
     ({"data": {"train_path": "x.jsonl"}}, "brings its own dataset"),
     ({"reward": {"function": "my.mod:fn"}}, "leave reward.function"),
-    ({"reward": {"url": "http://localhost:1"}}, "leave reward.function and reward.url"),
+    ({"reward": {"url": "http://localhost:1"}}, "leave reward.function, reward.url"),
     ({"rollout": {"generate_function": "my.mod:gen"}}, "leave rollout.generate_function"),
     ({"data": {"eval_fraction": 0.1}}, "eval_dataset"),
 ])
