@@ -315,7 +315,7 @@ def add_make_tiny_model_command(commands) -> None:
     tiny.set_defaults(handler=_make_tiny_model)
     judge = commands.add_parser(
         "make-tiny-judge", help="build a tiny judge model for the quickstart task (reward.judge)",
-        description="The tiny model fine-tuned on the CPU (about a minute) to answer y after '{response}={label}?' "
+        description="The tiny model fine-tuned on the CPU (about 20 s) to answer y after '{response}={label}?' "
                     "when the response is the label's digit, n otherwise: the judge of "
                     "configs/examples/judge_quickstart.yaml.")
     judge.add_argument("out_dir", help="the directory to write")

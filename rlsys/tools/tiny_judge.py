@@ -1,5 +1,5 @@
-"""A tiny judge model for the quickstart task (`rlsys make-tiny-judge`): the tiny model, fine-tuned for a
-minute on the CPU to answer `y` after "{response}={label}?" when the response is the label's digit and
+"""A tiny judge model for the quickstart task (`rlsys make-tiny-judge`): the tiny model, fine-tuned (about
+20 s on the CPU) to answer `y` after "{response}={label}?" when the response is the label's digit and
 `n` otherwise (any other character, or nothing). Served with reward.judge (parse: logprob_yes, yes: y,
 no: n; configs/examples/judge_quickstart.yaml), it grades the quickstart's answers with a probability.
 Nothing is downloaded; the fine-tuning is seeded, so the same judge comes out every time."""
@@ -12,6 +12,7 @@ from rlsys.tools.tiny_parts import CHARACTERS
 
 JUDGE_PROMPT = "{response}={label}?"
 STEPS = 1500
+OTHERS_PER_STEP = 32
 
 
 def judge_examples() -> list[tuple[str, bool]]:
@@ -50,9 +51,16 @@ def make_tiny_judge(out_dir: str | Path, seed: int = 0) -> dict:
     weights = sum(kind.float() / kind.sum() for kind in kinds)
     positions = torch.arange(length).expand(len(encoded), -1) - (length - attention.sum(1, keepdim=True))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # Each step: every answer that is a digit or nothing (the hard ones: which digit), and OTHERS_PER_STEP of
+    # the other answers, drawn afresh (a fifth of the cost of all 710 each step).
+    always = torch.nonzero(digit | torch.tensor([text[0] == "=" for text, _ in examples])).flatten()
+    others = torch.nonzero(~(digit | torch.tensor([text[0] == "=" for text, _ in examples]))).flatten()
+    draw = torch.Generator().manual_seed(seed)
     for _ in range(STEPS):
-        logits = model(inputs, attention_mask=attention, position_ids=positions.clamp(min=0)).logits[:, -1]
-        loss = (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * weights).sum() / weights.sum()
+        rows = torch.cat([always, others[torch.randperm(len(others), generator=draw)[:OTHERS_PER_STEP]]])
+        logits = model(inputs[rows], attention_mask=attention[rows], position_ids=positions[rows].clamp(min=0)).logits[:, -1]
+        loss = (torch.nn.functional.cross_entropy(logits, targets[rows], reduction="none") * weights[rows]).sum() \
+            / weights[rows].sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

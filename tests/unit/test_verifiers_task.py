@@ -177,3 +177,29 @@ def test_a_multi_turn_environments_turn_is_the_templates_text_injected_and_maske
     assert trajectory.turns == 2
     state = task.states[trajectory.info["verifiers_state"]]
     assert [m.content for m in state["completion"]] == ["7", "heard '7'; again>", "3"]
+
+
+def test_a_turns_tool_call_blocks_become_the_tool_calls_a_tool_env_runs(tmp_path):
+    """Qwen's (and Hermes') <tool_call> form, parsed into vf tool calls that a ToolEnv's env_response runs; a
+    block that is not a call stays in the text."""
+    from rlsys.environments.verifiers_turns import parse_assistant_turn
+
+    module = _environment_file(tmp_path, '''
+        def lookup(key: str) -> str:
+            """The value stored under key."""
+            return {"a": "41", "b": "42"}[key]
+
+        def load_environment():
+            return vf.ToolEnv(dataset=rows, tools=[lookup], max_turns=3)
+    ''')
+    task = VerifiersTask.load(VerifiersTaskConfig(module=module))
+    assert task.multi_turn and task.splits().train[0].tools[0]["function"]["name"] == "lookup"
+    turn = parse_assistant_turn('Let me look. <tool_call>\n{"name": "lookup", "arguments": {"key": "b"}}\n</tool_call>'
+                                '<tool_call>not json</tool_call>')
+    assert turn.content == "Let me look. <tool_call>not json</tool_call>"
+    [call] = turn.tool_calls
+    assert (call.name, call.arguments) == ("lookup", '{"key": "b"}')
+    state = task.new_state(task.row_of(task.splits().train[0].metadata))
+    [answer] = asyncio.run(task.environment.env_response([*state["prompt"], turn], state))
+    assert (answer.role, answer.content, answer.tool_call_id) == ("tool", "42", call.id)
+    assert parse_assistant_turn("7").tool_calls is None
