@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 from rlsys.config import JudgeConfig, ModelConfig
+from rlsys.errors import UserError
 from rlsys.records import RewardCall, RewardOutcome, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 SCORE_CHUNK = 256  # sequences per score request to one judge engine
 
 
-class JudgeError(ValueError):
-    """The judge's tokenizer cannot say reward.judge.yes / no as one token, or has no chat template."""
+class JudgeError(UserError):
+    """reward.judge names no model directory, or its tokenizer cannot say reward.judge.yes / no as one
+    token, or has no chat template (checked by load_assets, before anything starts)."""
 
 
 class JudgeScorer:
@@ -38,6 +40,10 @@ class JudgeScorer:
                  env: dict[str, str] | None = None):
         from rlsys.data.tokenizer import load_tokenizer
 
+        missing = [name for name in ("config.json", "tokenizer_config.json") if not (Path(config.model) / name).is_file()]
+        if missing:
+            raise JudgeError(f"reward.judge.model {config.model!r} is not a model directory with its tokenizer (no "
+                             f"{' or '.join(missing)}); `rlsys make-tiny-judge DIR` builds one for the quickstart task")
         self.config = config
         self.log_dir, self.seed, self.has_gpu, self.env = str(log_dir), seed, has_gpu, dict(env or {})
         self.tokenizer = load_tokenizer(config.model)

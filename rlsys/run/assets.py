@@ -163,6 +163,10 @@ def load_assets(config: RunConfig) -> RunAssets:
         raise ConfigError(f"invalid config: data.apply_chat_template is on but the tokenizer in {tokenizer_dir} "
                           "has no chat template")
     environment = load_task_environment(config)  # task.verifiers: its dataset and rubric, loaded once
+    if config.reward.judge is not None:  # its model directory and answer tokens, before any engine starts
+        from rlsys.rewards.judge import JudgeScorer
+
+        JudgeScorer(config.reward.judge, log_dir=".")
     if config.reward.url is None and config.reward.judge is None and environment is None:
         load_reward_function(config.reward.function)  # checked here; the reward workers load their own copy
     for eval_set in config.eval.datasets:
