@@ -20,6 +20,7 @@ import torch
 from rlsys.actors.checkpoint_layout import Piece, checkpoint_pieces, released_names
 from rlsys.actors.context_parallel import CONTEXT_PARALLEL, register_context_parallel_attention
 from rlsys.actors.packed_attention import PACKED_SDPA, register_packed_sdpa
+from rlsys.actors.varlen_attention import PACKED_VARLEN, register_packed_varlen
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -63,6 +64,8 @@ def build_empty_model(path: str, attn_implementation: str) -> torch.nn.Module:
 
     if attn_implementation == PACKED_SDPA:
         register_packed_sdpa()
+    if attn_implementation == PACKED_VARLEN:
+        register_packed_varlen()
     if attn_implementation == CONTEXT_PARALLEL:
         register_context_parallel_attention()
     config = AutoConfig.from_pretrained(path)

@@ -65,7 +65,7 @@ def _gather(states: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tens
     return states[0].index_select(1, index).view(heads, count, -1, dim).transpose(0, 1)
 
 
-def _packed_sdpa_mask(*args, **kwargs):
+def packed_sdpa_mask(*args, **kwargs):
     """No mask for packed rows (the attention finds the sequences); SDPA's mask for padded ones."""
     from transformers.masking_utils import sdpa_mask
 
@@ -80,5 +80,5 @@ def register_packed_sdpa() -> str:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, _packed_sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, packed_sdpa_mask)
     return PACKED_SDPA

@@ -19,19 +19,26 @@ Backward recomputes each block from the saved queries, keys, values, output and 
 and reach their owner one hop after the last step. Communication is point-to-point
 (`dist.isend`/`irecv` within the CP group: NCCL on GPU, gloo on CPU), overlapped with the block's
 computation. The block function (`attend_block`, `attend_block_backward`) returns the block's
-log-sum-exp and takes the final one in backward: on CPU torch's own flash kernels
-(`_scaled_dot_product_flash_attention_for_cpu` and its backward: blocked, no score matrix kept); on
-GPU, until a flash/varlen kernel is checked there, exact fp32 attention in pieces whose scores stay
-within SCORE_BUDGET_BYTES.
+log-sum-exp and takes the final one in backward (`block_kernel` chooses):
+- CPU: torch's own flash kernels (`_scaled_dot_product_flash_attention_for_cpu` and its backward:
+  blocked, no score matrix kept), one call per sequence;
+- CUDA, 16-bit, sm80+: torch's varlen flash kernels (`aten._flash_attention_forward` and
+  `_flash_attention_backward`, what `torch.nn.attention.varlen` calls), one call for the block's
+  sequences; the backward takes the final output and log-sum-exp as the CPU one does;
+- anything else (fp32 on a GPU, an older GPU, a head dimension flash lacks): exact fp32 attention in
+  pieces whose scores stay within SCORE_BUDGET_BYTES, the checked fallback the others equal.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from rlsys.system.backend import cuda_flash_takes
 
 # Transient bytes of one block's fp32 score matrix, over which heads are taken in chunks.
 SCORE_BUDGET_BYTES = 256 * 2**20
@@ -128,11 +135,23 @@ def exact_attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     return dq, dk, dv
 
 
+def block_kernel(q: torch.Tensor) -> str:
+    """Which kernel computes a block of these queries: "flash_cpu", "flash_cuda" or "exact"."""
+    if q.device.type == "cpu":
+        return "flash_cpu"
+    if cuda_flash_takes(q):
+        return "flash_cuda"
+    return "exact"
+
+
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's attention -> (out, lse) fp32, as `exact_attend_block` defines it: on CPU by torch's
-    flash kernel (blocked: no score matrix is kept), elsewhere by the exact pieces."""
-    if q.device.type != "cpu":
+    """One block's attention -> (out, lse) fp32, as `exact_attend_block` defines it, by the kernel
+    `block_kernel` chooses."""
+    kernel = block_kernel(q)
+    if kernel == "flash_cuda":
+        return varlen_flash_block(q, k, v, segments, scale)
+    if kernel == "exact":
         return exact_attend_block(q, k, v, segments, scale)
     groups = q.shape[0] // k.shape[0]
     out = q.new_zeros(q.shape, dtype=torch.float32)
@@ -148,9 +167,13 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Se
 def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, segments: Segments, scale: float
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`exact_attend_block_backward`'s gradients: on CPU by torch's flash backward kernel, which takes
-    the output and log-sum-exp it is given (here the final ones: what the ring needs)."""
-    if q.device.type != "cpu":
+    """`exact_attend_block_backward`'s gradients, by the kernel `block_kernel` chooses; the flash
+    backward kernels take the output and log-sum-exp they are given (here the final ones: what the
+    ring needs)."""
+    kernel = block_kernel(q)
+    if kernel == "flash_cuda":
+        return varlen_flash_block_backward(dout, q, k, v, out, lse, segments, scale)
+    if kernel == "exact":
         return exact_attend_block_backward(dout, q, k, v, out, lse, segments, scale)
     groups = q.shape[0] // k.shape[0]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -164,6 +187,98 @@ def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         dq[:, qs] += piece_dq[0]
         dk[:, ks] += _fold_kv(piece_dk[0], groups)
         dv[:, ks] += _fold_kv(piece_dv[0], groups)
+    return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class VarlenRows:
+    """The block's sequences that have both queries and keys, as one varlen call takes them: their
+    rows in the block's query and key/value rows, and their cumulative lengths (int32)."""
+
+    q_rows: torch.Tensor
+    kv_rows: torch.Tensor
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    max_q: int
+    max_kv: int
+
+    @classmethod
+    def of(cls, segments: Segments, device) -> VarlenRows | None:
+        q_rows, kv_rows, q_lengths, kv_lengths = [], [], [], []
+        for qs, ks in _segment_slices(segments):
+            q_rows.append(torch.arange(qs.start, qs.stop, device=device))
+            kv_rows.append(torch.arange(ks.start, ks.stop, device=device))
+            q_lengths.append(qs.stop - qs.start)
+            kv_lengths.append(ks.stop - ks.start)
+        if not q_rows:
+            return None
+
+        def cumulative(lengths: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+        return cls(torch.cat(q_rows), torch.cat(kv_rows), cumulative(q_lengths), cumulative(kv_lengths),
+                   max(q_lengths), max(kv_lengths))
+
+
+def flash_forward_op():
+    """torch's CUDA varlen flash forward: (q [Tq, H, D], k, v [Tk, H, D], cu_q, cu_k, max_q, max_k,
+    dropout_p, is_causal, return_debug_mask, scale=) -> (out [Tq, H, D], lse [H, Tq] fp32, rng_state,
+    unused, debug mask), as torch/nn/attention/varlen.py's `_varlen_attn` calls it."""
+    return torch.ops.aten._flash_attention_forward
+
+
+def flash_backward_op():
+    """Its backward: (dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
+    rng_state, unused, scale=) -> (dq, dk, dv), as `_varlen_attn_backward` calls it."""
+    return torch.ops.aten._flash_attention_backward
+
+
+def _varlen(states: torch.Tensor, rows: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """[H, T, D] -> the rows' [T', H * groups, D] (key/value heads repeated for their query heads)."""
+    return _repeat_kv(states[:, rows], groups).transpose(0, 1).contiguous()
+
+
+def varlen_flash_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_block` by one varlen flash call over the block's sequences (q, k, v in their 16-bit
+    dtype); queries of a sequence without keys here keep out 0 and lse -inf, as the exact block's."""
+    groups = q.shape[0] // k.shape[0]
+    out = q.new_zeros(q.shape, dtype=torch.float32)
+    lse = q.new_full(q.shape[:2], -math.inf, dtype=torch.float32)
+    rows = VarlenRows.of(segments, q.device)
+    if rows is None:
+        return out, lse
+    piece_out, piece_lse, *_ = flash_forward_op()(
+        _varlen(q, rows.q_rows), _varlen(k, rows.kv_rows, groups), _varlen(v, rows.kv_rows, groups),
+        rows.cu_q, rows.cu_kv, rows.max_q, rows.max_kv, 0.0, segments.causal, False, scale=scale)
+    out[:, rows.q_rows] = piece_out.transpose(0, 1).float()
+    lse[:, rows.q_rows] = piece_lse.float()
+    return out, lse
+
+
+def varlen_flash_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, segments: Segments, scale: float
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attend_block_backward` by one varlen flash backward call. The kernel takes the output in the
+    inputs' dtype (flash attention's own output is 16-bit too) and the fp32 log-sum-exp; with no
+    dropout its random state is never read (torch passes zeros, as here)."""
+    groups = q.shape[0] // k.shape[0]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    rows = VarlenRows.of(segments, q.device)
+    if rows is None:
+        return dq, dk, dv
+    rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+    piece_dq, piece_dk, piece_dv = flash_backward_op()(
+        _varlen(dout.to(q.dtype), rows.q_rows), _varlen(q, rows.q_rows), _varlen(k, rows.kv_rows, groups),
+        _varlen(v, rows.kv_rows, groups), _varlen(out.to(q.dtype), rows.q_rows),
+        lse[:, rows.q_rows].contiguous(), rows.cu_q, rows.cu_kv, rows.max_q, rows.max_kv, 0.0, segments.causal,
+        rng_state, unused, scale=scale)
+    dq[:, rows.q_rows] = piece_dq.transpose(0, 1).float()
+    dk[:, rows.kv_rows] = _fold_kv(piece_dk.transpose(0, 1).float(), groups)
+    dv[:, rows.kv_rows] = _fold_kv(piece_dv.transpose(0, 1).float(), groups)
     return dq, dk, dv
 
 

@@ -1,11 +1,11 @@
 """The one place that decides the hardware backend; every other module asks it.
 
-| GPU                      | CPU twin                                    |
-|--------------------------|---------------------------------------------|
-| device cuda              | device cpu                                  |
-| NCCL process groups      | gloo                                        |
-| CUDA IPC handles         | shared-memory handles (file_system strategy)|
-| flash-attn varlen        | SDPA                                        |
+| GPU                                      | CPU twin                                     |
+|------------------------------------------|----------------------------------------------|
+| device cuda                              | device cpu                                   |
+| NCCL process groups                      | gloo                                         |
+| CUDA IPC handles                         | shared-memory handles (file_system strategy) |
+| flash-attn varlen, else torch's varlen   | SDPA per sequence length                     |
 
 Whether the run uses GPUs is decided once, by the driver, from the Ray cluster's resources (the
 driver itself often sits on a GPU-less head node); the actors then build their `Backend` from that
@@ -20,6 +20,8 @@ from typing import Literal
 # SDPA attending within each sequence of a packed row (actors/packed_attention.py registers it);
 # named here so that choosing it needs no torch import.
 PACKED_SDPA = "rlsys_packed_sdpa"
+# torch's varlen flash kernel over a packed row (actors/varlen_attention.py): GPUs without flash-attn.
+PACKED_VARLEN = "rlsys_packed_varlen"
 
 DeviceChoice = Literal["auto", "cuda", "cpu"]
 
@@ -33,7 +35,7 @@ class Backend:
     has_gpu: bool
     device_type: str  # "cuda" | "cpu"
     dist_backend: str  # "nccl" | "gloo"
-    attn_implementation: str  # "flash_attention_2" | PACKED_SDPA
+    attn_implementation: str  # "flash_attention_2" | PACKED_VARLEN | PACKED_SDPA
     gpu_capability: tuple[int, int] | None = None  # this process's GPU's compute capability (None on CPU)
 
     def device(self, local_rank: int = 0):
@@ -116,22 +118,57 @@ class Backend:
         return int(psutil.Process().memory_info().rss)
 
 
-def choose_attention(has_gpu: bool, compute_dtype: str, flash_attn_available: bool) -> str:
-    """flash-attn only where it runs: a GPU, a 16-bit compute dtype, the package importable.
+def choose_attention(has_gpu: bool, compute_dtype: str, flash_attn_available: bool,
+                     torch_varlen_available: bool = False) -> str:
+    """The trainer's attention for packed rows: a flash kernel where one runs, else SDPA.
 
-    | GPU | compute dtype     | flash-attn installed | attention                |
-    |-----|-------------------|----------------------|--------------------------|
-    | no  | any               | any                  | packed SDPA              |
-    | yes | float32           | any                  | packed SDPA (FA2 rejects)|
-    | yes | bfloat16, float16 | no                   | packed SDPA              |
-    | yes | bfloat16, float16 | yes                  | flash_attention_2        |
+    | GPU | compute dtype     | flash-attn installed | torch varlen (sm80+) | attention                  |
+    |-----|-------------------|----------------------|----------------------|----------------------------|
+    | no  | any               | any                  | any                  | packed SDPA                |
+    | yes | float32           | any                  | any                  | packed SDPA (flash: 16-bit)|
+    | yes | bfloat16, float16 | yes                  | any                  | flash_attention_2          |
+    | yes | bfloat16, float16 | no                   | yes                  | packed varlen              |
+    | yes | bfloat16, float16 | no                   | no                   | packed SDPA                |
 
     Packed SDPA (`actors/packed_attention.py`) is SDPA that attends within each sequence of a
-    packed row instead of through a pack-length mask; flash-attn's varlen kernels do that natively.
+    packed row instead of through a pack-length mask, one call per distinct length; flash-attn's
+    varlen kernels, and torch's own (`actors/varlen_attention.py`), take the whole row in one call.
     """
-    if has_gpu and compute_dtype in ("bfloat16", "float16") and flash_attn_available:
-        return "flash_attention_2"
+    if has_gpu and compute_dtype in ("bfloat16", "float16"):
+        if flash_attn_available:
+            return "flash_attention_2"
+        if torch_varlen_available:
+            return PACKED_VARLEN
     return PACKED_SDPA
+
+
+def torch_varlen_available(gpu_capability: tuple[int, int] | None) -> bool:
+    """Whether torch's varlen flash attention runs here: `torch.nn.attention.varlen` in this torch
+    (2.10 and later) and a GPU of compute capability 8.0 or newer (torch's flash kernels are built
+    for sm80 and up)."""
+    import importlib.util
+
+    if gpu_capability is None or gpu_capability < (8, 0):
+        return False
+    try:
+        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+# Head dimensions torch's CUDA flash kernels take: a multiple of 8, at most 256.
+FLASH_MAX_HEAD_DIM = 256
+
+
+def cuda_flash_takes(query) -> bool:
+    """Whether torch's CUDA flash kernels take these queries (the packed varlen attention's and the
+    ring's blocks ask): on a CUDA device of compute capability 8.0 or newer, 16-bit, a head
+    dimension (the last) that is a multiple of 8 and at most FLASH_MAX_HEAD_DIM."""
+    import torch
+
+    head_dim = query.shape[-1]
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= FLASH_MAX_HEAD_DIM and torch.cuda.get_device_capability(query.device) >= (8, 0))
 
 
 # SGLang attention backends that compute a float32 model in float32. Left unset, SGLang 0.5.23
@@ -202,8 +239,10 @@ def make_backend(has_gpu: bool, compute_dtype: str = "float32") -> Backend:
         if not torch.cuda.is_available():
             raise BackendError("this run uses GPUs but this process sees none (CUDA_VISIBLE_DEVICES="
                                f"{__import__('os').environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        return Backend(True, "cuda", "nccl", choose_attention(True, compute_dtype, flash_attn_available()),
-                       gpu_capability=tuple(torch.cuda.get_device_capability()))
+        capability = tuple(torch.cuda.get_device_capability())
+        return Backend(True, "cuda", "nccl", choose_attention(True, compute_dtype, flash_attn_available(),
+                                                              torch_varlen_available(capability)),
+                       gpu_capability=capability)
     return Backend(False, "cpu", "gloo", choose_attention(False, compute_dtype, False))
 
 

@@ -5,6 +5,7 @@ import pytest
 
 from rlsys.actors.packed_attention import PACKED_SDPA
 from rlsys.actors.profiling import RankProfiler
+from rlsys.actors.varlen_attention import PACKED_VARLEN
 from rlsys.config import ConfigError, RunConfig
 from rlsys.system.backend import (
     Backend,
@@ -14,6 +15,7 @@ from rlsys.system.backend import (
     engine_attention_backend,
     engine_dtype,
     make_backend,
+    torch_varlen_available,
 )
 from rlsys.system.topology import Topology
 
@@ -55,17 +57,26 @@ def test_too_few_gpus_for_the_placement_is_refused_before_it_waits_for_ever():
         _decide(_config("disaggregated", ranks=4, engines=2, tp=2), cluster_gpus=4)
 
 
-@pytest.mark.parametrize(("has_gpu", "dtype", "flash_attn", "expected"), [
-    (False, "bfloat16", True, PACKED_SDPA),
-    (False, "float32", False, PACKED_SDPA),
-    (True, "float32", True, PACKED_SDPA),  # FA2 rejects fp32
-    (True, "bfloat16", False, PACKED_SDPA),  # flash-attn not installed
-    (True, "float16", False, PACKED_SDPA),
-    (True, "bfloat16", True, "flash_attention_2"),
-    (True, "float16", True, "flash_attention_2"),
+@pytest.mark.parametrize(("has_gpu", "dtype", "flash_attn", "torch_varlen", "expected"), [
+    (False, "bfloat16", True, True, PACKED_SDPA),
+    (False, "float32", False, False, PACKED_SDPA),
+    (True, "float32", True, True, PACKED_SDPA),  # flash kernels are 16-bit
+    (True, "bfloat16", False, False, PACKED_SDPA),  # neither flash-attn nor torch's varlen
+    (True, "float16", False, False, PACKED_SDPA),
+    (True, "bfloat16", False, True, PACKED_VARLEN),  # no flash-attn: torch's varlen flash
+    (True, "float16", False, True, PACKED_VARLEN),
+    (True, "bfloat16", True, True, "flash_attention_2"),  # flash-attn first where installed
+    (True, "float16", True, False, "flash_attention_2"),
 ])
-def test_attention_is_flash_only_on_a_gpu_in_16_bit_with_flash_attn_installed(has_gpu, dtype, flash_attn, expected):
-    assert choose_attention(has_gpu, dtype, flash_attn) == expected
+def test_attention_is_a_flash_kernel_on_a_gpu_in_16_bit_flash_attn_first(has_gpu, dtype, flash_attn, torch_varlen,
+                                                                          expected):
+    assert choose_attention(has_gpu, dtype, flash_attn, torch_varlen) == expected
+
+
+@pytest.mark.parametrize(("capability", "expected"), [(None, False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_torch_varlen_runs_from_sm80_where_torch_has_it(capability, expected):
+    # This torch (2.14) has torch.nn.attention.varlen; its flash kernels need sm80 or newer.
+    assert torch_varlen_available(capability) == expected
 
 
 # (GPU compute capability, engine dtype) -> --attention-backend; None: SGLang's default for that GPU.

@@ -222,3 +222,96 @@ def test_the_block_function_gives_the_same_in_pieces_of_any_size(monkeypatch, ca
     assert ring_attention.score_chunks(HEADS, HEADS // KV_HEADS, 20, 20) == (2, 1)  # budget 1: one group, one row
     monkeypatch.setattr(ring_attention, "SCORE_BUDGET_BYTES", 4 * 20 * 7 * 2)
     assert ring_attention.score_chunks(HEADS, HEADS // KV_HEADS, 20, 20) == (2, 7)  # one group, 7 rows
+
+
+def _flash_stand_ins(calls: list):
+    """CPU stand-ins with the contract of torch's CUDA varlen flash ops (the GPU's block kernel):
+    [T, H, D] rows, int32 cumulative lengths, lse [H, Tq] fp32, a backward that takes the output and
+    log-sum-exp it is given. Exact math, per sequence."""
+
+    def spans(cu):
+        bounds = cu.tolist()
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    def scores(q, k, scale, causal):
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool).triu(1 + s.shape[2] - s.shape[1]), -math.inf)
+        return s
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale):
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and q.shape[1] == k.shape[1] and dropout_p == 0.0
+        assert max_q == max(b - a for a, b in spans(cu_q)) and max_k == max(b - a for a, b in spans(cu_k))
+        calls.append(("forward", causal, len(cu_q) - 1))
+        out, lse = torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+        for (qa, qb), (ka, kb) in zip(spans(cu_q), spans(cu_k), strict=True):
+            s = scores(q[qa:qb], k[ka:kb], scale, causal)
+            lse[:, qa:qb] = torch.logsumexp(s, -1)
+            out[qa:qb] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v[ka:kb])
+        return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng_state, unused, *, scale):
+        assert rng_state.dtype == torch.uint64 and lse.shape == (q.shape[1], q.shape[0])
+        calls.append(("backward", causal, len(cu_q) - 1))
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for (qa, qb), (ka, kb) in zip(spans(cu_q), spans(cu_k), strict=True):
+            p = torch.exp(scores(q[qa:qb], k[ka:kb], scale, causal) - lse[:, qa:qb, None])
+            delta = (dout[qa:qb] * out[qa:qb]).sum(-1).T  # [H, q]
+            dv[ka:kb] = torch.einsum("hqk,qhd->khd", p, dout[qa:qb])
+            ds = p * (torch.einsum("qhd,khd->hqk", dout[qa:qb], v[ka:kb]) - delta[..., None])
+            dq[qa:qb] = torch.einsum("hqk,khd->qhd", ds, k[ka:kb]) * scale
+            dk[ka:kb] = torch.einsum("hqk,qhd->khd", ds, q[qa:qb]) * scale
+        return dq, dk, dv
+
+    return forward, backward
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gpu_block_kernel_equals_the_exact_block(monkeypatch, causal):
+    """The CUDA path (one varlen flash call per block, rlsys's layout around it: rows gathered,
+    key/value heads repeated and their gradients folded back, sequences without keys or queries
+    left out, the final output and log-sum-exp handed to backward) equals the exact block, with the
+    kernel's contract played by a CPU stand-in (torch's CUDA flash ops have no CPU implementation;
+    the GPU proof kit's ring_attention check runs the real ones)."""
+    from rlsys.actors import ring_attention
+    from rlsys.actors.ring_attention import (
+        Segments,
+        attend_block,
+        attend_block_backward,
+        exact_attend_block,
+        exact_attend_block_backward,
+    )
+
+    q, k, v, grad = _inputs(11)
+    # non-causal: a sequence with keys but no queries here, and one with queries but no keys
+    q_lengths, kv_lengths = ((7, 12, 1, 20), (7, 12, 1, 20)) if causal else ((7, 0, 12, 20), (3, 5, 0, 16))
+    q, grad = q[:, :sum(q_lengths)], grad[:, :sum(q_lengths)]
+    k, v = k[:, :sum(kv_lengths)], v[:, :sum(kv_lengths)]
+    segments = Segments(torch.arange(sum(q_lengths)), torch.arange(sum(kv_lengths)), q_lengths, kv_lengths,
+                        causal=causal)
+    out, lse = exact_attend_block(q, k, v, segments, 0.3)
+    expected = (out, lse, *exact_attend_block_backward(grad, q, k, v, out, lse, segments, 0.3))
+
+    calls = []
+    forward, backward = _flash_stand_ins(calls)
+    monkeypatch.setattr(ring_attention, "block_kernel", lambda q: "flash_cuda")
+    monkeypatch.setattr(ring_attention, "flash_forward_op", lambda: forward)
+    monkeypatch.setattr(ring_attention, "flash_backward_op", lambda: backward)
+    got_out, got_lse = attend_block(q, k, v, segments, 0.3)
+    got = (got_out, got_lse, *attend_block_backward(grad, q, k, v, got_out, got_lse, segments, 0.3))
+    active = sum(1 for a, b in zip(q_lengths, kv_lengths, strict=True) if a and b)
+    assert calls == [("forward", causal, active), ("backward", causal, active)]  # one call each for the block
+    for name, want, have in zip(("out", "lse", "dq", "dk", "dv"), expected, got, strict=True):
+        assert torch.allclose(have, want, atol=ATOL, rtol=0), name
+    if not causal:  # the queries with no keys in this block: nothing attended, as the exact block says
+        no_keys = slice(7, 7 + 12)
+        assert torch.all(got_lse[:, no_keys] == -math.inf) and torch.all(got_out[:, no_keys] == 0)
+
+
+def test_the_block_kernel_is_flash_on_cpu_and_cuda_16_bit_else_exact(monkeypatch):
+    from rlsys.actors import ring_attention
+
+    assert ring_attention.block_kernel(torch.zeros(2, 3, 8)) == "flash_cpu"
+    assert ring_attention.block_kernel(torch.zeros(2, 3, 8, device="meta")) == "exact"  # neither CPU nor CUDA
+    monkeypatch.setattr(ring_attention, "cuda_flash_takes", lambda q: True)
+    assert ring_attention.block_kernel(torch.zeros(2, 3, 8, device="meta")) == "flash_cuda"
