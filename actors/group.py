@@ -40,11 +40,12 @@ class TrainerEvents(Protocol):
 class TrainerGroup:
     def __init__(self, spec: TrainerSpec, num_ranks: int, actor_options: list[dict] | None = None,
                  env_vars: dict[str, str] | None = None, worker_cls: type = TrainerWorker,
-                 judge_model: Callable[[ModelShape], None] | None = None, warm: list | None = None,
+                 judge_model: Callable[[ModelShape], bool | None] | None = None, warm: list | None = None,
                  keep: Callable[[], bool] | None = None, events: TrainerEvents | None = None):
         """`judge_model`: called with the model's shapes rank 0 reports (`TrainerWorker.model_report`)
         before any rank builds its model (the run's memory plan); what it raises, or rank 0's refusal
-        of the model (a ConfigError), stops the ranks and is raised here. `warm`: running ranks of a
+        of the model (a ConfigError), stops the ranks and is raised here; what it returns places the
+        reference model (True: on the device, False: on the host, None: as the spec says). `warm`: running ranks of a
         process group (a standing set's, actors/warm_ranks.py) that take `spec` instead of new
         ones. `keep`: whether `shutdown` leaves the ranks up, released, asked then (never after a call
         to them failed); None: they are stopped. `events`: told of a hang (`TrainerEvents`)."""
@@ -80,14 +81,19 @@ class TrainerGroup:
             self._judge_model(judge_model)
         ray.get([worker.setup.remote(address, port) for worker in self.workers])
 
-    def _judge_model(self, judge: Callable[[ModelShape], None]) -> None:
+    def _judge_model(self, judge: Callable[[ModelShape], bool | None]) -> None:
         try:
             # Every rank reads the model at once, so each imports the modeling code in parallel, as
             # `setup` would; rank 0's answer is the one judged.
             shape, refusal = ray.get([worker.model_report.remote() for worker in self.workers])[0]
             if refusal is not None:
                 raise ConfigError(refusal)
-            judge(shape)
+            on_device = judge(shape)
+            if on_device is not None and on_device != self.spec.reference_on_device:
+                # the plan placed the reference (trainer.reference_placement auto): the ranks take that
+                # spec before they build anything
+                self.spec = replace(self.spec, reference_on_device=on_device)
+                self._on_every_rank("respec", replace(self.spec), bounded=False)
         except BaseException:
             self.shutdown()
             raise

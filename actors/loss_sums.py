@@ -1,11 +1,15 @@
 """LossSums: a rank's token sums over its micro-batches of a step, all-reduced over the ranks and
 then divided into the step's per-token metrics (loss, clip fractions, KL, entropy, the
-engine/trainer mismatch and what the corrections did)."""
+engine/trainer mismatch and what the corrections did).
+
+The sums stay device tensors through the step (a field is a float until a tensor is added to it):
+reading one on the host (`.item()`) waits for the device, and a step used to do that a dozen
+times per micro-batch. `all_reduced` copies them to the host once, after its all-reduce."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,28 +49,36 @@ class LossSums:
     rollout_ratio_max: float = -math.inf
 
     def __iadd__(self, other: LossSums) -> LossSums:
-        for name, value in asdict(other).items():
-            if name not in _EXTREMES:
-                setattr(self, name, getattr(self, name) + value)
-        self.rollout_ratio_min = min(self.rollout_ratio_min, other.rollout_ratio_min)
-        self.rollout_ratio_max = max(self.rollout_ratio_max, other.rollout_ratio_max)
+        for name, value in _fields(other).items():
+            if name not in _EXTREMES:  # (tensors summed in float64, as the floats they replace were)
+                setattr(self, name, getattr(self, name) + (value.double() if isinstance(value, torch.Tensor) else value))
+        self.rollout_ratio_min = _extreme(torch.minimum, min, self.rollout_ratio_min, other.rollout_ratio_min)
+        self.rollout_ratio_max = _extreme(torch.maximum, max, self.rollout_ratio_max, other.rollout_ratio_max)
         return self
 
     def all_reduced(self, device) -> LossSums:
-        sums = {name: value for name, value in asdict(self).items() if name not in _EXTREMES}
-        values = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
+        """The ranks' sums (and extremes), as floats: one host copy of each collective's result."""
+        fields = _fields(self)
+        sums = {name: value for name, value in fields.items() if name not in _EXTREMES}
+        values = _packed(list(sums.values()), device)
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         # max(-min, max) in one collective
-        extremes = torch.tensor([-self.rollout_ratio_min, self.rollout_ratio_max], dtype=torch.float64, device=device)
+        extremes = _packed([-fields["rollout_ratio_min"], fields["rollout_ratio_max"]], device)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         low, high = extremes.cpu().tolist()
         return LossSums(**dict(zip(sums, values.cpu().tolist(), strict=True)), rollout_ratio_min=-low,
                         rollout_ratio_max=high)
 
+    def floats(self) -> LossSums:
+        """These sums with every field a float (read from the device: a wait)."""
+        return LossSums(**{name: float(value) for name, value in _fields(self).items()})
+
     def metrics(self, with_corrections: bool, policy_loss: PolicyLoss) -> dict[str, float]:
         """The loss per mini-batch; the rest per loss token (per engine-scored token for the
         engine/trainer mismatch and the importance weights, per sequence for seq_clip_fraction and
         masked_sequence_fraction), and the policy loss's own (`weight_metrics`)."""
+        if any(isinstance(value, torch.Tensor) for value in _fields(self).values()):
+            return self.floats().metrics(with_corrections, policy_loss)
         tokens, engine_tokens = max(self.tokens, 1.0), max(self.engine_tokens, 1.0)
         metrics = {
             "loss": self.objective / max(self.mini_batches, 1.0),
@@ -96,16 +108,46 @@ class LossSums:
 _EXTREMES = ("rollout_ratio_min", "rollout_ratio_max")
 
 
+def _fields(sums: LossSums) -> dict:
+    """The fields, as they are (floats or tensors); dataclasses.asdict would deep-copy the tensors."""
+    return {name: getattr(sums, name) for name in sums.__dataclass_fields__}
+
+
+def _extreme(of_tensors, of_floats, a, b):
+    """min or max of two values, either a float or a 0-dim tensor, without reading a tensor."""
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        return of_floats(a, b)
+    device = a.device if isinstance(a, torch.Tensor) else b.device
+    return of_tensors(torch.as_tensor(a, dtype=torch.float64, device=device),
+                      torch.as_tensor(b, dtype=torch.float64, device=device))
+
+
+def _packed(values: list, device) -> torch.Tensor:
+    """One float64 tensor on `device` of floats and 0-dim tensors: the floats in one copy to the
+    device, the tensors stacked there."""
+    packed = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values], dtype=torch.float64,
+                          device=device)
+    on_device = [index for index, value in enumerate(values) if isinstance(value, torch.Tensor)]
+    if on_device:
+        packed[on_device] = torch.stack([values[index].to(device=device, dtype=torch.float64).reshape(())
+                                         for index in on_device])
+    return packed
+
+
 def mismatch_sums(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, engine_mask: torch.Tensor) -> dict:
-    """The engine/trainer mismatch of a micro-batch's engine-scored tokens, as LossSums' fields:
-    rho = pi_old / pi_engine; k1 = log pi_engine - log pi_old and k3 = rho - log rho - 1, whose means
-    estimate KL(engine || trainer) (verl's rollout_corr metrics); rho's sum, min and max."""
-    if not engine_mask.any():
+    """The engine/trainer mismatch of a micro-batch's engine-scored tokens, as LossSums' fields (0-dim
+    tensors, nothing read from the device): rho = pi_old / pi_engine; k1 = log pi_engine - log pi_old
+    and k3 = rho - log rho - 1, whose means estimate KL(engine || trainer) (verl's rollout_corr
+    metrics); rho's sum, min and max (inf and -inf without an engine-scored token)."""
+    if engine_mask.numel() == 0:  # a rank's empty micro-batch (padding the ranks' counts)
         return {}
-    log_rho = (old_logprobs - engine_logprobs)[engine_mask > 0]
+    scored = engine_mask > 0
+    log_rho = torch.where(scored, old_logprobs - engine_logprobs, 0.0)
     rho = torch.exp(log_rho)
-    return {"rollout_k1": (-log_rho).sum().item(), "rollout_k3": (rho - log_rho - 1.0).sum().item(),
-            "rollout_ratio": rho.sum().item(), "rollout_ratio_min": rho.min().item(),
-            "rollout_ratio_max": rho.max().item()}
+    return {"rollout_k1": torch.where(scored, -log_rho, 0.0).sum(),
+            "rollout_k3": torch.where(scored, rho - log_rho - 1.0, 0.0).sum(),
+            "rollout_ratio": torch.where(scored, rho, 0.0).sum(),
+            "rollout_ratio_min": torch.where(scored, rho, math.inf).min(),
+            "rollout_ratio_max": torch.where(scored, rho, -math.inf).max()}
 
 

@@ -49,6 +49,30 @@ def trainer_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return tensors
 
 
+def state_bytes_after_a_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The arena a sleep after an optimizer step takes, computable before the first step (when
+    AdamW has no state yet): every distinct storage of the parameters' local shards (FSDP's padded
+    ones), and for each trained parameter AdamW's two moments (new tensors of the shard's bytes)
+    and its step (a 4-byte tensor), each copy rounded up to ALIGNMENT; no gradients (train_step
+    ends with zero_grad(set_to_none=True)). Optimizer state that exists already counts as it is."""
+    sizes, seen = [], set()
+    for param in model.parameters():
+        storage = _local(param).untyped_storage()
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            sizes.append(storage.nbytes())
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state:
+                sizes.extend(_local(v).untyped_storage().nbytes() for v in state.values()
+                             if isinstance(v, torch.Tensor))
+            else:
+                local = _local(param)
+                sizes.extend([local.numel() * local.element_size()] * 2 + [4])  # exp_avg, exp_avg_sq, step
+    return arena_layout(sizes)[1]
+
+
 def aligned(nbytes: int, alignment: int = ALIGNMENT) -> int:
     return -(-nbytes // alignment) * alignment
 
@@ -169,6 +193,17 @@ class StateOffloader:
     @property
     def host_bytes(self) -> int:
         return self._arena.nbytes if self._arena is not None else 0
+
+    def prepare(self, nbytes: int) -> float:
+        """Allocate (and page-lock) the kept arena now, off the step's path: on a GPU host the first
+        sleep otherwise pays for paging in and registering the whole state (10-15 s for a 1.5B
+        model's 18 GB, measured on an H200). Nothing to do without a kept arena (a CPU host copies
+        into fresh memory each time and frees it at wake_up). Returns the seconds it took."""
+        if not self.keep_arena or nbytes == 0:
+            return 0.0
+        start = time.perf_counter()
+        self._arena_for(nbytes)  # page-locking maps every page of it now
+        return time.perf_counter() - start
 
     def sleep(self, tensors: list[torch.Tensor]) -> OffloadReport:
         if self.asleep:

@@ -30,7 +30,7 @@ def uses_fsdp(world_size: int, dtype: str, trainable: bool) -> bool:
 
 
 def parallelize(model: torch.nn.Module, mesh, dtype: str, trainable: bool, gradient_checkpointing: bool,
-                trains: Callable[[str], bool] | None = None) -> torch.nn.Module:
+                trains: Callable[[str], bool] | None = None, on_host: bool | None = None) -> torch.nn.Module:
     """Shard `model` over `mesh` in place (or leave it whole when `mesh` is None).
 
     bfloat16: parameters are cast to bf16 for compute and gradients reduced in fp32, while the
@@ -39,7 +39,10 @@ def parallelize(model: torch.nn.Module, mesh, dtype: str, trainable: bool, gradi
     page-locks its shards once they hold the weights.
     `trains(name)`: which parameters of a trainable model learn (LoRA: the adapters only); set
     before sharding, since FSDP2 gives each sharded parameter its original's requires_grad.
+    `on_host`: whether a frozen model's shards live on the host (default; False: on the device,
+    trainer.reference_placement), gathered from there for each forward.
     """
+    on_host = not trainable if on_host is None else on_host
     for name, param in model.named_parameters():
         param.requires_grad_(trainable and (trains is None or trains(name)))
     if trainable and gradient_checkpointing:
@@ -51,7 +54,7 @@ def parallelize(model: torch.nn.Module, mesh, dtype: str, trainable: bool, gradi
         kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy()}
         if dtype == "bfloat16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if not trainable:
+        if on_host:
             # Not FSDP's pinning: with pin_memory=True, FSDPParam.reset_sharded_param
             # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py) copies every shard through
             # `.cpu().pin_memory()` into torch's caching host allocator, which rounds each up to a

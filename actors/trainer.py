@@ -27,7 +27,7 @@ from rlsys.actors.checkpoint import load_trainer_checkpoint, save_trainer_checkp
 from rlsys.actors.context_parallel import shard_micro_batch, unshard_values
 from rlsys.actors.cp_layout import new_context_parallel_groups, padded_length
 from rlsys.actors.loss_sums import LossSums, mismatch_sums
-from rlsys.actors.offload import StateOffloader, trainer_state_tensors
+from rlsys.actors.offload import StateOffloader, state_bytes_after_a_step, trainer_state_tensors
 from rlsys.actors.parallelize import reshard
 from rlsys.actors.profiling import RankProfiler, profiled_phase
 from rlsys.actors.trainer_models import TrainerModels, build_trainer_models
@@ -137,6 +137,9 @@ class TrainerWorker:
         self.models = build_trainer_models(self.spec, self.backend, self.world_size, self.context_parallel)
         self.load_memory = {"rss_before_bytes": rss_before, "peak_rss_bytes": peak_resident_bytes(),
                             "model_bytes": sum(p.numel() * 4 for p in self.model.parameters())}
+        if self.spec.sleeps:  # the kept host arena of its sleeps, allocated and page-locked now
+            self.load_memory["sleep_arena_s"] = self.offloader.prepare(
+                state_bytes_after_a_step(self.model, self.optimizer))
 
     # ---- micro-batches and log-probs ----------------------------------------------------
     @property
@@ -270,26 +273,25 @@ class TrainerWorker:
                 corrected_sequences, masked_sequences = (
                     flagged_sequences(loss.corrected.rejected, mask, batch.spans)
                     if algorithm.corrections and batch.context_parallel is None else (0, 0))
-                sums += LossSums(
+                sums += LossSums(  # device tensors: read once, when the step's sums are all-reduced
                     **mismatch_sums(loss.old_logprobs, batch.engine_logprobs, batch.engine_mask),
-                    masked_tokens=masked_sum(loss.corrected.rejected, mask).item(),
+                    masked_tokens=masked_sum(loss.corrected.rejected, mask),
                     masked_sequences=masked_sequences,
                     corrected_sequences=corrected_sequences,
                     routed=routing.routed if routing else 0.0,
                     routed_differing=routing.differing if routing else 0.0,
-                    objective=loss.objective.item(),
-                    kl=masked_sum(loss.kl, mask).item(),
-                    clipped=masked_sum(loss.clipped, mask).item(),
-                    entropy=masked_sum(entropy, mask).item(),
-                    logprob_mismatch=masked_sum((loss.old_logprobs - batch.engine_logprobs).abs(),
-                                                batch.engine_mask).item(),
-                    tis_weight=masked_sum(tis.weights, batch.engine_mask).item() if tis is not None else 0.0,
-                    tis_clipped=masked_sum(tis.clipped, batch.engine_mask).item() if tis is not None else 0.0,
-                    policy_weight=masked_sum(loss.weight, mask).item() if loss.weight is not None else 0.0,
+                    objective=loss.objective.detach(),
+                    kl=masked_sum(loss.kl, mask),
+                    clipped=masked_sum(loss.clipped, mask),
+                    entropy=masked_sum(entropy, mask),
+                    logprob_mismatch=masked_sum((loss.old_logprobs - batch.engine_logprobs).abs(), batch.engine_mask),
+                    tis_weight=masked_sum(tis.weights, batch.engine_mask) if tis is not None else 0.0,
+                    tis_clipped=masked_sum(tis.clipped, batch.engine_mask) if tis is not None else 0.0,
+                    policy_weight=masked_sum(loss.weight, mask) if loss.weight is not None else 0.0,
                     sequences=sequences,
                     clipped_sequences=clipped_sequences,
-                    tokens=mask.sum().item(),
-                    engine_tokens=batch.engine_mask.sum().item(),
+                    tokens=mask.sum(),
+                    engine_tokens=batch.engine_mask.sum(),
                 )
         return sums
 
@@ -412,6 +414,8 @@ class TrainerWorker:
                 "layout": "FSDP2" if sharded else "whole model",
                 "attention": self.backend.attn_implementation, "compute_dtype": self.spec.model.dtype,
                 "threads": torch.get_num_threads(),
+                "reference": None if self.ref_model is None else ("device" if self.spec.reference_on_device
+                                                                  else "host"),
                 "context_parallel": (f"{self.context_parallel.style} over {self.context_parallel.size} ranks"
                                      if self.context_parallel is not None else "off")}
 

@@ -108,14 +108,17 @@ def _build_model(spec: TrainerSpec, backend: Backend, world_size: int, context_p
 
         mesh = init_device_mesh(backend.device_type, (world_size,))
     model = parallelize(model, mesh, spec.model.dtype, trainable, spec.trainer.gradient_checkpointing,
-                        trains=trained_parameters(lora, spec.model.freeze_vision))
-    # The frozen reference stays on the host: FSDP streams it to the device layer by layer.
+                        trains=trained_parameters(lora, spec.model.freeze_vision),
+                        on_host=not trainable and not spec.reference_on_device)
+    # The frozen reference stays on the host unless the spec places it on the device: FSDP streams it
+    # to the device layer by layer.
+    on_host = not trainable and not spec.reference_on_device
     seed = spec.seed
-    fill_from_checkpoint(model, spec.model.path, backend.device() if trainable else "cpu", stored_as=checkpoint_name,
+    fill_from_checkpoint(model, spec.model.path, "cpu" if on_host else backend.device(), stored_as=checkpoint_name,
                          initial=(lambda name, shape: initial_adapter(name, shape, seed)
                                   if is_adapter_parameter(name) else None) if lora else None,
                          released=released)
-    if not trainable:
+    if on_host:
         pin_host_shards(model, backend.has_gpu)  # in place, at exactly their bytes
     return model, released
 

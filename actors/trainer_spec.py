@@ -24,6 +24,12 @@ class TrainerSpec:
     cpu_sharers: int | None = None
     # rollout.routing_replay == "rollout": every forward routes by the engine's experts (actors/routing_replay.py)
     routing_replay: bool = False
+    # The rank sleeps between train phases (a colocated run: trainer.sleeps_between_steps): its
+    # host arena is prepared at setup.
+    sleeps: bool = False
+    # The KL term's reference keeps its fp32 shards on the device (trainer.reference_placement, auto as the
+    # memory plan resolves it: TrainerGroup's judge_model), else on the host, streamed each forward.
+    reference_on_device: bool = False
 
     def __post_init__(self):
         if self.algorithm.loss_norm_tokens is None or self.algorithm.corrections is None:
@@ -34,7 +40,9 @@ class TrainerSpec:
     def from_config(cls, config: RunConfig, has_gpu: bool, cpu_sharers: int | None = None) -> TrainerSpec:
         resolved = resolve_derived_settings(config)  # (a no-op for a loaded config: load_config resolved it)
         return cls(config.model, config.trainer, resolved.algorithm, config.rollout.temperature, seed=config.seed,
-                   has_gpu=has_gpu, cpu_sharers=cpu_sharers, routing_replay=config.rollout.routing_replay == "rollout")
+                   has_gpu=has_gpu, cpu_sharers=cpu_sharers, routing_replay=config.rollout.routing_replay == "rollout",
+                   sleeps=config.trainer.sleeps_between_steps(config.placement.mode == "colocated", has_gpu),
+                   reference_on_device=config.trainer.reference_placement == "device")
 
     def threads(self, node_cores: int) -> int:
         if self.trainer.threads_per_rank is not None:

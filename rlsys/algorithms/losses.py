@@ -29,15 +29,17 @@ if TYPE_CHECKING:  # the trainer's layout of a micro-batch; only its tensors are
     from rlsys.actors.batching import MicroBatch
 
 
-def flagged_sequences(flags: torch.Tensor, mask: torch.Tensor, spans: list[tuple[int, int, int]]) -> tuple[int, int]:
-    """flags, mask [B, T] -> (sequences with a loss token, those with a flagged loss token)."""
+def flagged_sequences(flags: torch.Tensor, mask: torch.Tensor, spans: list[tuple[int, int, int]]
+                      ) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+    """flags, mask [B, T] -> (sequences with a loss token, those with a flagged loss token), 0-dim
+    tensors on their device (a step's sums are read from it once, `LossSums.all_reduced`)."""
     spans = [span for span in spans if span[2] > span[1]]
     if not spans:
         return 0, 0
     at = ([row for row, _, _ in spans], [first for _, first, _ in spans])  # each sequence's sum sits on its span
     tokens = sequence_reduce(mask, mask, spans, mean=False)[at]
     flagged = sequence_reduce(flags, mask, spans, mean=False)[at]
-    return int((tokens > 0).sum()), int(((flagged > 0) & (tokens > 0)).sum())
+    return (tokens > 0).sum(), ((flagged > 0) & (tokens > 0)).sum()
 
 
 # How a mini-batch's token losses l_it add up to its loss: sum_i w_i * sum_t l_it, over the loss

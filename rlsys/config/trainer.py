@@ -42,6 +42,13 @@ class TrainerConfig(Section):
         "engines get the device. Default: on when the run uses GPUs; off on CPU, where the trainer and the engines "
         "share host memory either way and the hand-off only costs time (set true to exercise it there).",
     )
+    reference_placement: Literal["auto", "device", "host"] = Field(
+        "auto", description="Where the frozen reference model of a KL term (algorithm.use_kl_loss, kl_in_reward) "
+        "keeps its fp32 shards: on each rank's device (its forward streams nothing from the host: faster, at 4 bytes "
+        "a parameter over num_ranks of device memory), on the host (FSDP streams it to the device layer by layer "
+        "each forward), or auto: on the device when the memory plan fits with it there, else on the host (`rlsys "
+        "plan` shows the choice). On CPUs both are host memory; auto keeps the host path there.",
+    )
     threads_per_rank: int | None = Field(
         None, ge=1, description="CPU threads of each rank's math. Default: its node's cores divided among the run's "
         "processes that compute at the same time on that node (colocated: the trainer ranks while they train; "

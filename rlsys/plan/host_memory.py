@@ -31,8 +31,9 @@ def host_terms(config: RunConfig, shape: ModelShape, on_gpu: bool) -> dict[str, 
     the fp32 parameter shards (FSDP's padded flat shards) and AdamW's two fp32 moments and its
     step (a 4-byte tensor per trained parameter, fused); no gradients (train_step ends with
     zero_grad(set_to_none=True)). On a CPU host the copies replace the state in the same memory.
-    reference_shards: with KL (not LoRA) the reference's fp32 shards, which FSDP streams from the
-    host, page-locked in place on GPU hosts at exactly their bytes (actors/parallelize.py). On CPU
+    reference_shards: with KL (not LoRA) and the reference on the host (trainer.reference_placement,
+    as the memory plan resolved it) its fp32 shards, which FSDP streams from the host, page-locked in
+    place on GPU hosts at exactly their bytes (actors/parallelize.py). On CPU
     the weight-sync staging buffers are host memory too, but the device plan counts them there.
     LoRA: the adapters counted by their parameters (their tensors' padding and steps left out)."""
     ranks = config.trainer.num_ranks
@@ -46,6 +47,7 @@ def host_terms(config: RunConfig, shape: ModelShape, on_gpu: bool) -> dict[str, 
             terms["sleep_arena"] = params + 3 * adapters  # the adapters and their two moments
         else:
             terms["sleep_arena"] = 3 * params + len(shapes) * HOST_ALIGNMENT  # + the steps
-    if (config.algorithm.use_kl_loss or config.algorithm.kl_in_reward) and not lora:
+    if ((config.algorithm.use_kl_loss or config.algorithm.kl_in_reward) and not lora
+            and config.trainer.reference_placement != "device"):
         terms["reference_shards"] = _rank_shard_bytes(shapes, ranks, 4)
     return terms

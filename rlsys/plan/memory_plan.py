@@ -78,6 +78,8 @@ ADVICE = {
     "ulysses_buffers": "lower trainer.max_tokens_per_microbatch or use trainer.context_parallel_style=ring (the "
                        "all-to-all's copies of q, k and v)",
     "reference_model": "turn KL off (algorithm.use_kl_loss / kl_in_reward) or use more memory",
+    "reference_on_device": "set trainer.reference_placement=host (its fp32 shards then stay on the host and stream "
+                           "to the device each forward) or raise trainer.num_ranks",
     "logprob_head_backward": "use a GPU with more memory (the output layer's [vocab, hidden] gradient in fp32)",
     "gradient_reduce": "raise trainer.num_ranks (FSDP's fp32 reduce-scatter input of the largest group)",
     "weight_sync_staging": "lower weight_sync.bucket_size_mb (each staging buffer holds at least the largest tensor), "
@@ -115,6 +117,9 @@ class MemoryPlan:
     rank_tokens: int = 0  # a rank's tokens in its largest micro-batch
     # Set when the longest sequence does not fit a rank even alone: the smallest CP that fits (0: none does).
     smallest_context_parallel: int | None = None
+    # Where a KL term's reference model keeps its shards (trainer.reference_placement resolved): True on
+    # the device, False on the host, None when the run has no reference model of its own.
+    reference_on_device: bool | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -131,6 +136,8 @@ class MemoryPlan:
         if self.smallest_context_parallel is not None:
             lines.append("  smallest trainer.context_parallel_size that fits: "
                          + (str(self.smallest_context_parallel) if self.smallest_context_parallel else "none"))
+        if self.reference_on_device is not None:
+            lines.append(f"  reference model: fp32 shards on the {'device' if self.reference_on_device else 'host'}")
         lines += [f"  phase {name:<17} {value / GiB:8.2f} GiB" for name, value in self.phases.items()]
         verdict = "fits" if self.fits else f"does NOT fit: {self.advice}"
         lines.append(f"  peak {self.per_gpu_bytes / GiB:.2f} GiB of {self.gpu_memory_bytes / GiB:.1f} GiB: {verdict}")
@@ -224,9 +231,14 @@ def _trainer_terms(config: RunConfig, shape: ModelShape, on_gpu: bool, flash_att
         "attention_scores": attention_scores,
         **context_parallel_terms(shape, config, tokens, longest, compute),
         "logits_chunk": 3 * max(t.logprob_chunk_tokens or tokens, 1) * shape.vocab * 4,
-        # Its fp32 shards live on the host (CPUOffloadPolicy); on the device, what is gathered.
+        # What of it is gathered on the device (two layers and the root, in the compute dtype) while
+        # it computes; its fp32 shards live on the host (CPUOffloadPolicy) or on the device
+        # (trainer.reference_placement), where they stay through every phase: a sleep moves the
+        # trained state only.
         "reference_model": (2 * shape.layer_params + shape.root_params) * compute if needs_reference and not lora
         else 0,
+        "reference_on_device": 4 * shape.params // ranks
+        if needs_reference and not lora and t.reference_placement == "device" else 0,
         # The two transients of backward, never at once (the phases take the larger): the output
         # layer's gradient first, FSDP's reduce-scatter of each group after.
         "logprob_head_backward": 0 if lora else logprob_head_backward_bytes(shape, compute),
@@ -272,11 +284,13 @@ def _phase_members(terms: dict[str, int], config: RunConfig, on_gpu: bool) -> tu
     runtime = ("cuda_contexts", "nccl_buffers") + (("engine_unreleased",) if colocated else ())
     train = ("trainer_params", "trainer_grads", "optimizer_states", "unsharded_layers", "unsharded_root",
              "activations", "attention_scores", "attention_saved", "logits_chunk", "reference_model",
-             "vision_activations", "vision_attention_scores", *transient)
-    sync = ("trainer_params", "optimizer_states", "unsharded_layers", "weight_sync_staging", "engine_weights")
+             "reference_on_device", "vision_activations", "vision_attention_scores", *transient)
+    sync = ("trainer_params", "optimizer_states", "unsharded_layers", "reference_on_device", "weight_sync_staging",
+            "engine_weights")
     serving = ("engine_weights", "engine_kv_cache")
     if config.trainer.sleeps_between_steps(colocated, on_gpu):
-        members = {"generate": serving + runtime, "train": train + runtime, "sync": sync + runtime}
+        members = {"generate": serving + ("reference_on_device",) + runtime, "train": train + runtime,
+                   "sync": sync + runtime}
     elif colocated:
         other = set(head + layer) - set(transient)
         members = {"all_at_once": tuple(name for name in terms if name not in other)}
@@ -288,6 +302,44 @@ def _phase_members(terms: dict[str, int], config: RunConfig, on_gpu: bool) -> tu
 
 def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,
                 flash_attention: bool = False, gpus_per_node: int = 8, images: ImageLoad | None = None) -> MemoryPlan:
+    """`_plan_memory` with trainer.reference_placement resolved: auto puts a KL term's reference on
+    the device when the plan fits with it there (its forward then streams nothing from the host),
+    else on the host; on CPUs auto is the host (both are host memory). The plan says which in
+    `reference_on_device` (None: no reference model of its own)."""
+    placement = config.trainer.reference_placement
+    if placement != "auto" or not _has_reference_model(config):
+        return _plan_memory(config, shape, gpu_memory, on_gpu, flash_attention, gpus_per_node, images)
+
+    def placed(where: str) -> MemoryPlan:
+        trainer = config.trainer.model_copy(update={"reference_placement": where})
+        return _plan_memory(config.model_copy(update={"trainer": trainer}), shape, gpu_memory, on_gpu,
+                            flash_attention, gpus_per_node, images)
+
+    if on_gpu:
+        on_device = placed("device")
+        if on_device.fits:
+            on_device.notes.append("the reference model's fp32 shards are on the device (trainer.reference_placement "
+                                   "auto: the plan fits with them there)")
+            return on_device
+    on_host = placed("host")
+    if on_gpu:
+        on_host.notes.append(f"the reference model's fp32 shards stay on the host: on the device the peak would be "
+                             f"{on_device.per_gpu_bytes / GiB:.1f} GiB of {gpu_memory / GiB:.1f} GiB "
+                             "(trainer.reference_placement auto)")
+    return on_host
+
+
+def _has_reference_model(config: RunConfig) -> bool:
+    """A KL term's frozen reference model of its own (LoRA's is the policy with its adapters off)."""
+    return (config.algorithm.use_kl_loss or config.algorithm.kl_in_reward) and config.model.lora is None
+
+
+def _reference_on_device(config: RunConfig) -> bool | None:
+    return config.trainer.reference_placement == "device" if _has_reference_model(config) else None
+
+
+def _plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: bool = True,
+                 flash_attention: bool = False, gpus_per_node: int = 8, images: ImageLoad | None = None) -> MemoryPlan:
     """The plan (module docstring); `gpus_per_node`: how many trainer ranks a node holds at most,
     for the host figure per node (on CPU every rank is on one node); `images`: what the training
     prompts' images can take of a micro-batch (a vision-language model's; None: no vision terms).
@@ -315,6 +367,7 @@ def plan_memory(config: RunConfig, shape: ModelShape, gpu_memory: int, on_gpu: b
                      gpus_per_node, sequence, images)
 
     result = plan()
+    result.reference_on_device = _reference_on_device(config)
     if result.fits:
         return result
     alone = plan(budget=rank_share(longest, t.context_parallel_size))

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -90,7 +90,8 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
     ranks = parts.trainer.describe()
     logger.info(f"trainer: {topology.num_ranks} ranks on {ranks['device']} ({ranks['layout']}, {ranks['dist_backend']}, "
                 f"{ranks['attention']} attention, {ranks['compute_dtype']} compute, {ranks['threads']} CPU threads "
-                f"each{'' if ranks['context_parallel'] == 'off' else ', context parallel: ' + ranks['context_parallel']})"
+                f"each{'' if ranks['context_parallel'] == 'off' else ', context parallel: ' + ranks['context_parallel']}"
+                f"{'' if ranks.get('reference') is None else ', reference on the ' + ranks['reference']})"
                 f" ready after {time.perf_counter() - start:.1f} s")
     parts.topology = topology.with_engines(parts.rollout.fleet.wait_ready())
     logger.info("%d SGLang engine(s) ready after %.1f s", topology.num_engines, time.perf_counter() - start)
@@ -101,8 +102,13 @@ def start_components(config: RunConfig, topology: Topology, run_dir: Path, stack
 
 
 def _trainer_group(config: RunConfig, parts: Components,
-                   judge_model: Callable[[ModelShape], None] | None = None) -> TrainerGroup:
+                   judge_model: Callable[[ModelShape], bool | None] | None = None,
+                   reference_on_device: bool | None = None) -> TrainerGroup:
+    """The trainer ranks; `reference_on_device`: where an earlier group of this run had its reference
+    model (the memory plan's choice, kept by a restarted group)."""
     spec = TrainerSpec.from_config(config, parts.topology.has_gpu, cpu_sharers=parts.cpu_sharers[0])
+    if reference_on_device is not None:
+        spec = replace(spec, reference_on_device=reference_on_device)
     standing = parts.rollout.fleet.standing if parts.rollout is not None else None
     if standing is not None and standing.warm_trainers:  # the ranks the set keeps (actors/warm_ranks.py)
         return warm_trainer_group(standing.name, spec, parts.topology.num_ranks, parts.placement.trainer_options(),
@@ -119,8 +125,9 @@ def trainer_env(config: RunConfig) -> dict[str, str]:
 
 def restart_trainers(config: RunConfig, parts: Components) -> None:
     """A fresh trainer group in the same placement slots (a rank died); load a checkpoint next."""
+    placed = parts.trainer.spec.reference_on_device
     parts.trainer.shutdown()
-    parts.trainer = parts.handoff.trainer = _trainer_group(config, parts)
+    parts.trainer = parts.handoff.trainer = _trainer_group(config, parts, reference_on_device=placed)
     parts.trainer.connect_engines(parts.topology, config.weight_sync.timeout_s)
 
 

@@ -73,9 +73,10 @@ def judge_placement_nodes(config: RunConfig, topology: Topology, reports: list[N
 
 
 def judge_memory_plan(config: RunConfig, topology: Topology, reports: list[NodeReport], shape: ModelShape,
-                      images: ImageLoad | None = None) -> None:
+                      images: ImageLoad | None = None) -> bool | None:
     """ConfigError when the memory plan of a model of `shape` (trained on prompts whose images take
-    `images` of a micro-batch) does not fit the nodes' devices; logs the plan and the nodes."""
+    `images` of a micro-batch) does not fit the nodes' devices; logs the plan and the nodes. Returns
+    where the plan put the reference model (True: on the device; None: the run has none of its own)."""
     memory, source = device_memory_budget(reports, topology.has_gpu)
     trainer_nodes = [r for r in reports if any(role.startswith("trainer") for role in r.roles)]
     flash = (topology.has_gpu and config.model.dtype in ("bfloat16", "float16")
@@ -87,6 +88,10 @@ def judge_memory_plan(config: RunConfig, topology: Topology, reports: list[NodeR
     driver = node_address()
     if len(reports) > 1 or reports[0].address != driver:
         logger.info("nodes: driver %s; %s", driver, "; ".join(f"{r.address}: {', '.join(r.roles)}" for r in reports))
+    if plan.reference_on_device is not None:
+        logger.info("reference model: fp32 shards on the %s (trainer.reference_placement=%s)",
+                    "device" if plan.reference_on_device else "host", config.trainer.reference_placement)
+    return plan.reference_on_device
 
 
 def run_uses_gpus(config: RunConfig, layout: Topology) -> bool:

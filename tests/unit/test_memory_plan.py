@@ -267,6 +267,7 @@ def test_gpu_colocated_recipe_plans_every_term_as_the_hand_sum(tmp_path, name):
         "attention_saved": 0, "attention_block": 0, "ring_buffers": 0, "ulysses_buffers": 0,
         "logits_chunk": 3 * 512 * v * 4,
         "reference_model": (2 * layer + root) * 2,  # KL loss: the reference's gathered layers and root
+        "reference_on_device": 0,  # its fp32 shards on the host (trainer.reference_placement=host)
         # the output layer's weight gradient: fp32 accumulator + a chunk's bf16 [v, h] product + its fp32 copy
         "logprob_head_backward": (4 + 2 + 4) * v * h,
         # the root group's reduce: bf16 gradients + fp32 reduce-scatter input + fp32 output shard
@@ -287,8 +288,9 @@ def test_gpu_colocated_recipe_plans_every_term_as_the_hand_sum(tmp_path, name):
     # output layer's bf16 gradient) and than the output layer's own backward
     assert layer * 2 + layer * 4 + layer * 4 // 8 + v * h * 2 < expected["gradient_reduce"]
     assert expected["logprob_head_backward"] < expected["gradient_reduce"]
-    plan = plan_memory(_recipe("gpu_colocated", model_dir), ModelShape.from_model_dir(model_dir), 80 * GiB,
-                       on_gpu=True, flash_attention=True)
+    # the reference on the host, as the hand sum counts it (auto would put its shards on the device: below)
+    plan = plan_memory(_recipe("gpu_colocated", model_dir, "trainer.reference_placement=host"),
+                       ModelShape.from_model_dir(model_dir), 80 * GiB, on_gpu=True, flash_attention=True)
     assert plan.terms == expected
     e, runtime = expected, expected["cuda_contexts"] + expected["nccl_buffers"] + expected["engine_unreleased"]
     train = (e["trainer_params"] + e["trainer_grads"] + e["optimizer_states"] + e["unsharded_layers"]
@@ -314,7 +316,8 @@ def test_gpu_colocated_7b_plans_host_memory_per_rank_and_per_node_as_the_hand_su
     arena = 4 * p // 8 + 2 * 4 * p // 8 + tensors * 64  # fp32 params, AdamW's two moments, its steps
     reference = 4 * p // 8  # KL loss (the recipe's): the reference's fp32 shards
     assert (arena, reference) == (11_423_446_464, 3_807_808_256)
-    plan = plan_memory(_recipe("gpu_colocated", model_dir), ModelShape.from_model_dir(model_dir), 80 * GiB,
+    host = "trainer.reference_placement=host"  # (auto: on the device, where these GPUs have room for it)
+    plan = plan_memory(_recipe("gpu_colocated", model_dir, host), ModelShape.from_model_dir(model_dir), 80 * GiB,
                        on_gpu=True, flash_attention=True)
     assert plan.host_terms == {"sleep_arena": arena, "reference_shards": reference}
     assert plan.host_per_rank_bytes == arena + reference == 15_231_254_720  # 14.19 GiB
@@ -325,7 +328,7 @@ def test_gpu_colocated_7b_plans_host_memory_per_rank_and_per_node_as_the_hand_su
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(["plan", str(REPO / "configs/gpu_colocated.yaml"), f"model.path={model_dir}",
-                     "placement.gpu_memory_gb=80"])
+                     "placement.gpu_memory_gb=80", host])
     assert code == 0, out.getvalue()
     text = out.getvalue()
     assert "per GPU of 80.0 GiB (GPUs: placement.gpu_memory_gb" in text
@@ -333,7 +336,7 @@ def test_gpu_colocated_7b_plans_host_memory_per_rank_and_per_node_as_the_hand_su
     assert "per rank 14.19 GiB; per node 113.48 GiB (8 trainer ranks" in text
     with contextlib.redirect_stdout(io.StringIO()) as json_out:
         main(["plan", str(REPO / "configs/gpu_colocated.yaml"), f"model.path={model_dir}",
-              "placement.gpu_memory_gb=80", "--gpus-per-node", "4", "--json"])
+              "placement.gpu_memory_gb=80", host, "--gpus-per-node", "4", "--json"])
     as_json = json.loads(json_out.getvalue())
     assert as_json["host_per_rank_bytes"] == arena + reference
     assert as_json["ranks_per_node"] == 4 and as_json["host_per_node_bytes"] == 4 * (arena + reference)
@@ -362,7 +365,8 @@ def test_host_memory_counts_fsdps_dim0_padding_and_the_64_byte_alignment(tmp_pat
     (86 rows on rank 0), nor the 151,936-row embedding (50,646), nor 8,960 (2,987)."""
     model_dir = _qwen_dir(tmp_path, "1.5b")
     shape = ModelShape.from_model_dir(model_dir)
-    config = _recipe("gpu_colocated", model_dir, "trainer.num_ranks=3", "rollout.num_engines=3")
+    config = _recipe("gpu_colocated", model_dir, "trainer.num_ranks=3", "rollout.num_engines=3",
+                     "trainer.reference_placement=host")
     plan = plan_memory(config, shape, 80 * GiB, on_gpu=True, flash_attention=True)
 
     def rank0(shape_, element_bytes=4, alignment=1):
@@ -383,14 +387,20 @@ def test_host_memory_counts_fsdps_dim0_padding_and_the_64_byte_alignment(tmp_pat
      "Qwen2.5-32B, 16 x 141 GB over two nodes"),
 ])
 def test_the_docs_host_memory_table_is_the_plans(tmp_path, name, gpu_gb, overrides, label):
+    """Per rank and per node as the recipe plans them (trainer.reference_placement auto: the reference's
+    shards on the device, where each of these fits), and the reference's host shards when placed there."""
     model_dir = _qwen_dir(tmp_path, name)
-    plan = plan_memory(_recipe("gpu_colocated", model_dir, *overrides), ModelShape.from_model_dir(model_dir),
-                       gpu_gb * GiB, on_gpu=True, flash_attention=True)
-    assert plan.fits, plan.table()
+    shape = ModelShape.from_model_dir(model_dir)
+    plan = plan_memory(_recipe("gpu_colocated", model_dir, *overrides), shape, gpu_gb * GiB, on_gpu=True,
+                       flash_attention=True)
+    on_host = plan_memory(_recipe("gpu_colocated", model_dir, *overrides, "trainer.reference_placement=host"), shape,
+                          gpu_gb * GiB, on_gpu=True, flash_attention=True)
+    assert plan.fits and plan.reference_on_device and plan.host_terms["reference_shards"] == 0, plan.table()
     row = next(line for line in (REPO / "docs/gpus-and-clusters.md").read_text().splitlines()
                if line.startswith(f"| {label}"))
-    figures = [f"{plan.host_terms['sleep_arena'] / GiB:.2f} GiB", f"{plan.host_terms['reference_shards'] / GiB:.2f} GiB",
-               f"{plan.host_per_rank_bytes / GiB:.2f} GiB", f"{plan.host_per_node_bytes / GiB:.1f} GiB"]
+    figures = [f"{plan.host_terms['sleep_arena'] / GiB:.2f} GiB", f"{plan.host_per_rank_bytes / GiB:.2f} GiB",
+               f"{plan.host_per_node_bytes / GiB:.1f} GiB",
+               f"{on_host.host_terms['reference_shards'] / GiB:.2f} GiB"]
     assert row.split(" | ")[1:] == [*figures[:3], figures[3] + " |"], row
 
 
@@ -508,6 +518,7 @@ def test_lora_plans_gradients_and_moments_for_the_adapters_only_and_no_reference
         "optimizer_states": 8 * a // 8,
         "unsharded_layers": 2 * (layer + layer_adapters) * 2,
         "reference_model": 0,  # the base with the adapters off
+        "reference_on_device": 0,
         "logprob_head_backward": 0,  # the output layer is frozen
         "gradient_reduce": layer_adapters * 2 + layer_adapters * 4 + layer_adapters * 4 // 8,
     }

@@ -173,7 +173,7 @@ def test_each_policy_loss_brings_trls_aggregation_unless_one_is_set():
 def test_gspo_logs_its_clip_fraction_per_sequence(packed):
     """Sequence 1 is clipped, sequence 2 not; a sequence without loss tokens counts for neither."""
     _, _, _, loss, batch = run(AlgorithmConfig(policy_loss="gspo"), packed=packed)
-    assert flagged_sequences(loss.clipped, batch.response_mask, batch.spans) == (2, 1)
+    assert tuple(map(int, flagged_sequences(loss.clipped, batch.response_mask, batch.spans))) == (2, 1)
     sums = LossSums(clipped=3.0, tokens=6.0, sequences=2.0, clipped_sequences=1.0)
     assert sums.metrics(with_corrections=False, policy_loss=AlgorithmConfig(policy_loss="gspo").policy_loss)[
         "seq_clip_fraction"] == 0.5
@@ -182,7 +182,7 @@ def test_gspo_logs_its_clip_fraction_per_sequence(packed):
     no_loss = batch.response_mask.clone()
     row, first, end = batch.spans[0]
     no_loss[row, first:end] = 0.0  # e.g. a truncated response with mask_truncated
-    assert flagged_sequences(loss.clipped, no_loss, batch.spans) == (1, 0)
+    assert tuple(map(int, flagged_sequences(loss.clipped, no_loss, batch.spans))) == (1, 0)
 
 
 def test_vespo_logs_the_mean_phi_over_loss_tokens():
