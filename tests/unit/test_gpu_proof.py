@@ -16,7 +16,7 @@ ABSENT_ON_THE_GPU_MACHINE = ["ray", "sglang", "flash_attn", "fastapi", "uvicorn"
 EVERY_CHECK = {"environment", "model", "trainer_steps", "memory_train", "packed_attention", "varlen_attention",
                "ring_attention",
                "nccl_broadcast", "ipc_sync_small_pipelined", "ipc_sync_small_serial", "ipc_sync_large_pipelined",
-               "ipc_sync_large_serial", "memory_sync", "sleep_wake", "speed", "step_profile", "summary"}
+               "ipc_sync_large_serial", "memory_sync", "sleep_wake", "speed", "step_profile", "targets", "summary"}
 
 
 def test_gpu_proof_kit_runs_every_check_on_cpu_without_ray_or_sglang(tmp_path):
@@ -38,5 +38,13 @@ def test_gpu_proof_kit_runs_every_check_on_cpu_without_ray_or_sglang(tmp_path):
     syncs = [line for name, line in by_check.items() if name.startswith("ipc_sync")]
     assert all(not line["mismatched"] and not line["leftover_shm_files"] for line in syncs)
     assert by_check["sleep_wake"]["state_bit_identical"] and by_check["sleep_wake"]["second_cycle"]["state_bit_identical"]
-    assert by_check["step_profile"]["top_cpu"] and by_check["step_profile"]["parts_s"]["reference_logprobs"] > 0
+    assert by_check["step_profile"]["top_cpu"] and by_check["step_profile"]["parts_s"]["reference_logprobs_s"] > 0
+    # the GPU-speed figures, computed the same way on the CPU twin
+    speed, ring = by_check["speed"], by_check["ring_attention"]
+    assert 0 < speed["mfu_train"] and 0 < speed["mfu_step"] and speed["train_s"] < speed["parts_s"]["train_step_s"]
+    assert ring["block_kernel"] == "flash_cpu" and ring["ring_vs_flash"] > 0
+    assert ring["backward_max_abs_vs_exact"] <= ring["backward_bound"]
+    assert by_check["sleep_wake"]["first_sleep_s"] > 0
+    assert set(by_check["targets"]["figures"]) == {"mfu_train", "mfu_step", "ring_vs_flash", "first_sleep_s"}
+    assert by_check["targets"]["ok"] is None  # a measurement, not a verdict
     assert by_check["nccl_broadcast"]["dist_backend"] == "gloo" and by_check["nccl_broadcast"]["buckets"] > 0
