@@ -32,14 +32,20 @@ def varlen_kernel() -> Callable:
     return varlen_attn
 
 
-def causal_arguments(kernel: Callable, kv_heads_differ: bool) -> dict:
-    """The kernel's keywords for causal attention, in the spelling of this torch: `is_causal=True`
-    up to torch 2.10, `window_size=(-1, 0)` from 2.11; `enable_gqa` where it exists and the key/value
-    heads are fewer than the query heads (else the caller repeats them)."""
+def kernel_arguments(kernel: Callable, kv_heads_differ: bool, scale: float | None, head_dim: int) -> dict | None:
+    """The kernel's keywords for causal attention at `scale`, in the spelling of this torch:
+    `is_causal=True` up to torch 2.10, `window_size=(-1, 0)` from 2.11; `enable_gqa` where it exists
+    and the key/value heads are fewer than the query heads (else the caller repeats them); `scale`
+    where it is taken. None when this kernel cannot compute it (a scale other than 1/sqrt(head_dim)
+    and no `scale` argument)."""
     parameters = inspect.signature(kernel).parameters
     arguments = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
     if kv_heads_differ and "enable_gqa" in parameters:
         arguments["enable_gqa"] = True
+    if "scale" in parameters:
+        arguments["scale"] = scale
+    elif scale is not None and abs(scale - head_dim**-0.5) > 1e-12 * head_dim**-0.5:
+        return None
     return arguments
 
 
@@ -70,13 +76,15 @@ def packed_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: t
         return packed_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     kernel = varlen_kernel()
     total, heads, kv_heads = query.shape[2], query.shape[1], key.shape[1]
+    arguments = kernel_arguments(kernel, kv_heads != heads, kwargs.get("scaling"), query.shape[-1])
+    if arguments is None:
+        return packed_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     cu, longest = _boundaries(position_ids, total, kwargs)
-    arguments = causal_arguments(kernel, kv_heads != heads)
     # varlen layout: [T, heads, D]
     q, k, v = (states[0].transpose(0, 1) for states in (query, key, value))
     if kv_heads != heads and "enable_gqa" not in arguments:
         k, v = (states.repeat_interleave(heads // kv_heads, dim=1) for states in (k, v))
-    out = kernel(q, k, v, cu, cu, longest, longest, scale=kwargs.get("scaling"), **arguments)
+    out = kernel(q, k, v, cu, cu, longest, longest, **arguments)
     return out[None], None
 
 

@@ -14,7 +14,7 @@ import transformers
 
 from rlsys.actors import varlen_attention
 from rlsys.actors.packed_attention import register_packed_sdpa
-from rlsys.actors.varlen_attention import PACKED_VARLEN, causal_arguments, register_packed_varlen
+from rlsys.actors.varlen_attention import PACKED_VARLEN, kernel_arguments, register_packed_varlen
 from rlsys.system.backend import cuda_flash_takes
 from rlsys.tools.tiny_parts import ARCHITECTURES, TinyModelSpec
 
@@ -99,11 +99,10 @@ def test_a_torch_without_enable_gqa_gets_repeated_key_value_heads(monkeypatch):
     calls = []
     newer = stand_in_kernel(calls)
 
-    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None, scale=None):
-        # torch 2.10's spelling: is_causal, and no grouped heads
+    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        # torch 2.10's spelling: is_causal, no scale (its default, 1/sqrt(head_dim)), no grouped heads
         assert key.shape[1] == query.shape[1]
-        return newer(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                     window_size=(-1, 0) if is_causal else (-1, -1))
+        return newer(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0) if is_causal else (-1, -1))
 
     monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: torch_2_10)
     monkeypatch.setattr(varlen_attention, "cuda_flash_takes", lambda query: True)
@@ -116,11 +115,15 @@ def test_a_torch_without_enable_gqa_gets_repeated_key_value_heads(monkeypatch):
     assert calls[0]["heads"] == (4, 4) and calls[0]["window"] == (-1, 0) and not calls[0]["gqa"]
 
 
-def test_causal_keywords_follow_the_torch_version():
-    assert causal_arguments(lambda q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False: None, True) == {
-        "is_causal": True}
-    assert causal_arguments(varlen_attention.varlen_kernel(), True) == {"window_size": (-1, 0), "enable_gqa": True}
-    assert causal_arguments(varlen_attention.varlen_kernel(), False) == {"window_size": (-1, 0)}
+def test_the_kernels_keywords_follow_the_torch_version():
+    def torch_2_10(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+        """torch 2.10's spelling: is_causal, no scale, no grouped heads"""
+
+    assert kernel_arguments(torch_2_10, True, 8**-0.5, 8) == {"is_causal": True}  # its default scale
+    assert kernel_arguments(torch_2_10, True, 0.3, 8) is None  # cannot: packed SDPA answers
+    this_torch = varlen_attention.varlen_kernel()
+    assert kernel_arguments(this_torch, True, 0.3, 8) == {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.3}
+    assert kernel_arguments(this_torch, False, None, 8) == {"window_size": (-1, 0), "scale": None}
 
 
 def test_what_the_kernel_cannot_take_stays_packed_sdpa(monkeypatch):
