@@ -316,6 +316,10 @@ def check_trainer_steps(proof: Proof, fields: dict) -> None:
     fields["setup_s"] = round(time.perf_counter() - tick, 2)
     fields["describe"] = worker.describe()
     fields["reference_on_device"] = spec.reference_on_device if proof.reference else None
+    # What the sleep arena prepared at setup is sized by (AdamW has no state yet): checked in sleep_wake.
+    from rlsys.actors.offload import state_bytes_after_a_step
+
+    proof.figures["arena_predicted_at_setup"] = state_bytes_after_a_step(worker.model, worker.optimizer)
     proof.sequences = random_sequences(proof)
     steps = []
     for step in range(2):
@@ -672,7 +676,13 @@ def check_sleep_wake(proof: Proof, fields: dict) -> None:
     device_freed = not proof.gpu or asleep <= awake - moved + moved // 100 + 64 * 2**20
     host_exact = host is None or not proof.gpu or host <= moved + moved // 100 + 2**20
     arena_kept = not proof.gpu or slept2.get("host_bytes") == host
-    fields.update(ok=same and same2 and device_freed and host_exact and arena_kept and math.isfinite(metrics["loss"]))
+    # The size computed at setup, before AdamW had state, is what the first sleep took (every storage
+    # of FSDP2's shards and the optimizer's, each rounded up to 64 bytes).
+    predicted = proof.figures.get("arena_predicted_at_setup")
+    fields.update(arena_predicted_at_setup=predicted)
+    arena_as_predicted = predicted is None or host == predicted
+    fields.update(ok=same and same2 and device_freed and host_exact and arena_kept and arena_as_predicted
+                  and math.isfinite(metrics["loss"]))
 
 
 def check_step_profile(proof: Proof, fields: dict) -> None:

@@ -45,6 +45,8 @@ def test_gpu_proof_kit_runs_every_check_on_cpu_without_ray_or_sglang(tmp_path):
     assert ring["block_kernel"] == "flash_cpu" and ring["ring_vs_flash"] > 0
     assert ring["backward_max_abs_vs_exact"] <= ring["backward_bound"]
     assert by_check["sleep_wake"]["first_sleep_s"] > 0
+    # the arena's size computed at setup (before AdamW had state) is what the first sleep took, FSDP2 shards and all
+    assert by_check["sleep_wake"]["arena_predicted_at_setup"] == by_check["sleep_wake"]["host_bytes"]
     assert set(by_check["targets"]["figures"]) == {"mfu_train", "mfu_step", "ring_vs_flash", "first_sleep_s"}
     assert by_check["targets"]["ok"] is None  # a measurement, not a verdict
     assert by_check["nccl_broadcast"]["dist_backend"] == "gloo" and by_check["nccl_broadcast"]["buckets"] > 0
