@@ -37,6 +37,10 @@ same 100 held-out prompts with the same reward (rlsys: its own eval; TRL: a call
   taught the answers and, after them, EOS at 1% (each digit 6%): greedy eval 0 at step 0, and a
   sampled answer ends right about 1% of the time, so most groups start with no success at all.
   lr 2e-4 (the hidden task's), at most 6 new tokens.
+- `copy3_eos_weak`: copy3_eos's answers and reward from a model taught only 40 steps (a sampled
+  answer right ~14% of the time, EOS ~3% after it; ~0.4% of samples score at first), at most 8 new
+  tokens: the answer and its end are learned together over ~200 updates, and an answer that does not
+  end runs on for up to 5 more tokens, so the sampled lengths show how fast each side learns to stop.
 - `last_digit`: the quickstart's one-token answers on its 134 k-parameter model, lr 5e-4.
 All: 8 prompts x 8 samples, temperature 1, constant lr, grad clip 1, no KL. Keys under `learning`:
 each side's steps to `--target` eval reward per seed (null: not reached), their median, min and max,
@@ -114,9 +118,15 @@ SHAPES = {
     # there, at the hidden task's lr
     "copy3_eos": Shape("copy3_eos", 64, 2, 4, 2, 256, max_new_tokens=6, force_length=False, steps=400,
                        warmup_steps=0, lr=2e-4),
+    # --learning --task copy3_eos_weak: copy3_eos from a model taught only 40 steps (a sampled answer
+    # right ~14% of the time, EOS ~3% after it) with room to run on (8 new tokens): the answer and its
+    # end learned together over hundreds of steps, as on the hidden task
+    "copy3_eos_weak": Shape("copy3_eos_weak", 64, 2, 4, 2, 256, max_new_tokens=8, force_length=False, steps=400,
+                            warmup_steps=0, lr=2e-4),
 }
 TEACH_STEPS = 300
 COPY3_EOS_SHARE = 0.01
+WEAK_TEACH_STEPS, WEAK_EOS_SHARE = 40, 0.05
 
 
 def teach_answers(model_dir: Path, rows: list[dict], steps: int = 150, eos_share: float | None = None,
@@ -191,6 +201,9 @@ def build_workload(shape: Shape, work_dir: Path) -> dict:
     elif shape.name == "copy3_eos":
         train, held_out = digits_task(800, EVAL_PROMPTS, "all")
         teach_answers(model_dir, train, steps=TEACH_STEPS, eos_share=COPY3_EOS_SHARE)
+    elif shape.name == "copy3_eos_weak":
+        train, held_out = digits_task(800, EVAL_PROMPTS, "all")
+        teach_answers(model_dir, train, steps=WEAK_TEACH_STEPS, eos_share=WEAK_EOS_SHARE)
     else:
         examples = generate_task(SyntheticTaskConfig(task="last_digit", num_digits=3, num_train=800,
                                                      num_eval=EVAL_PROMPTS))
@@ -199,7 +212,9 @@ def build_workload(shape: Shape, work_dir: Path) -> dict:
     for path, rows in ((prompts, train), (eval_prompts, held_out)):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     reward = work_dir / "bench_reward.py"
-    reward.write_text({"copy_eos": EXACT_REWARD_FILE, "copy3_eos": WHOLE_ANSWER_REWARD_FILE}.get(shape.name, REWARD_FILE))
+    rewards = {"copy_eos": EXACT_REWARD_FILE, "copy3_eos": WHOLE_ANSWER_REWARD_FILE,
+               "copy3_eos_weak": WHOLE_ANSWER_REWARD_FILE}
+    reward.write_text(rewards.get(shape.name, REWARD_FILE))
     return {"model": str(model_dir), "prompts": str(prompts), "eval_prompts": str(eval_prompts),
             "reward": f"{reward}:reward", "seed": 0, "eval_interval": None, "target": None,
             "prompts_per_step": shape.prompts_per_step, "group_size": shape.group_size,
@@ -404,7 +419,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=500)
     parser.add_argument("--eval-interval", type=int, default=10, help="--learning: updates between greedy evals")
     parser.add_argument("--target", type=float, default=0.9)
-    parser.add_argument("--task", choices=["copy_eos", "copy3_eos", "last_digit"], default="copy_eos")
+    parser.add_argument("--task", choices=["copy_eos", "copy3_eos", "copy3_eos_weak", "last_digit"], default="copy_eos")
     parser.add_argument("--save-rollouts", type=Path, help="keep every learning run's batches here")
     parser.add_argument("--plot", type=Path, help="draw the learning curves here (PNG)")
     args = parser.parse_args()
