@@ -93,7 +93,7 @@ class TrainerGroup:
                 # the plan placed the reference (trainer.reference_placement auto): the ranks take that
                 # spec before they build anything
                 self.spec = replace(self.spec, reference_on_device=on_device)
-                self._on_every_rank("respec", replace(self.spec), bounded=False)
+                self._on_every_rank("place_reference", on_device, bounded=False)
         except BaseException:
             self.shutdown()
             raise

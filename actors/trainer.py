@@ -108,6 +108,12 @@ class TrainerWorker:
         self.reserved_port = ReservedPort()
         return node_address(), self.reserved_port.port
 
+    def place_reference(self, on_device: bool) -> None:
+        """(Before `setup` or `build`.) Where the KL term's reference keeps its shards, as the memory
+        plan chose (trainer.reference_placement auto); nothing else of the spec changes, and rank 0
+        keeps the port it reserved for the group's store."""
+        self.spec = replace(self.spec, reference_on_device=on_device)
+
     def model_report(self) -> tuple[ModelShape | None, str | None]:
         """(Before `setup`.) The model's shapes for the driver's memory plan, or why the ranks
         cannot load it (ConfigError's message): checked here, where the weights are read and where

@@ -95,3 +95,44 @@ def test_the_reference_on_the_device_computes_the_same_log_probs_as_streamed_fro
     assert [seen["streamed_from_host"] for seen in placed[True]] == [[False], [False]]
     for host, device in zip(placed[False], placed[True], strict=True):
         assert host["logprobs"] == device["logprobs"]  # the same bf16 casts of the same fp32 shards
+
+
+class _Call:
+    def __init__(self, function):
+        self.function = function
+
+    def remote(self, *args):
+        return self.function(*args)
+
+
+class _Rank:
+    """A trainer rank in this process (what `TrainerGroup._judge_model` calls of one)."""
+
+    def __init__(self, spec):
+        from rlsys.actors.trainer import TrainerWorker
+
+        self.spec = spec
+        self.placed = []
+        self.model_report = _Call(lambda: (object(), None))
+        self.place_reference = _Call(lambda on_device: (self.placed.append(on_device),
+                                                         TrainerWorker.place_reference(self, on_device)))
+
+
+@pytest.mark.parametrize("plan_says", [True, False, None])
+def test_the_group_places_the_reference_where_the_plan_put_it_before_the_ranks_build(monkeypatch, tiny_model_dir,
+                                                                                       plan_says):
+    """The memory plan (the group's `judge_model`) decides; each rank takes the choice into its spec
+    without a reset (rank 0 keeps the port it reserved for the group's store)."""
+    from rlsys.actors import group as group_module
+    from rlsys.actors.group import TrainerGroup
+
+    monkeypatch.setattr(group_module.ray, "get", lambda refs, **_: refs)
+    spec = trainer_spec(tiny_model_dir, dtype="bfloat16", use_kl_loss=True, kl_coef=0.1)
+    group = object.__new__(TrainerGroup)
+    group.spec, group.failed = spec, False
+    group.workers = [_Rank(spec), _Rank(spec)]
+    group._judge_model(lambda shape: plan_says)
+    assert group.spec.reference_on_device is bool(plan_says)
+    for rank in group.workers:
+        assert rank.placed == ([True] if plan_says else [])  # False: already the spec's
+        assert rank.spec.reference_on_device is bool(plan_says) and rank.spec.model == spec.model
