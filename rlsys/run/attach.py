@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayError
 
 from rlsys.actors.placement import Placement
 from rlsys.config import RunConfig
@@ -82,7 +83,7 @@ def revive_dead_engines(record: StandingRecord) -> list[int]:
             if ray.get(engine.health.remote(), timeout=30)["alive"]:
                 continue
             EngineFleet.stop_engine(engine)
-        except Exception:  # noqa: BLE001 - no actor by that name, or one that does not answer
+        except (ValueError, RayError):  # no actor by that name (ValueError), one dead or not answering in time
             pass
         logger.warning("standing engine-%d of %r is not running; starting it again", index, record.name)
         ray.get(launch_engine(record, index).start.remote(record.spec.startup_timeout_s))
