@@ -51,3 +51,29 @@ def _accepts(annotation, value) -> bool:
     """A union member that takes a bool as it is (a bool field, or a Literal of True/False)."""
     return isinstance(value, bool) and (annotation is bool or (
         typing.get_origin(annotation) is Literal and any(arg is value for arg in typing.get_args(annotation))))
+
+
+class SectionRegistry(dict):
+    """Sections chosen by name in a config (`rollout.mode`, `algorithm.policy_loss`,
+    `algorithm.corrections`): name -> section class, each registered by a class decorator under the
+    default of its `key` field (a Literal of that one name), so that a module defining one is all
+    it takes to add it."""
+
+    def __init__(self, what: str, key: str):
+        super().__init__()
+        self.what, self.key = what, key
+
+    def register(self, cls: type[Section]) -> type[Section]:
+        """Class decorator: `cls` becomes the section named by its `key` field's default."""
+        name = cls.model_fields[self.key].default
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{cls.__name__} needs `{self.key}: Literal[NAME] = NAME` to be registered")
+        if name in self and self[name] is not cls:
+            raise ValueError(f"{self.what} {name!r} is registered twice ({self[name].__name__}, {cls.__name__})")
+        self[name] = cls
+        return cls
+
+    def as_written(self, value: object) -> object:
+        """A config's value for such a section, a name read as {key: name}; anything else (a section,
+        a dict, a value for pydantic to refuse) as it is."""
+        return {self.key: value} if isinstance(value, str) else value

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import Field
 
-from rlsys.section import Section
+from rlsys.section import Section, SectionRegistry
 
 
 class RunSettings(Protocol):
@@ -44,27 +44,14 @@ class RolloutMode(Section):
         """Raise ValueError naming what to change when the rest of `config` does not fit this mode."""
 
 
-ROLLOUT_MODES: dict[str, type[RolloutMode]] = {}
-
-
-def register_rollout_mode(cls: type[RolloutMode]) -> type[RolloutMode]:
-    """Class decorator: `cls` becomes `rollout.mode: TYPE`, TYPE the default of its `type` field."""
-    name = cls.model_fields["type"].default
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"{cls.__name__} needs `type: Literal[NAME] = NAME` to be registered")
-    if name in ROLLOUT_MODES and ROLLOUT_MODES[name] is not cls:
-        raise ValueError(f"rollout mode {name!r} is registered twice ({ROLLOUT_MODES[name].__name__}, {cls.__name__})")
-    ROLLOUT_MODES[name] = cls
-    return cls
+ROLLOUT_MODES = SectionRegistry("rollout mode", "type")
+register_rollout_mode = ROLLOUT_MODES.register  # class decorator: `cls` becomes `rollout.mode: TYPE`
 
 
 def rollout_mode_named(value: Any) -> Any:
     """A config's rollout.mode (a type name, or a section with its `type`) -> that mode's section.
     Anything else is returned as it is, for pydantic to refuse."""
-    if isinstance(value, RolloutMode):
-        return value
-    if isinstance(value, str):
-        value = {"type": value}
+    value = ROLLOUT_MODES.as_written(value)
     if not isinstance(value, dict):
         return value
     name = value.get("type")

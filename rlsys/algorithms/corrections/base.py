@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from rlsys.section import Section
+from rlsys.section import Section, SectionRegistry
 
 if TYPE_CHECKING:
     import torch
@@ -75,27 +75,15 @@ class Correction(Section):
         """The per-token factor, and which tokens it rejected or truncated."""
 
 
-CORRECTIONS: dict[str, type[Correction]] = {}
-
-
-def register_correction(cls: type[Correction]) -> type[Correction]:
-    """Class decorator: `cls` becomes `algorithm.corrections: [NAME]`, NAME the default of its `name` field."""
-    name = cls.model_fields["name"].default
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"{cls.__name__} needs `name: Literal[NAME] = NAME` to be registered")
-    if name in CORRECTIONS and CORRECTIONS[name] is not cls:
-        raise ValueError(f"correction {name!r} is registered twice ({CORRECTIONS[name].__name__}, {cls.__name__})")
-    CORRECTIONS[name] = cls
-    return cls
+CORRECTIONS = SectionRegistry("correction", "name")
+# Class decorator: `cls` becomes `algorithm.corrections: [NAME]`, NAME the default of its `name` field.
+register_correction = CORRECTIONS.register
 
 
 def correction_named(value: object) -> object:
     """One entry of `algorithm.corrections` as written -> the registered correction (validated), or
     the value unchanged for pydantic to refuse."""
-    if isinstance(value, Correction):
-        return value
-    if isinstance(value, str):
-        value = {"name": value}
+    value = CORRECTIONS.as_written(value)
     if not isinstance(value, dict):
         return value
     name = value.get("name")

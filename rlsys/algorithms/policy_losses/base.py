@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import Field
 
-from rlsys.section import Section
+from rlsys.section import Section, SectionRegistry
 
 if TYPE_CHECKING:
     import torch
@@ -65,28 +65,15 @@ class PolicyLoss(Section):
         return {}
 
 
-POLICY_LOSSES: dict[str, type[PolicyLoss]] = {}
-
-
-def register_policy_loss(cls: type[PolicyLoss]) -> type[PolicyLoss]:
-    """Class decorator: `cls` becomes `algorithm.policy_loss: NAME`, NAME the default of its `name`
-    field (a Literal of that one name)."""
-    name = cls.model_fields["name"].default
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"{cls.__name__} needs `name: Literal[NAME] = NAME` to be registered")
-    if name in POLICY_LOSSES and POLICY_LOSSES[name] is not cls:
-        raise ValueError(f"policy loss {name!r} is registered twice ({POLICY_LOSSES[name].__name__}, {cls.__name__})")
-    POLICY_LOSSES[name] = cls
-    return cls
+POLICY_LOSSES = SectionRegistry("policy loss", "name")
+# Class decorator: `cls` becomes `algorithm.policy_loss: NAME`, NAME the default of its `name` field.
+register_policy_loss = POLICY_LOSSES.register
 
 
 def policy_loss_named(value: object) -> object:
     """`algorithm.policy_loss` as written -> the registered loss's parameters (validated), or the
     value unchanged for pydantic to refuse."""
-    if isinstance(value, PolicyLoss):
-        return value
-    if isinstance(value, str):
-        value = {"name": value}
+    value = POLICY_LOSSES.as_written(value)
     if not isinstance(value, dict):
         return value
     name = value.get("name")
