@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ class Segments:
     q_lengths: tuple[int, ...]
     kv_lengths: tuple[int, ...]
     causal: bool
+    # The varlen kernel's rows and cumulative lengths, by device, built at the first call (`VarlenRows.of`):
+    # a micro-batch's segments serve every layer's forward and backward.
+    varlen_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
@@ -204,6 +207,15 @@ class VarlenRows:
 
     @classmethod
     def of(cls, segments: Segments, device) -> VarlenRows | None:
+        """The segments' rows on `device`, built once per segments and device (None: no sequence of
+        the block has both queries and keys)."""
+        key = str(device)
+        if key not in segments.varlen_cache:
+            segments.varlen_cache[key] = cls._built(segments, device)
+        return segments.varlen_cache[key]
+
+    @classmethod
+    def _built(cls, segments: Segments, device) -> VarlenRows | None:
         q_rows, kv_rows, q_lengths, kv_lengths = [], [], [], []
         for qs, ks in _segment_slices(segments):
             q_rows.append(torch.arange(qs.start, qs.stop, device=device))

@@ -301,6 +301,9 @@ def test_the_gpu_block_kernel_equals_the_exact_block(monkeypatch, causal):
     got = (got_out, got_lse, *attend_block_backward(grad, q, k, v, got_out, got_lse, segments, 0.3))
     active = sum(1 for a, b in zip(q_lengths, kv_lengths, strict=True) if a and b)
     assert calls == [("forward", causal, active), ("backward", causal, active)]  # one call each for the block
+    # the rows and lengths are built once for the segments, then serve every layer's forward and backward
+    assert ring_attention.VarlenRows.of(segments, q.device) is ring_attention.VarlenRows.of(segments, q.device)
+    assert list(segments.varlen_cache) == [str(q.device)]
     for name, want, have in zip(("out", "lse", "dq", "dk", "dv"), expected, got, strict=True):
         assert torch.allclose(have, want, atol=ATOL, rtol=0), name
     if not causal:  # the queries with no keys in this block: nothing attended, as the exact block says
