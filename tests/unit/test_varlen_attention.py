@@ -10,13 +10,11 @@ calls that must stay packed SDPA's."""
 from __future__ import annotations
 
 import torch
-import transformers
 
 from rlsys.actors import varlen_attention
-from rlsys.actors.packed_attention import register_packed_sdpa
 from rlsys.actors.varlen_attention import PACKED_VARLEN, kernel_arguments, register_packed_varlen
 from rlsys.system.backend import cuda_flash_takes
-from rlsys.tools.tiny_parts import ARCHITECTURES, TinyModelSpec
+from tests.unit.test_packed_attention import _model as packed_attention_model
 
 LENGTHS = [5, 9, 5, 1, 13, 9, 5]
 
@@ -40,17 +38,17 @@ def stand_in_kernel(calls: list):
 
 
 def _model(arch: str = "qwen2"):
-    register_packed_sdpa()
+    """test_packed_attention's small random model, attending through the varlen path."""
     register_packed_varlen()
-    config_class, model_class = (getattr(transformers, name) for name in ARCHITECTURES[arch])
-    spec = TinyModelSpec(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, arch=arch)
-    config = config_class(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-                          **spec.config_fields())
-    torch.manual_seed(0)
-    model = model_class(config)
-    model.config._attn_implementation = PACKED_VARLEN
-    return model
+    return packed_attention_model(PACKED_VARLEN, arch)
+
+
+def _packed_equals_alone(model, sequences, positions) -> None:
+    """The packed row's logits are each sequence's own (transformers' SDPA, one sequence at a time)."""
+    packed = model(input_ids=torch.cat(sequences)[None], position_ids=positions).logits[0]
+    model.config._attn_implementation = "sdpa"
+    alone = torch.cat([model(input_ids=s[None]).logits[0] for s in sequences])
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-6)
 
 
 def _packed():
@@ -106,12 +104,8 @@ def test_a_torch_without_enable_gqa_gets_repeated_key_value_heads(monkeypatch):
 
     monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: torch_2_10)
     monkeypatch.setattr(varlen_attention, "cuda_flash_takes", lambda query: True)
-    model = _model()
     sequences, positions, _ = _packed()
-    packed = model(input_ids=torch.cat(sequences)[None], position_ids=positions).logits[0]
-    model.config._attn_implementation = "sdpa"
-    alone = torch.cat([model(input_ids=s[None]).logits[0] for s in sequences])
-    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-6)
+    _packed_equals_alone(_model(), sequences, positions)
     assert calls[0]["heads"] == (4, 4) and calls[0]["window"] == (-1, 0) and not calls[0]["gqa"]
 
 
@@ -133,11 +127,7 @@ def test_what_the_kernel_cannot_take_stays_packed_sdpa(monkeypatch):
         raise AssertionError("the varlen kernel was called")
 
     monkeypatch.setattr(varlen_attention, "varlen_kernel", never)
-    model = _model()
     sequences, positions, _ = _packed()
-    packed = model(input_ids=torch.cat(sequences)[None], position_ids=positions).logits[0]
-    model.config._attn_implementation = "sdpa"
-    alone = torch.cat([model(input_ids=s[None]).logits[0] for s in sequences])
-    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-6)
+    _packed_equals_alone(_model(), sequences, positions)
     cpu = torch.zeros(1, 4, 3, 64)
     assert not cuda_flash_takes(cpu) and not cuda_flash_takes(cpu.bfloat16())
